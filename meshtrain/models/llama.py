@@ -1,0 +1,125 @@
+"""Llama-3 family: RMSNorm, RoPE (optional Llama-3 scaling), GQA, SwiGLU, tied or untied
+embeddings. Weights are (out_features, in_features) as in Hugging Face."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Mapping
+
+import torch
+import torch.nn.functional as F
+
+from .context import ModelContext
+from .layers import apply_rope, rms_norm, rope_frequencies, rope_table
+from .spec import ParamSpec
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    dim: int = 256
+    n_layers: int = 4
+    n_heads: int = 8
+    n_kv_heads: int = 4
+    ffn_dim: int = 688
+    vocab_size: int = 512
+    max_seq_len: int = 256
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = field(default=None, hash=False)
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    init_std: float = 0.02
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    def __post_init__(self) -> None:
+        from ..errors import ConfigError
+
+        if self.dim % self.n_heads:
+            raise ConfigError(f"model.dim={self.dim} is not divisible by model.n_heads={self.n_heads}: "
+                              "choose a dim that is a multiple of n_heads")
+        if self.n_heads % self.n_kv_heads:
+            raise ConfigError(f"model.n_heads={self.n_heads} is not divisible by model.n_kv_heads="
+                              f"{self.n_kv_heads}: GQA needs whole groups of query heads per kv head")
+        if self.head_dim % 2:
+            raise ConfigError(f"head dim {self.head_dim} (model.dim / model.n_heads) is odd: RoPE needs "
+                              "an even head dim")
+
+
+_LLAMA31_SCALING = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 8192}
+
+PRESETS: dict[str, LlamaConfig] = {
+    "tiny": LlamaConfig(),
+    "llama3-1b": LlamaConfig(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim=8192,
+                             vocab_size=128256, max_seq_len=131072, rope_theta=500000.0,
+                             rope_scaling={**_LLAMA31_SCALING, "factor": 32.0}, tie_embeddings=True),
+    "llama3-8b": LlamaConfig(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336,
+                             vocab_size=128256, max_seq_len=131072, rope_theta=500000.0,
+                             rope_scaling=_LLAMA31_SCALING),
+    "llama3-70b": LlamaConfig(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim=28672,
+                              vocab_size=128256, max_seq_len=131072, rope_theta=500000.0,
+                              rope_scaling=_LLAMA31_SCALING),
+    "llama3-405b": LlamaConfig(dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, ffn_dim=53248,
+                               vocab_size=128256, max_seq_len=131072, rope_theta=500000.0,
+                               rope_scaling=_LLAMA31_SCALING),
+}
+
+
+def param_specs(cfg: LlamaConfig) -> dict[str, ParamSpec]:
+    d, hd = cfg.dim, cfg.head_dim
+    std = cfg.init_std
+    # Output projections feed the residual stream once per block each: scale them so the
+    # residual variance does not grow with depth (GPT-2 / Megatron convention).
+    out_std = std / math.sqrt(2 * cfg.n_layers)
+    specs = {"tok_emb": ParamSpec((cfg.vocab_size, d), ("vocab", "embed"), std=std)}
+    for i in range(cfg.n_layers):
+        p = f"layers.{i}."
+        specs[p + "attn_norm"] = ParamSpec((d,), ("norm",), init="ones")
+        specs[p + "attn.wq"] = ParamSpec((cfg.n_heads * hd, d), ("q_heads", "embed"), std=std, units=(hd, 1))
+        specs[p + "attn.wk"] = ParamSpec((cfg.n_kv_heads * hd, d), ("kv_heads", "embed"), std=std, units=(hd, 1))
+        specs[p + "attn.wv"] = ParamSpec((cfg.n_kv_heads * hd, d), ("kv_heads", "embed"), std=std, units=(hd, 1))
+        specs[p + "attn.wo"] = ParamSpec((d, cfg.n_heads * hd), ("embed", "q_heads"), std=out_std, units=(1, hd))
+        specs[p + "mlp_norm"] = ParamSpec((d,), ("norm",), init="ones")
+        specs[p + "mlp.w_gate"] = ParamSpec((cfg.ffn_dim, d), ("mlp", "embed"), std=std)
+        specs[p + "mlp.w_up"] = ParamSpec((cfg.ffn_dim, d), ("mlp", "embed"), std=std)
+        specs[p + "mlp.w_down"] = ParamSpec((d, cfg.ffn_dim), ("embed", "mlp"), std=out_std)
+    specs["norm"] = ParamSpec((d,), ("norm",), init="ones")
+    if not cfg.tie_embeddings:
+        specs["output"] = ParamSpec((cfg.vocab_size, d), ("vocab", "embed"), std=std)
+    return specs
+
+
+def forward(cfg: LlamaConfig, params: Mapping[str, torch.Tensor], tokens: torch.Tensor,
+            ctx: ModelContext) -> torch.Tensor:
+    """Logits (batch, seq, vocab) for `tokens` (batch, seq)."""
+    p = ctx.bind(params)
+    seq_len = tokens.shape[1]
+    tokens = ctx.constrain(tokens, ("batch", "seq"))
+    x = ctx.constrain(ctx.embedding(tokens, p["tok_emb"]), ("batch", "seq_sp", None))
+    cos, sin = rope_table(seq_len, rope_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
+    cos, sin = (ctx.constrain(t.to(x.dtype), ("seq", None)) for t in (cos, sin))
+    for i in range(cfg.n_layers):
+        x = x + _attention(cfg, p, f"layers.{i}.", x, cos, sin, ctx)
+        x = x + _mlp(p, f"layers.{i}.", x, cfg.norm_eps, ctx)
+    x = ctx.constrain(rms_norm(x, p["norm"], cfg.norm_eps), ("batch", "seq", None))
+    logits = F.linear(x, p["tok_emb" if cfg.tie_embeddings else "output"])
+    return ctx.constrain(logits, ("batch", "seq", "vocab"))
+
+
+def _attention(cfg, p, prefix, x, cos, sin, ctx):
+    h = ctx.constrain(rms_norm(x, p[prefix + "attn_norm"], cfg.norm_eps), ("batch", "seq", None))
+    hd = cfg.head_dim
+    q = ctx.constrain(F.linear(h, p[prefix + "attn.wq"]).unflatten(-1, (-1, hd)), ("batch", "seq", "q_heads", None))
+    k = ctx.constrain(F.linear(h, p[prefix + "attn.wk"]).unflatten(-1, (-1, hd)), ("batch", "seq", "kv_heads", None))
+    v = ctx.constrain(F.linear(h, p[prefix + "attn.wv"]).unflatten(-1, (-1, hd)), ("batch", "seq", "kv_heads", None))
+    out = ctx.attention(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v).flatten(-2)
+    return ctx.constrain(F.linear(out, p[prefix + "attn.wo"]), ("batch", "seq_sp", None))
+
+
+def _mlp(p, prefix, x, eps, ctx):
+    h = ctx.constrain(rms_norm(x, p[prefix + "mlp_norm"], eps), ("batch", "seq", None))
+    gate = F.silu(F.linear(h, p[prefix + "mlp.w_gate"])) * F.linear(h, p[prefix + "mlp.w_up"])
+    return ctx.constrain(F.linear(gate, p[prefix + "mlp.w_down"]), ("batch", "seq_sp", None))

@@ -1,0 +1,1 @@
+"""Layouts as data: mesh spec, rules, plan; the DTensor runtime that executes a plan."""

@@ -1,0 +1,156 @@
+"""ShardedContext: the model's `ctx` calls answered with DTensor layouts on a device mesh.
+
+Activations are DTensors; `constrain` redistributes them to the layout the plan gives
+their logical axes, so DTensor emits exactly the collective a layout change needs
+(Partial -> Replicate is the tensor-parallel all-reduce, Partial -> Shard(seq) the
+sequence-parallel reduce-scatter, Shard(seq) -> Replicate its all-gather). Parameters are
+gathered where they are used (SimpleFSDP): the all-gather over fsdp runs forward and
+its backward reduce-scatters the gradient, in fp32 whatever the compute dtype.
+Attention and the vocab-parallel loss run on local shards with explicit collectives.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+import torch
+import torch.distributed._functional_collectives as funcol
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+from ..models.context import causal_attention
+from .plan import Plan
+
+
+class _UseParam(torch.autograd.Function):
+    """Gather a stored parameter to its compute layout (optionally cast); the gradient
+    goes back to the stored layout in the parameter's dtype, so reductions are fp32."""
+
+    @staticmethod
+    def forward(ctx, p: DTensor, placements, dtype):
+        ctx.placements, ctx.dtype = p.placements, p.dtype
+        x = p if dtype is None else p.to(dtype)
+        return x.redistribute(p.device_mesh, placements)
+
+    @staticmethod
+    def backward(ctx, grad: DTensor):
+        grad = grad.to(ctx.dtype).redistribute(grad.device_mesh, ctx.placements)
+        return grad, None, None
+
+
+class _Constrain(torch.autograd.Function):
+    """Redistribute to `placements`. The gradient goes back to the source layout with any
+    pending partial sums resolved on the way (Partial -> Replicate is the all-reduce of a
+    column-parallel input's gradient, Partial -> Shard(seq) the sequence-parallel
+    reduce-scatter), so no Partial gradient ever leaves a layout boundary."""
+
+    @staticmethod
+    def forward(ctx, x: DTensor, placements):
+        ctx.source = tuple(Replicate() if p.is_partial() else p for p in x.placements)
+        return x.redistribute(x.device_mesh, placements)
+
+    @staticmethod
+    def backward(ctx, grad: DTensor):
+        return grad.redistribute(grad.device_mesh, ctx.source), None
+
+
+class _BoundParams(Mapping):
+    def __init__(self, context: "ShardedContext", params: Mapping[str, DTensor]):
+        self._context, self._params = context, params
+
+    def __getitem__(self, name: str) -> DTensor:
+        plan = self._context.plan.params[name]
+        placements = plan.compute_placements(self._context.plan.mesh)
+        return _UseParam.apply(self._params[name], placements, self._context.compute_dtype)
+
+    def __iter__(self):
+        return iter(self._params)
+
+    def __len__(self) -> int:
+        return len(self._params)
+
+
+class ShardedContext:
+    def __init__(self, plan: Plan, device_mesh: DeviceMesh, compute_dtype: torch.dtype | None = None):
+        self.plan, self.mesh, self.compute_dtype = plan, device_mesh, compute_dtype
+
+    def bind(self, params):
+        return _BoundParams(self, params)
+
+    def constrain(self, x: torch.Tensor, axes: Sequence[str | None]) -> DTensor:
+        placements = self.plan.activation(axes).placements
+        if isinstance(x, DTensor):
+            return _Constrain.apply(x, placements)
+        # A plain tensor is the full value on every rank: keep this rank's slice, no comms.
+        local = x
+        for i, p in enumerate(placements):
+            if isinstance(p, Shard):
+                local = local.chunk(self.mesh.size(i), p.dim)[self.mesh.get_local_rank(i)]
+        return DTensor.from_local(local, self.mesh, placements, run_check=False, shape=x.shape, stride=x.stride())
+
+    def embedding(self, ids: DTensor, table: DTensor) -> DTensor:
+        """Vocab-parallel lookup: each rank returns the rows it holds and zeros elsewhere,
+        as a Partial sum over the vocab axes that the next `constrain` reduces."""
+        vocab_dims = [i for i, p in enumerate(table.placements) if isinstance(p, Shard) and p.dim == 0]
+        if not vocab_dims:
+            return torch.nn.functional.embedding(ids, table)
+        (i,) = vocab_dims
+        rows = table.to_local()
+        start = self.mesh.get_local_rank(i) * rows.shape[0]
+        local_ids = ids.to_local() - start
+        inside = (local_ids >= 0) & (local_ids < rows.shape[0])
+        out = torch.nn.functional.embedding(local_ids.clamp(0, rows.shape[0] - 1), rows) * inside.unsqueeze(-1)
+        placements = [Partial() if j == i else p for j, p in enumerate(ids.placements)]
+        shape = (*ids.shape, rows.shape[1])
+        return DTensor.from_local(out, self.mesh, placements, run_check=False, shape=shape,
+                                  stride=_contiguous_stride(shape))
+
+    def attention(self, q: DTensor, k: DTensor, v: DTensor) -> DTensor:
+        for i, p in enumerate(q.placements):
+            if isinstance(p, Shard) and p.dim == 1:
+                raise NotImplementedError(f"attention over a sequence sharded on mesh axis "
+                                          f"{self.plan.mesh.axes[i]} needs context parallelism")
+        out = causal_attention(q.to_local(), k.to_local(), v.to_local())
+        return DTensor.from_local(out, self.mesh, q.placements, run_check=False,
+                                  shape=q.shape, stride=q.stride())
+
+    def cross_entropy_sum(self, logits: DTensor, targets: torch.Tensor) -> DTensor:
+        """Vocab-parallel cross entropy: each rank works on its vocab slice; three small
+        reductions over the vocab axes (max, and the sum of exp and target logit stacked in
+        one), so the full-vocab logits are never gathered. Returns a replicated scalar."""
+        vocab_dim = logits.ndim - 1
+        targets = self.constrain(targets, ("batch", "seq")).to_local()
+        local = logits.to_local().float()
+        vocab_mesh_dims = [i for i, p in enumerate(logits.placements) if isinstance(p, Shard) and p.dim == vocab_dim]
+        start = 0
+        if vocab_mesh_dims:
+            (i,) = vocab_mesh_dims  # default rules shard vocab on one axis
+            start = self.mesh.get_local_rank(i) * local.shape[-1]
+        valid = targets >= 0
+        index = (targets - start).clamp(0, local.shape[-1] - 1)
+        in_slice = valid & (targets >= start) & (targets < start + local.shape[-1])
+        row_max = local.detach().amax(-1)
+        for i in vocab_mesh_dims:
+            row_max = funcol.all_reduce(row_max, "max", (self.mesh, i))
+        sum_exp = (local - row_max.unsqueeze(-1)).exp().sum(-1)
+        target_logit = local.gather(-1, index.unsqueeze(-1)).squeeze(-1) * in_slice
+        both = torch.stack([sum_exp, target_logit])
+        if vocab_mesh_dims:
+            placements = [Partial() if i in vocab_mesh_dims else Replicate() for i in range(self.mesh.ndim)]
+            both = DTensor.from_local(both, self.mesh, placements, run_check=False)
+            both = both.redistribute(self.mesh, [Replicate()] * self.mesh.ndim).to_local()
+        per_token = (both[0].log() + row_max - both[1]) * valid
+        total = per_token.sum()
+        # Tokens are split over the batch and sequence axes: the loss is a sum over them.
+        token_dims = {i for i, p in enumerate(logits.placements) if isinstance(p, Shard) and p.dim < vocab_dim}
+        placements = [Partial() if i in token_dims else Replicate() for i in range(self.mesh.ndim)]
+        total = DTensor.from_local(total, self.mesh, placements, run_check=False)
+        return total.redistribute(self.mesh, [Replicate()] * self.mesh.ndim)
+
+
+def _contiguous_stride(shape) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for n in reversed(shape):
+        stride.append(acc)
+        acc *= n
+    return tuple(reversed(stride))

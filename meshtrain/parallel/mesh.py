@@ -1,0 +1,79 @@
+"""Named device mesh: sizes per axis, -1 fill, and the torch DeviceMesh built from them."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+from ..errors import ConfigError
+
+# Outer to inner: tp innermost so it stays within a node, pp outermost.
+MESH_AXES = ("pp", "dp", "fsdp", "cp", "tp")
+# Axes whose shards are gathered before use (storage-only sharding, ZeRO-3 style).
+GATHERED_AXES = ("fsdp",)
+
+
+@dataclass(frozen=True)
+class MeshSpec:
+    """Sizes of the named mesh axes. One axis may be -1: it takes the remaining ranks.
+
+    ep (experts) is folded from fsdp x cp, as Megatron's parallel folding does, so it is
+    not a factor of the world size.
+    """
+
+    pp: int = 1
+    dp: int = 1
+    fsdp: int = 1
+    cp: int = 1
+    tp: int = 1
+    ep: int = 1
+
+    def resolve(self, world: int) -> "MeshSpec":
+        """Sizes with -1 filled for `world` ranks; ConfigError if they cannot multiply to it."""
+        sizes = {a: getattr(self, a) for a in MESH_AXES}
+        for axis, n in {**sizes, "ep": self.ep}.items():
+            if n == 0 or n < -1:
+                raise ConfigError(f"parallel.{axis}={n}: sizes must be positive, or -1 to fill")
+        fill = [a for a, n in sizes.items() if n == -1]
+        if len(fill) > 1:
+            raise ConfigError(f"parallel: only one axis may be -1, got {', '.join(fill)}")
+        known = math.prod(n for n in sizes.values() if n != -1)
+        if fill:
+            if world % known:
+                raise ConfigError(f"parallel: world size {world} is not divisible by the product of the "
+                                  f"fixed axes ({known}); change the sizes so that they divide {world}")
+            sizes[fill[0]] = world // known
+        elif known != world:
+            described = " x ".join(f"{a}={n}" for a, n in sizes.items() if n > 1) or "all 1"
+            raise ConfigError(f"parallel: axis sizes {described} multiply to {known}, but the world size is "
+                              f"{world}; make them multiply to {world} or set one axis to -1")
+        resolved = MeshSpec(**sizes, ep=self.ep)
+        if self.ep > 1 and (resolved.fsdp * resolved.cp) % self.ep:
+            raise ConfigError(f"parallel.ep={self.ep} must divide fsdp x cp = {resolved.fsdp * resolved.cp} "
+                              "(experts are sharded over ranks folded from fsdp and cp)")
+        return resolved
+
+    @property
+    def world(self) -> int:
+        return math.prod(getattr(self, a) for a in MESH_AXES)
+
+    @property
+    def axes(self) -> tuple[str, ...]:
+        """The mesh dims that exist: axes of size > 1 in mesh order (a 1-rank mesh keeps dp)."""
+        return tuple(a for a in MESH_AXES if getattr(self, a) > 1) or ("dp",)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(getattr(self, a) for a in self.axes)
+
+    def size(self, axis: str) -> int:
+        return getattr(self, axis)
+
+    def to_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+    def build(self, device_type: str = "cpu"):
+        """The DeviceMesh over the current process group (sizes must be resolved)."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        return init_device_mesh(device_type, self.shape, mesh_dim_names=self.axes)

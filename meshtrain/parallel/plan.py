@@ -1,0 +1,189 @@
+"""specs + rules + mesh -> Plan: one pure function, no process group needed.
+
+The Plan says, for every parameter, which mesh axes shard which dim, the DTensor
+placements that encode it, the local shape on the most loaded rank and the bytes that
+rank holds; and, for any activation named by logical axes, the placements it takes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Mapping, Sequence
+
+import torch
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement, _StridedShard
+
+from ..errors import ConfigError
+from ..models.spec import ParamSpec
+from .mesh import GATHERED_AXES, MeshSpec
+from .rules import Rules
+
+# Activation layouts worth showing next to the parameters.
+MARKED_ACTIVATIONS: dict[str, tuple[str | None, ...]] = {
+    "tokens": ("batch", "seq"),
+    "residual": ("batch", "seq_sp", None),
+    "block_input": ("batch", "seq", None),
+    "q": ("batch", "seq", "q_heads", None),
+    "kv": ("batch", "seq", "kv_heads", None),
+    "mlp_hidden": ("batch", "seq", "mlp"),
+    "logits": ("batch", "seq", "vocab"),
+}
+
+
+def placement_str(p: Placement) -> str:
+    if isinstance(p, _StridedShard):
+        return f"SS({p.dim},{p.split_factor})"
+    if isinstance(p, Shard):
+        return f"S({p.dim})"
+    if isinstance(p, Replicate):
+        return "R"
+    return str(p)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Which mesh axes shard each dim (major first), and the placements per mesh dim."""
+
+    dim_axes: tuple[tuple[str, ...], ...]
+    placements: tuple[Placement, ...]
+
+    def local_shape(self, shape: Sequence[int], mesh: MeshSpec) -> tuple[int, ...]:
+        """Shape on the most loaded rank (uneven shards round up, as torch.chunk does)."""
+        out = list(shape)
+        for d, axes in enumerate(self.dim_axes):
+            for a in axes:
+                out[d] = math.ceil(out[d] / mesh.size(a))
+        return tuple(out)
+
+
+def layout_for(axes: Sequence[str | None], rules: Rules, mesh: MeshSpec, param: str | None = None) -> Layout:
+    """Placements for a tensor whose dims carry these logical axes. A mesh axis shards at
+    most one dim (the first that asks for it); axes of size 1 are dropped."""
+    used: set[str] = set()
+    dim_axes = []
+    for axis in axes:
+        chosen = tuple(a for a in rules.lookup(axis, param) if a in mesh.axes and a not in used)
+        used.update(chosen)
+        dim_axes.append(chosen)
+    placements: list[Placement] = [Replicate()] * len(mesh.axes)
+    for d, chosen in enumerate(dim_axes):
+        order = [mesh.axes.index(a) for a in chosen]
+        if order == sorted(order):
+            for i in order:
+                placements[i] = Shard(d)
+        elif len(chosen) == 2:
+            # Major axis lies later in the mesh (e.g. tp before fsdp on one dim): the
+            # earlier mesh dim holds strided pieces of the later one's shards.
+            major, minor = order
+            placements[minor] = _StridedShard(d, split_factor=mesh.size(chosen[0]))
+            placements[major] = Shard(d)
+        else:
+            raise ConfigError(f"rules for {param or 'an activation'} dim {d}: mesh axes {list(chosen)} "
+                              "can nest out of mesh order only two at a time; list them in mesh order "
+                              "(pp, dp, fsdp, cp, tp)")
+    return Layout(tuple(dim_axes), tuple(placements))
+
+
+@dataclass(frozen=True)
+class ParamPlan:
+    name: str
+    spec: ParamSpec
+    layout: Layout
+    local_shape: tuple[int, ...]
+
+    @property
+    def placements(self) -> tuple[Placement, ...]:
+        return self.layout.placements
+
+    @property
+    def bytes_per_rank(self) -> int:
+        return math.prod(self.local_shape) * self.spec.dtype.itemsize
+
+    def compute_placements(self, mesh: MeshSpec) -> tuple[Placement, ...]:
+        """Placements where the parameter is used: shards on gathered axes (fsdp) are
+        replicated; tensor-parallel shards stay."""
+        return tuple(Replicate() if a in GATHERED_AXES else p for a, p in zip(mesh.axes, self.placements))
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "shape": list(self.spec.shape), "axes": list(self.spec.axes),
+                "dtype": str(self.spec.dtype).removeprefix("torch."),
+                "mesh_axes": [list(a) for a in self.layout.dim_axes],
+                "placements": [placement_str(p) for p in self.placements],
+                "local_shape": list(self.local_shape), "bytes_per_rank": self.bytes_per_rank}
+
+
+@dataclass(frozen=True)
+class Plan:
+    mesh: MeshSpec
+    rules: Rules
+    params: dict[str, ParamPlan] = field(default_factory=dict)
+
+    def activation(self, axes: Sequence[str | None]) -> Layout:
+        return layout_for(axes, self.rules, self.mesh)
+
+    @property
+    def param_bytes_per_rank(self) -> int:
+        return sum(p.bytes_per_rank for p in self.params.values())
+
+    def to_dict(self) -> dict:
+        return {
+            "world": self.mesh.world,
+            "mesh": {a: self.mesh.size(a) for a in self.mesh.axes},
+            "rules": self.rules.to_dict(),
+            "params": [p.to_dict() for p in self.params.values()],
+            "activations": {name: {"axes": list(axes),
+                                   "placements": [placement_str(p) for p in self.activation(axes).placements]}
+                            for name, axes in MARKED_ACTIVATIONS.items()},
+            "param_bytes_per_rank": self.param_bytes_per_rank,
+        }
+
+    def to_json(self, indent: int = 1) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    def table(self):
+        from .plan_table import plan_table
+
+        return plan_table(self)
+
+    def __str__(self) -> str:
+        from .plan_table import render
+
+        return render(self)
+
+
+def make_plan(specs: Mapping[str, ParamSpec], rules: Rules, mesh: MeshSpec, world: int | None = None) -> Plan:
+    """The Plan for these parameters on this mesh. Raises ConfigError for any layout that
+    cannot work, before a process group exists."""
+    mesh = mesh.resolve(world if world is not None else max(mesh.world, 1))
+    params = {}
+    for name, spec in specs.items():
+        layout = layout_for(spec.axes, rules, mesh, name)
+        for d, axes in enumerate(layout.dim_axes):
+            _check_divisible(name, spec, d, axes, mesh)
+        params[name] = ParamPlan(name, spec, layout, layout.local_shape(spec.shape, mesh))
+    return Plan(mesh, rules, params)
+
+
+def _check_divisible(name: str, spec: ParamSpec, d: int, axes: tuple[str, ...], mesh: MeshSpec) -> None:
+    """Compute-sharded dims must split evenly into whole units (heads); storage-only
+    (fsdp) shards may be uneven unless they nest with another axis."""
+    if not axes:
+        return
+    ways = math.prod(mesh.size(a) for a in axes)
+    size, unit = spec.shape[d], spec.units[d]
+    must_divide = len(axes) > 1 or any(a not in GATHERED_AXES for a in axes)
+    if not must_divide:
+        return
+    if size % unit or (size // unit) % ways:
+        what = f"{size // unit} heads of {unit}" if unit > 1 else f"size {size}"
+        split = " x ".join(f"{a}={mesh.size(a)}" for a in axes)
+        logical = spec.axes[d]
+        fix = {"q_heads": "choose tp dividing model.n_heads",
+               "kv_heads": "choose tp dividing model.n_kv_heads",
+               "vocab": "choose tp dividing model.vocab_size",
+               "mlp": "choose tp dividing model.ffn_dim"}.get(logical, f"choose sizes that divide {size // unit}")
+        raise ConfigError(f"parameter {name} dim {d} ({logical}: {what}) cannot be split {ways} ways "
+                          f"over {split}: {fix}")

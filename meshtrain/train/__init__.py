@@ -1,0 +1,1 @@
+"""Step factory, optimizer and learning-rate schedules."""

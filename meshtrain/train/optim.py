@@ -1,0 +1,89 @@
+"""AdamW over sharded parameters, and the global gradient norm.
+
+Both work on each rank's local shards: optimizer state lives with the shard it updates
+(ZeRO), and the update is elementwise so it needs no communication. The norm needs one
+scalar all-reduce over the whole world.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
+
+
+@dataclass(frozen=True)
+class AdamW:
+    lr: float = 3e-4
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    # Parameters that are never decayed: 1-D tensors (norm scales, biases) by rule, plus
+    # any name matching these globs.
+    no_decay: tuple[str, ...] = field(default_factory=tuple)
+
+    def decays(self, name: str, ndim: int) -> bool:
+        return ndim >= 2 and not any(fnmatch.fnmatchcase(name, g) for g in self.no_decay)
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def init_state(params: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
+    """exp_avg and exp_avg_sq with the same layout as each parameter."""
+    return {"exp_avg": {n: torch.zeros_like(p, requires_grad=False) for n, p in params.items()},
+            "exp_avg_sq": {n: torch.zeros_like(p, requires_grad=False) for n, p in params.items()}}
+
+
+def adamw_update(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avg: list[torch.Tensor],
+                 exp_avg_sq: list[torch.Tensor], decay: list[bool], lr: torch.Tensor, step: torch.Tensor,
+                 betas: tuple[float, float], eps: float, weight_decay: float) -> None:
+    """In-place AdamW on local tensors (decoupled weight decay, bias correction)."""
+    beta1, beta2 = betas
+    torch._foreach_lerp_(exp_avg, grads, 1 - beta1)
+    torch._foreach_mul_(exp_avg_sq, beta2)
+    torch._foreach_addcmul_(exp_avg_sq, grads, grads, 1 - beta2)
+    bias1 = 1 - beta1 ** step
+    bias2 = 1 - beta2 ** step
+    decayed = [p for p, d in zip(params, decay) if d]
+    if decayed and weight_decay:
+        torch._foreach_mul_(decayed, 1 - lr * weight_decay)
+    denom = torch._foreach_sqrt(exp_avg_sq)
+    torch._foreach_div_(denom, bias2.sqrt())
+    torch._foreach_add_(denom, eps)
+    updates = torch._foreach_div(exp_avg, denom)
+    torch._foreach_mul_(updates, -lr / bias1)
+    torch._foreach_add_(params, updates)
+
+
+def grad_norm_squared_local(grads: list[torch.Tensor], replicas: list[float]) -> torch.Tensor:
+    """This rank's share of the squared global norm: each local shard's sum of squares,
+    divided by how many ranks hold an identical copy of it, so that summing the shares
+    over all ranks counts every element once."""
+    squares = torch._foreach_norm(grads, 2)
+    total = torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else "cpu")
+    for s, r in zip(squares, replicas):
+        total = total + s.float().pow(2) / r
+    return total
+
+
+def replica_count(p: torch.Tensor) -> float:
+    """Ranks holding identical copies of this tensor's local shard."""
+    if not isinstance(p, DTensor):
+        return 1.0
+    sharded = math.prod(p.device_mesh.size(i) for i, pl in enumerate(p.placements) if isinstance(pl, (Shard, _StridedShard)))
+    return p.device_mesh.size() / sharded
+
+
+def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        import torch.distributed._functional_collectives as funcol
+
+        return funcol.all_reduce(x, "sum", dist.group.WORLD)
+    return x

@@ -1,0 +1,92 @@
+"""The step factory: model + plan + optimizer + precision -> step(state, batch) -> metrics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from ..errors import ConfigError
+from ..models import ModelDef
+from ..models.context import LocalContext
+from .optim import AdamW, adamw_update, all_reduce_sum, grad_norm_squared_local, init_state, local, replica_count
+from .schedule import LRSchedule
+
+PRECISIONS = {"fp32": None, "bf16": torch.bfloat16}
+
+
+@dataclass
+class TrainState:
+    params: dict[str, torch.Tensor]
+    optimizer: dict[str, dict[str, torch.Tensor]]
+    step: int = 0
+
+    @staticmethod
+    def create(params: dict[str, torch.Tensor]) -> "TrainState":
+        return TrainState(params, init_state(params), 0)
+
+
+def make_train_step(model: ModelDef, plan=None, device_mesh=None, *, optimizer: AdamW = AdamW(),
+                    schedule: LRSchedule | None = None, precision: str = "fp32", grad_clip: float | None = 1.0,
+                    compile: bool = False) -> Callable[[TrainState, dict], dict]:
+    """Build `step(state, batch) -> metrics`.
+
+    batch["tokens"] and batch["targets"] are (micro_steps, batch, seq): the global batch
+    split into micro-batches, each given in full on every rank (the layout keeps each
+    rank's part) or already as DTensors. Gradients accumulate over micro-steps; the loss
+    is the mean over every target token of the global batch (targets < 0 are ignored).
+    With no plan the step runs on one device.
+    """
+    if precision not in PRECISIONS:
+        raise ConfigError(f"train.precision={precision!r}: choose one of {', '.join(PRECISIONS)}")
+    compute_dtype = PRECISIONS[precision]
+    if plan is None:
+        ctx = LocalContext(compute_dtype)
+    else:
+        from ..parallel.context import ShardedContext
+
+        ctx = ShardedContext(plan, device_mesh, compute_dtype)
+    schedule = schedule or LRSchedule(lr=optimizer.lr, kind="constant")
+
+    def loss_sum(params, tokens, targets):
+        return ctx.cross_entropy_sum(model.forward(params, tokens, ctx), targets)
+
+    def update(params, grads, exp_avg, exp_avg_sq, decay, replicas, lr, step, clip):
+        norm = all_reduce_sum(grad_norm_squared_local(grads, replicas)).sqrt()
+        if clip is not None:
+            torch._foreach_mul_(grads, torch.clamp(clip / (norm + 1e-6), max=1.0))
+        adamw_update(params, grads, exp_avg, exp_avg_sq, decay, lr, step,
+                     optimizer.betas, optimizer.eps, optimizer.weight_decay)
+        return norm
+
+    if compile:
+        loss_sum = torch.compile(loss_sum, fullgraph=True)
+        update = torch.compile(update, fullgraph=True)
+
+    def step(state: TrainState, batch: dict) -> dict:
+        names = list(state.params)
+        tokens, targets = batch["tokens"], batch["targets"]
+        n_tokens = (targets >= 0).sum().item()  # the whole global batch is known here
+        total = None
+        for micro in range(tokens.shape[0]):
+            loss = loss_sum(state.params, tokens[micro], targets[micro]) / n_tokens
+            loss.backward()
+            total = loss.detach() if total is None else total + loss.detach()
+        params = [local(state.params[n]).data for n in names]
+        grads = [local(state.params[n].grad) for n in names]
+        exp_avg = [local(state.optimizer["exp_avg"][n]) for n in names]
+        exp_avg_sq = [local(state.optimizer["exp_avg_sq"][n]) for n in names]
+        decay = [optimizer.decays(n, state.params[n].ndim) for n in names]
+        replicas = [replica_count(state.params[n]) for n in names]
+        lr = schedule(state.step)
+        state.step += 1
+        with torch.no_grad():
+            norm = update(params, grads, exp_avg, exp_avg_sq, decay, replicas,
+                          torch.tensor(lr, dtype=torch.float32), torch.tensor(float(state.step)), grad_clip)
+        for n in names:
+            state.params[n].grad = None
+        loss_value = total.full_tensor() if hasattr(total, "full_tensor") else total
+        return {"loss": float(loss_value), "grad_norm": float(norm), "lr": lr}
+
+    return step
