@@ -5,11 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from . import llama
+from . import gpt2, llama
 from .context import LocalContext, ModelContext
 from .spec import ParamSpec
 
-FAMILIES = {"llama": llama}
+FAMILIES = {"llama": llama, "gpt2": gpt2}
 
 
 @dataclass(frozen=True)

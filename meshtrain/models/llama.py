@@ -42,10 +42,11 @@ class LlamaConfig:
                               "choose a dim that is a multiple of n_heads")
         if self.n_heads % self.n_kv_heads:
             raise ConfigError(f"model.n_heads={self.n_heads} is not divisible by model.n_kv_heads="
-                              f"{self.n_kv_heads}: GQA needs whole groups of query heads per kv head")
+                              f"{self.n_kv_heads}: GQA needs whole groups of query heads per kv head; choose "
+                              "n_kv_heads dividing n_heads")
         if self.head_dim % 2:
             raise ConfigError(f"head dim {self.head_dim} (model.dim / model.n_heads) is odd: RoPE needs "
-                              "an even head dim")
+                              "an even head dim; choose dim and n_heads with an even ratio")
 
 
 _LLAMA31_SCALING = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,

@@ -95,7 +95,11 @@ class ShardedContext:
         if not vocab_dims:
             return torch.nn.functional.embedding(ids, table)
         (i,) = vocab_dims
-        rows = table.to_local()
+        # Each rank's rows see only its own tokens: their gradient is a partial sum over
+        # the mesh dims that split the tokens.
+        grad_placements = [Partial() if isinstance(ids.placements[j], Shard) else p
+                           for j, p in enumerate(table.placements)]
+        rows = table.to_local(grad_placements=grad_placements)
         start = self.mesh.get_local_rank(i) * rows.shape[0]
         local_ids = ids.to_local() - start
         inside = (local_ids >= 0) & (local_ids < rows.shape[0])

@@ -36,12 +36,16 @@ class MeshSpec:
                 raise ConfigError(f"parallel.{axis}={n}: sizes must be positive, or -1 to fill")
         fill = [a for a, n in sizes.items() if n == -1]
         if len(fill) > 1:
-            raise ConfigError(f"parallel: only one axis may be -1, got {', '.join(fill)}")
+            raise ConfigError(f"parallel: only one axis may be -1 (it takes the remaining ranks), got "
+                              f"{', '.join(f'parallel.{a}=-1' for a in fill)}; give all but one of them a "
+                              "fixed size")
         known = math.prod(n for n in sizes.values() if n != -1)
         if fill:
             if world % known:
-                raise ConfigError(f"parallel: world size {world} is not divisible by the product of the "
-                                  f"fixed axes ({known}); change the sizes so that they divide {world}")
+                fixed = " x ".join(f"{a}={n}" for a, n in sizes.items() if n > 1) or "all 1"
+                raise ConfigError(f"parallel.{fill[0]}=-1 cannot fill world size {world}: the fixed axes "
+                                  f"{fixed} multiply to {known}, which does not divide {world}; change "
+                                  f"the sizes so that their product divides {world}")
             sizes[fill[0]] = world // known
         elif known != world:
             described = " x ".join(f"{a}={n}" for a, n in sizes.items() if n > 1) or "all 1"
@@ -49,8 +53,9 @@ class MeshSpec:
                               f"{world}; make them multiply to {world} or set one axis to -1")
         resolved = MeshSpec(**sizes, ep=self.ep)
         if self.ep > 1 and (resolved.fsdp * resolved.cp) % self.ep:
-            raise ConfigError(f"parallel.ep={self.ep} must divide fsdp x cp = {resolved.fsdp * resolved.cp} "
-                              "(experts are sharded over ranks folded from fsdp and cp)")
+            raise ConfigError(f"parallel.ep={self.ep} must divide fsdp x cp = {resolved.fsdp} x {resolved.cp} = "
+                              f"{resolved.fsdp * resolved.cp} (experts are sharded over ranks folded from fsdp "
+                              f"and cp); choose an ep that divides {resolved.fsdp * resolved.cp}")
         return resolved
 
     @property

@@ -18,7 +18,7 @@ from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from ..errors import ConfigError
 from ..models.spec import ParamSpec
-from .mesh import GATHERED_AXES, MeshSpec
+from .mesh import GATHERED_AXES, MESH_AXES, MeshSpec
 from .rules import Rules
 
 # Activation layouts worth showing next to the parameters.
@@ -157,7 +157,12 @@ class Plan:
 def make_plan(specs: Mapping[str, ParamSpec], rules: Rules, mesh: MeshSpec, world: int | None = None) -> Plan:
     """The Plan for these parameters on this mesh. Raises ConfigError for any layout that
     cannot work, before a process group exists."""
-    mesh = mesh.resolve(world if world is not None else max(mesh.world, 1))
+    if world is None:
+        if any(mesh.size(a) == -1 for a in MESH_AXES):
+            raise ConfigError("parallel: an axis is -1, so the world size must be given to fill it "
+                              "(make_plan(..., world=N) or meshtrain plan --world N)")
+        world = mesh.world
+    mesh = mesh.resolve(world)
     params = {}
     for name, spec in specs.items():
         layout = layout_for(spec.axes, rules, mesh, name)
@@ -181,9 +186,11 @@ def _check_divisible(name: str, spec: ParamSpec, d: int, axes: tuple[str, ...], 
         what = f"{size // unit} heads of {unit}" if unit > 1 else f"size {size}"
         split = " x ".join(f"{a}={mesh.size(a)}" for a in axes)
         logical = spec.axes[d]
-        fix = {"q_heads": "choose tp dividing model.n_heads",
-               "kv_heads": "choose tp dividing model.n_kv_heads",
-               "vocab": "choose tp dividing model.vocab_size",
-               "mlp": "choose tp dividing model.ffn_dim"}.get(logical, f"choose sizes that divide {size // unit}")
+        field = {"q_heads": "model.n_heads", "kv_heads": "model.n_kv_heads", "vocab": "model.vocab_size",
+                 "mlp": "model.ffn_dim"}.get(logical)
+        sizes = axes[0] if len(axes) == 1 else "sizes whose product " + " x ".join(axes)
+        target = f"{field}={size // unit}" if field else f"{size // unit}"
+        fix = f"choose {sizes} dividing {target}" if len(axes) == 1 else \
+            f"choose {sizes} divides {target}, or shard this dim on fewer mesh axes"
         raise ConfigError(f"parameter {name} dim {d} ({logical}: {what}) cannot be split {ways} ways "
                           f"over {split}: {fix}")

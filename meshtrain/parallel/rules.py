@@ -51,6 +51,9 @@ class Rules:
                 if axis not in LOGICAL_AXES:
                     raise ConfigError(f"{where}: unknown logical axis {axis!r}; known axes are "
                                       f"{', '.join(LOGICAL_AXES)}")
+                if len(set(mesh_axes)) != len(mesh_axes):
+                    raise ConfigError(f"{where}[{axis!r}]: mesh axes {list(mesh_axes)} repeat an axis; "
+                                      "list each mesh axis at most once")
                 for m in mesh_axes:
                     if m not in MESH_AXES + ("ep",):
                         raise ConfigError(f"{where}[{axis!r}]: unknown mesh axis {m!r}; mesh axes are "

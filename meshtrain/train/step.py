@@ -29,14 +29,15 @@ class TrainState:
 
 def make_train_step(model: ModelDef, plan=None, device_mesh=None, *, optimizer: AdamW = AdamW(),
                     schedule: LRSchedule | None = None, precision: str = "fp32", grad_clip: float | None = 1.0,
-                    compile: bool = False) -> Callable[[TrainState, dict], dict]:
+                    compile: bool | str = False) -> Callable[[TrainState, dict], dict]:
     """Build `step(state, batch) -> metrics`.
 
     batch["tokens"] and batch["targets"] are (micro_steps, batch, seq): the global batch
     split into micro-batches, each given in full on every rank (the layout keeps each
     rank's part) or already as DTensors. Gradients accumulate over micro-steps; the loss
     is the mean over every target token of the global batch (targets < 0 are ignored).
-    With no plan the step runs on one device.
+    With no plan the step runs on one device. `compile` True wraps the loss and the update
+    in torch.compile(fullgraph=True) with inductor; a string names another backend.
     """
     if precision not in PRECISIONS:
         raise ConfigError(f"train.precision={precision!r}: choose one of {', '.join(PRECISIONS)}")
@@ -61,8 +62,9 @@ def make_train_step(model: ModelDef, plan=None, device_mesh=None, *, optimizer: 
         return norm
 
     if compile:
-        loss_sum = torch.compile(loss_sum, fullgraph=True)
-        update = torch.compile(update, fullgraph=True)
+        backend = "inductor" if compile is True else compile
+        loss_sum = torch.compile(loss_sum, fullgraph=True, backend=backend)
+        update = torch.compile(update, fullgraph=True, backend=backend)
 
     def step(state: TrainState, batch: dict) -> dict:
         names = list(state.params)
