@@ -5,12 +5,17 @@ their logical axes, so DTensor emits exactly the collective a layout change need
 (Partial -> Replicate is the tensor-parallel all-reduce, Partial -> Shard(seq) the
 sequence-parallel reduce-scatter, Shard(seq) -> Replicate its all-gather). Parameters are
 gathered where they are used (SimpleFSDP): the all-gather over fsdp runs forward and
-its backward reduce-scatters the gradient, in fp32 whatever the compute dtype.
+its backward reduce-scatters the gradient, in fp32 whatever the compute dtype. Gathered
+parameters are not kept for backward in eager mode (ZeRO-3): saved-tensor hooks keep a
+reference to the shard and gather again when backward needs the value. Compiled steps
+keep them (the hooks cannot be traced), as FSDP2's reshard_after_forward=False does.
 Attention and the vocab-parallel loss run on local shards with explicit collectives.
 """
 
 from __future__ import annotations
 
+import contextlib
+import weakref
 from typing import Mapping, Sequence
 
 import torch
@@ -20,22 +25,6 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from ..models.context import causal_attention
 from .plan import Plan
-
-
-class _UseParam(torch.autograd.Function):
-    """Gather a stored parameter to its compute layout (optionally cast); the gradient
-    goes back to the stored layout in the parameter's dtype, so reductions are fp32."""
-
-    @staticmethod
-    def forward(ctx, p: DTensor, placements, dtype):
-        ctx.placements, ctx.dtype = p.placements, p.dtype
-        x = p if dtype is None else p.to(dtype)
-        return x.redistribute(p.device_mesh, placements)
-
-    @staticmethod
-    def backward(ctx, grad: DTensor):
-        grad = grad.to(ctx.dtype).redistribute(grad.device_mesh, ctx.placements)
-        return grad, None, None
 
 
 class _Constrain(torch.autograd.Function):
@@ -54,14 +43,60 @@ class _Constrain(torch.autograd.Function):
         return grad.redistribute(grad.device_mesh, ctx.source), None
 
 
+def _gather(p: DTensor, placements, dtype) -> DTensor:
+    x = p if dtype is None else p.to(dtype)
+    return x.redistribute(p.device_mesh, placements)
+
+
+class _UseParam(torch.autograd.Function):
+    """Gather a stored parameter to its compute layout (optionally cast); the gradient
+    goes back to the stored layout in the parameter's dtype, so reductions are fp32."""
+
+    @staticmethod
+    def forward(ctx, p: DTensor, placements, dtype):
+        ctx.placements, ctx.dtype = p.placements, p.dtype
+        return _gather(p, placements, dtype)
+
+    @staticmethod
+    def backward(ctx, grad: DTensor):
+        grad = grad.to(ctx.dtype).redistribute(grad.device_mesh, ctx.placements)
+        return grad, None, None
+
+
+class _Regather:
+    """What autograd keeps instead of a gathered parameter (or a view of one)."""
+
+    def __init__(self, shard: DTensor, placements, dtype, saved: DTensor):
+        self.shard, self.placements, self.dtype = shard, placements, dtype
+        self.spec = (saved.placements, saved.shape, saved.stride())
+        local = saved._local_tensor
+        self.view = (local.size(), local.stride(), local.storage_offset())
+
+    def value(self) -> DTensor:
+        with torch.no_grad():
+            full = _gather(self.shard, self.placements, self.dtype)
+        local = full._local_tensor.as_strided(*self.view)
+        placements, shape, stride = self.spec
+        return DTensor.from_local(local, full.device_mesh, placements, run_check=False, shape=shape, stride=stride)
+
+
 class _BoundParams(Mapping):
     def __init__(self, context: "ShardedContext", params: Mapping[str, DTensor]):
         self._context, self._params = context, params
 
     def __getitem__(self, name: str) -> DTensor:
-        plan = self._context.plan.params[name]
-        placements = plan.compute_placements(self._context.plan.mesh)
-        return _UseParam.apply(self._params[name], placements, self._context.compute_dtype)
+        context = self._context
+        placements = context.plan.params[name].compute_placements(context.plan.mesh)
+        shard = self._params[name]
+        gathered = _UseParam.apply(shard, placements, context.compute_dtype)
+        if placements == tuple(shard.placements) or torch.compiler.is_compiling():
+            # Nothing was gathered; or saved-tensor hooks cannot be traced, and compiled
+            # steps keep gathered weights for backward (reshard_after_forward=False).
+            return gathered
+        local = gathered._local_tensor
+        # A weak reference: once the gathered tensor dies its storage may be reused.
+        context._gathered[local.untyped_storage().data_ptr()] = (weakref.ref(local), shard, placements)
+        return gathered
 
     def __iter__(self):
         return iter(self._params)
@@ -73,9 +108,33 @@ class _BoundParams(Mapping):
 class ShardedContext:
     def __init__(self, plan: Plan, device_mesh: DeviceMesh, compute_dtype: torch.dtype | None = None):
         self.plan, self.mesh, self.compute_dtype = plan, device_mesh, compute_dtype
+        self._gathered: dict[int, tuple] = {}  # storage of a gathered parameter -> its shard
 
     def bind(self, params):
         return _BoundParams(self, params)
+
+    @contextlib.contextmanager
+    def regather_in_backward(self):
+        """Scope of one forward: autograd keeps shards, not gathered parameters."""
+        self._gathered = {}
+
+        def pack(t):
+            if isinstance(t, DTensor):
+                ptr = t._local_tensor.untyped_storage().data_ptr()
+                ref, shard, placements = self._gathered.get(ptr, (lambda: None, None, None))
+                alive = ref()
+                if alive is not None and alive.untyped_storage().data_ptr() == ptr:
+                    return _Regather(shard, placements, self.compute_dtype, t)
+            return t
+
+        def unpack(t):
+            return t.value() if isinstance(t, _Regather) else t
+
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+                yield
+        finally:
+            self._gathered = {}
 
     def constrain(self, x: torch.Tensor, axes: Sequence[str | None]) -> DTensor:
         placements = self.plan.activation(axes).placements

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Callable
 
@@ -49,6 +50,7 @@ def make_train_step(model: ModelDef, plan=None, device_mesh=None, *, optimizer: 
 
         ctx = ShardedContext(plan, device_mesh, compute_dtype)
     schedule = schedule or LRSchedule(lr=optimizer.lr, kind="constant")
+    scope = getattr(ctx, "regather_in_backward", contextlib.nullcontext)
 
     def loss_sum(params, tokens, targets):
         return ctx.cross_entropy_sum(model.forward(params, tokens, ctx), targets)
@@ -72,7 +74,8 @@ def make_train_step(model: ModelDef, plan=None, device_mesh=None, *, optimizer: 
         n_tokens = (targets >= 0).sum().item()  # the whole global batch is known here
         total = None
         for micro in range(tokens.shape[0]):
-            loss = loss_sum(state.params, tokens[micro], targets[micro]) / n_tokens
+            with scope():
+                loss = loss_sum(state.params, tokens[micro], targets[micro]) / n_tokens
             loss.backward()
             total = loss.detach() if total is None else total + loss.detach()
         params = [local(state.params[n]).data for n in names]
