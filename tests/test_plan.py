@@ -335,7 +335,10 @@ def test_plan_str_groups_layers():
     expected_rows = ["tok_emb", "layers.*.attn_norm", "layers.*.attn.wq", "layers.*.attn.wk", "layers.*.attn.wv",
                      "layers.*.attn.wo", "layers.*.mlp_norm", "layers.*.mlp.w_gate", "layers.*.mlp.w_up",
                      "layers.*.mlp.w_down", "norm", "output", "total"]
-    assert list(rows) == expected_rows
+    activations = ["tokens", "residual", "block_input", "q", "kv", "mlp_hidden", "logits"]
+    assert list(rows) == expected_rows + activations
+    assert rows["residual"] == ["(batch, seq_sp, -)", "fsdp, tp, -", "[S(0), S(1)]"]
+    assert rows["logits"] == ["(batch, seq, vocab)", "fsdp, -, tp", "[S(0), S(2)]"]
     assert rows["layers.*.attn.wq"] == ["32", "(4096, 4096)", "tp, fsdp", "[S(1), S(0)]", "(512, 512)", "1.00 MiB"]
     assert rows["tok_emb"][0] == "1"
     assert rows["norm"][2:4] == ["fsdp", "[S(0), R]"]

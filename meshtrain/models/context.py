@@ -85,5 +85,6 @@ class LocalContext:
         return causal_attention(q, k, v)
 
     def cross_entropy_sum(self, logits, targets):
-        return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten(),
-                               reduction="sum", ignore_index=-100)
+        valid = targets.flatten() >= 0
+        per_token = F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten().clamp(min=0), reduction="none")
+        return (per_token * valid).sum()

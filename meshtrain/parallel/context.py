@@ -19,6 +19,7 @@ import weakref
 from typing import Mapping, Sequence
 
 import torch
+from torch._prims_common import make_contiguous_strides_for
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
@@ -166,7 +167,7 @@ class ShardedContext:
         placements = [Partial() if j == i else p for j, p in enumerate(ids.placements)]
         shape = (*ids.shape, rows.shape[1])
         return DTensor.from_local(out, self.mesh, placements, run_check=False, shape=shape,
-                                  stride=_contiguous_stride(shape))
+                                  stride=make_contiguous_strides_for(shape))
 
     def attention(self, q: DTensor, k: DTensor, v: DTensor) -> DTensor:
         for i, p in enumerate(q.placements):
@@ -209,11 +210,3 @@ class ShardedContext:
         placements = [Partial() if i in token_dims else Replicate() for i in range(self.mesh.ndim)]
         total = DTensor.from_local(total, self.mesh, placements, run_check=False)
         return total.redistribute(self.mesh, [Replicate()] * self.mesh.ndim)
-
-
-def _contiguous_stride(shape) -> tuple[int, ...]:
-    stride, acc = [], 1
-    for n in reversed(shape):
-        stride.append(acc)
-        acc *= n
-    return tuple(reversed(stride))

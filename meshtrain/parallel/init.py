@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from torch._prims_common import make_contiguous_strides_for
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
@@ -31,14 +32,6 @@ def init_params(plan: Plan, mesh: DeviceMesh, seed: int = 0, device: str | torch
                 index = tuple(slice(o, o + n) for o, n in zip(offset, local_shape))
                 local = init_slice(spec, name, seed, index, device=device)
             dt = DTensor.from_local(local, mesh, p.placements, run_check=False,
-                                    shape=torch.Size(spec.shape), stride=_contiguous_stride(spec.shape))
+                                    shape=torch.Size(spec.shape), stride=make_contiguous_strides_for(spec.shape))
         params[name] = dt.requires_grad_(True) if dt.is_floating_point() else dt
     return params
-
-
-def _contiguous_stride(shape) -> tuple[int, ...]:
-    stride, acc = [], 1
-    for n in reversed(shape):
-        stride.append(acc)
-        acc *= n
-    return tuple(reversed(stride))

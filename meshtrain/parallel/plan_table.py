@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import re
 from collections import OrderedDict
 
@@ -41,7 +42,22 @@ def plan_table(plan) -> Table:
     return table
 
 
+def activation_table(plan) -> Table:
+    from .plan import MARKED_ACTIVATIONS, placement_str
+
+    table = Table(title="marked activations")
+    for col in ("activation", "logical axes", "mesh axes", "placements"):
+        table.add_column(col)
+    for name, axes in MARKED_ACTIVATIONS.items():
+        layout = plan.activation(axes)
+        table.add_row(name, "(" + ", ".join(a or "-" for a in axes) + ")",
+                      ", ".join("+".join(a) or "-" for a in layout.dim_axes),
+                      "[" + ", ".join(placement_str(p) for p in layout.placements) + "]")
+    return table
+
+
 def render(plan) -> str:
-    console = Console(width=140, record=True, file=open("/dev/null", "w"))
+    console = Console(width=140, record=True, file=io.StringIO())
     console.print(plan_table(plan))
+    console.print(activation_table(plan))
     return console.export_text()
