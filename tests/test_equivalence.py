@@ -53,6 +53,10 @@ def single_process(micro_steps: int = 1, compile=False):
     return losses, {n: p.detach().clone() for n, p in params.items()}
 
 
+# The layouts the compiled runs cover (the rest add no new graph shape worth the compile time).
+COMPILED = {"dp2", "fsdp2", "tp2", "tp2_sp", "dp2_fsdp2", "fsdp2_tp2", "fsdp2_tp2_sp"}
+
+
 def train_layouts(world: int, compile):
     """Runs on every rank: each layout of this world size in turn."""
     import torch.distributed as dist
@@ -60,6 +64,8 @@ def train_layouts(world: int, compile):
     model = build("llama", CFG)
     out = {}
     for name, (sizes, sp, overrides) in LAYOUTS[world].items():
+        if compile and name not in COMPILED:
+            continue
         rules = Rules(Rules.default(sp=sp).mapping, overrides or {})
         plan = make_plan(model.specs, rules, MeshSpec(**sizes), world=dist.get_world_size())
         mesh = plan.mesh.build()
