@@ -1,0 +1,420 @@
+"""The run configuration: what `meshtrain fit` reads from YAML and the command line.
+
+Every field has an attribute docstring (jsonargparse shows it in --help). `validate()`
+raises ConfigError naming the key and the fix for any value that cannot work, and for
+any feature the keys already name but that is not implemented yet: nothing is accepted
+and then silently ignored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from ..errors import ConfigError
+
+PRECISIONS = ("fp32", "bf16")
+NOT_YET = "is not implemented yet"
+
+
+@dataclass
+class ModelConfig:
+    """The model architecture."""
+
+    arch: str = "llama"
+    """Model family: llama, or gpt2."""
+    dim: int = 256
+    """Width of the residual stream (hidden size)."""
+    n_layers: int = 4
+    """Number of transformer blocks."""
+    n_heads: int = 8
+    """Number of attention (query) heads; must divide dim."""
+    n_kv_heads: int | None = 4
+    """Number of key/value heads (grouped-query attention; llama only). Must divide n_heads. null: as many as n_heads. gpt2 has no GQA: leave it null or equal to n_heads."""
+    ffn_dim: int | None = 688
+    """Hidden size of the MLP. null: 4 * dim (gpt2 only; llama needs a value)."""
+    vocab_size: int = 512
+    """Rows of the embedding and output tables; at least the tokenizer's vocabulary (256 for bytes)."""
+    max_seq_len: int = 256
+    """Longest sequence the model supports (gpt2: rows of the learned position table); train.seq_len may not exceed it."""
+    rope_theta: float | None = 10000.0
+    """RoPE base frequency (llama only; gpt2 uses learned positions: leave it null)."""
+    norm_eps: float = 1.0e-5
+    """Epsilon of RMSNorm (llama) or LayerNorm (gpt2)."""
+    tie_embeddings: bool = False
+    """Share the token embedding table with the output projection."""
+
+
+@dataclass
+class ParallelConfig:
+    """How the ranks are laid out. The mesh axes (dp, fsdp, tp, cp, ep, pp) must multiply to the number of ranks; one of them may be -1 to take the remaining ranks."""
+
+    nproc_per_node: int = 1
+    """Processes per node. Under torchrun (or any launcher setting RANK/WORLD_SIZE) the launcher decides; self-launching more than one process is not implemented yet."""
+    dp: int = 1
+    """Replicated data parallelism (DDP-style: parameters and optimizer state replicated)."""
+    fsdp: int = -1
+    """Fully sharded data parallelism (ZeRO-3 style: parameters, gradients and optimizer state sharded). -1: the remaining ranks."""
+    tp: int = 1
+    """Tensor parallelism (Megatron-style: heads, MLP and vocab split); must divide n_heads, n_kv_heads, ffn_dim and vocab_size."""
+    sp: bool = False
+    """Sequence parallelism: shard the residual stream's sequence dim over the tp ranks (train.seq_len must be divisible by tp)."""
+    cp: int = 1
+    """Context parallelism (sequence split in attention). Only 1: not implemented yet."""
+    ep: int = 1
+    """Expert parallelism (mixture-of-experts). Only 1: not implemented yet."""
+    pp: int = 1
+    """Pipeline parallelism. Only 1: not implemented yet."""
+
+
+@dataclass
+class TrainConfig:
+    """The optimisation loop."""
+
+    steps: int = 100
+    """Optimizer steps to run."""
+    global_batch: int = 16
+    """Sequences per optimizer step, over all ranks and micro-steps."""
+    micro_batch: int = 4
+    """Sequences per data-parallel rank per micro-step. Gradient accumulation steps = global_batch / (micro_batch * dp * fsdp)."""
+    seq_len: int = 128
+    """Tokens per training sequence (at most model.max_seq_len)."""
+    lr: float = 3.0e-4
+    """Peak learning rate (AdamW, betas 0.9/0.95, eps 1e-8)."""
+    min_lr: float = 3.0e-5
+    """Learning rate at the end of the decay."""
+    warmup_steps: int = 10
+    """Steps of linear warmup from lr/warmup_steps to lr."""
+    lr_schedule: str = "cosine"
+    """Decay after warmup: cosine, linear, wsd (warmup-stable-decay, last 20% decays) or constant."""
+    weight_decay: float = 0.1
+    """Decoupled AdamW weight decay, applied to matrices only (not to norms or biases)."""
+    grad_clip: float | None = 1.0
+    """Clip the global gradient norm to this value; 0 or null: no clipping."""
+    precision: str = "fp32"
+    """Compute precision: fp32, or bf16 (parameters, gradients and optimizer state stay fp32)."""
+    compile: bool = False
+    """Compile the loss and the optimizer update with torch.compile (inductor, fullgraph)."""
+    activation_checkpointing: str = "none"
+    """Recompute activations in the backward pass. Only none: not implemented yet."""
+    log_every: int = 1
+    """Log step, loss, lr, grad_norm and tokens/s every this many steps (and at the last step)."""
+    eval_every: int = 0
+    """Evaluate every this many steps; 0: never. Evaluation is not implemented yet."""
+
+
+@dataclass
+class DataConfig:
+    """Training data."""
+
+    paths: str | list[str] = "builtin"
+    """Token source: builtin (a small embedded English corpus, for smoke tests). Megatron .bin/.idx datasets are not implemented yet."""
+    tokenizer: str = "bytes"
+    """Tokenizer: bytes (token = byte value, vocabulary 256). Others are not implemented yet."""
+
+
+@dataclass
+class CheckpointConfig:
+    """Checkpoints (not implemented yet: only the defaults below are accepted)."""
+
+    every: int = 0
+    """Save a checkpoint every this many steps; 0: never. Checkpoints are not implemented yet, so only 0."""
+    keep_last: int = 2
+    """How many of the newest checkpoints to keep."""
+    resume: str = "auto"
+    """auto: resume from the newest checkpoint in run_dir if there is one (there never is yet, so every run starts at step 0); none: always start fresh. A checkpoint path is not implemented yet."""
+    export: bool = False
+    """Export the final weights (safetensors). Not implemented yet, so only false."""
+
+
+@dataclass
+class RunConfig:
+    """A training run."""
+
+    run_dir: str = "runs/tiny"
+    """Directory for config.yaml, plan.json and metrics.jsonl."""
+    seed: int = 0
+    """Seed of the parameter initialisation and of the data sampler."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """The model architecture."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """The parallel layout."""
+    train: TrainConfig = field(default_factory=TrainConfig)
+    """The optimisation loop."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Training data."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Checkpoints."""
+
+    # --- conversion --------------------------------------------------------------
+
+    @staticmethod
+    def from_dict(d: Mapping[str, Any]) -> "RunConfig":
+        """Build from nested mappings (a parsed YAML file); unknown keys are ConfigErrors."""
+        sections = {f.name: f.type for f in dataclasses.fields(RunConfig)}
+        kwargs: dict[str, Any] = {}
+        for key, value in d.items():
+            if key not in sections:
+                raise ConfigError(f"unknown config key {key!r}; known keys are {', '.join(sections)}")
+            if key in _SECTIONS:
+                kwargs[key] = _section_from_dict(_SECTIONS[key], key, value)
+            else:
+                kwargs[key] = value
+        return RunConfig(**kwargs)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_yaml(self) -> str:
+        import yaml
+
+        return yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=False)
+
+    # --- validation --------------------------------------------------------------
+
+    def validate(self) -> "RunConfig":
+        """Raise ConfigError for the first value that cannot work. Needs no process group:
+        checks that depend on the world size (fsdp=-1) are repeated once it is known."""
+        if not isinstance(self.run_dir, str) or not self.run_dir:
+            raise ConfigError("run_dir must be a non-empty path")
+        _check_int(self.seed, "seed", minimum=0)
+        _validate_model(self.model)
+        _validate_parallel(self.parallel)
+        _validate_train(self.train)
+        _validate_data(self.data)
+        _validate_checkpoint(self.checkpoint)
+        m, p, t = self.model, self.parallel, self.train
+        if t.seq_len > m.max_seq_len:
+            raise ConfigError(f"train.seq_len={t.seq_len} exceeds model.max_seq_len={m.max_seq_len}: "
+                              f"use a shorter seq_len or raise max_seq_len")
+        if self.data.tokenizer == "bytes" and m.vocab_size < 256:
+            raise ConfigError(f"model.vocab_size={m.vocab_size} is smaller than the bytes tokenizer's "
+                              "vocabulary (256): set model.vocab_size to at least 256")
+        if p.tp > 1:
+            split = {"model.n_heads": m.n_heads, "model.vocab_size": m.vocab_size}
+            if m.arch == "llama":
+                split["model.n_kv_heads"] = m.n_kv_heads or m.n_heads
+            split["model.ffn_dim"] = m.ffn_dim or 4 * m.dim
+            for key, n in split.items():
+                if n % p.tp:
+                    options = [d for d in range(1, max(split.values()) + 1)
+                               if all(v % d == 0 for v in split.values())]
+                    raise ConfigError(f"parallel.tp={p.tp} does not divide {key}={n} (tensor parallelism "
+                                      f"splits it evenly over the tp ranks): choose parallel.tp among "
+                                      f"{', '.join(map(str, options))}, or change {key}")
+            if p.sp and t.seq_len % p.tp:
+                raise ConfigError(f"parallel.sp=true shards the sequence over parallel.tp={p.tp} ranks, but "
+                                  f"train.seq_len={t.seq_len} is not divisible by {p.tp}: choose a seq_len "
+                                  f"that is a multiple of tp, or set parallel.sp false")
+        dp = p.dp * (1 if p.fsdp == -1 else p.fsdp)
+        if t.global_batch % (t.micro_batch * dp):
+            raise ConfigError(_batch_message(t, p.dp, p.fsdp, dp))
+        # Any other layout problem the planner can see before the world size is known.
+        from ..parallel.plan import make_plan
+
+        make_plan(self.model_def().specs, self.rules(), self.mesh_spec(fill=1))
+        return self
+
+    # --- what the run is built from ----------------------------------------------
+
+    def family_config(self):
+        """The model family's own config (LlamaConfig, GPT2Config)."""
+        from ..models import FAMILIES
+
+        m = self.model
+        module = FAMILIES[m.arch]
+        if m.arch == "llama":
+            return module.LlamaConfig(dim=m.dim, n_layers=m.n_layers, n_heads=m.n_heads,
+                                      n_kv_heads=m.n_kv_heads or m.n_heads, ffn_dim=m.ffn_dim,
+                                      vocab_size=m.vocab_size, max_seq_len=m.max_seq_len,
+                                      rope_theta=m.rope_theta, norm_eps=m.norm_eps,
+                                      tie_embeddings=m.tie_embeddings)
+        return module.GPT2Config(dim=m.dim, n_layers=m.n_layers, n_heads=m.n_heads, ffn_dim=m.ffn_dim,
+                                 vocab_size=m.vocab_size, max_seq_len=m.max_seq_len, norm_eps=m.norm_eps,
+                                 tie_embeddings=m.tie_embeddings)
+
+    def model_def(self):
+        from ..models import build
+
+        return build(self.model.arch, self.family_config())
+
+    def rules(self):
+        from ..parallel.rules import Rules
+
+        return Rules.default(sp=self.parallel.sp)
+
+    def mesh_spec(self, fill: int | None = None):
+        """The MeshSpec of parallel.*; `fill` replaces a -1 axis (None keeps -1)."""
+        from ..parallel.mesh import MeshSpec
+
+        p = self.parallel
+        sizes = {a: getattr(p, a) for a in ("pp", "dp", "fsdp", "cp", "tp", "ep")}
+        if fill is not None:
+            sizes = {a: fill if n == -1 else n for a, n in sizes.items()}
+        return MeshSpec(**sizes)
+
+    def accumulation_steps(self, dp_size: int) -> int:
+        """Micro-steps per optimizer step for `dp_size` data-parallel ranks (dp * fsdp)."""
+        t = self.train
+        if t.global_batch % (t.micro_batch * dp_size):
+            raise ConfigError(_batch_message(t, self.parallel.dp, dp_size // max(self.parallel.dp, 1), dp_size))
+        return t.global_batch // (t.micro_batch * dp_size)
+
+
+_SECTIONS = {"model": ModelConfig, "parallel": ParallelConfig, "train": TrainConfig, "data": DataConfig,
+             "checkpoint": CheckpointConfig}
+
+
+def _section_from_dict(cls, key: str, value: Any):
+    if isinstance(value, cls):
+        return value
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"{key} must be a mapping of its fields, got {value!r}")
+    names = [f.name for f in dataclasses.fields(cls)]
+    unknown = [k for k in value if k not in names]
+    if unknown:
+        raise ConfigError(f"unknown config key {key}.{unknown[0]}; {key} has {', '.join(names)}")
+    return cls(**value)
+
+
+def _batch_message(t: TrainConfig, dp: int, fsdp: int, dp_size: int) -> str:
+    per_micro = t.micro_batch * dp_size
+    return (f"train.global_batch={t.global_batch} is not divisible by train.micro_batch={t.micro_batch} x "
+            f"data-parallel size {dp_size} (parallel.dp={dp} x parallel.fsdp={fsdp}) = {per_micro} sequences "
+            f"per micro-step: choose a global_batch that is a multiple of {per_micro}, or a smaller micro_batch")
+
+
+def _check_int(value, key: str, minimum: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{key}={value!r} must be an integer")
+    if minimum is not None and value < minimum:
+        raise ConfigError(f"{key}={value} must be at least {minimum}")
+
+
+def _check_float(value, key: str, minimum: float | None = None, positive: bool = False) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ConfigError(f"{key}={value!r} must be a finite number")
+    if positive and value <= 0:
+        raise ConfigError(f"{key}={value} must be positive")
+    if minimum is not None and value < minimum:
+        raise ConfigError(f"{key}={value} must be at least {minimum}")
+
+
+def _check_bool(value, key: str) -> None:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{key}={value!r} must be true or false")
+
+
+def _choice(value, key: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ConfigError(f"{key}={value!r}: choose one of {', '.join(choices)}")
+
+
+def _validate_model(m: ModelConfig) -> None:
+    from ..models import FAMILIES
+
+    supported = tuple(a for a in ("llama", "gpt2") if a in FAMILIES)
+    if m.arch not in supported:
+        raise ConfigError(f"model.arch={m.arch!r}: choose one of {', '.join(supported)}")
+    for key in ("dim", "n_layers", "n_heads", "vocab_size", "max_seq_len"):
+        _check_int(getattr(m, key), f"model.{key}", minimum=1)
+    for key in ("n_kv_heads", "ffn_dim"):
+        if getattr(m, key) is not None:
+            _check_int(getattr(m, key), f"model.{key}", minimum=1)
+    _check_float(m.norm_eps, "model.norm_eps", positive=True)
+    _check_bool(m.tie_embeddings, "model.tie_embeddings")
+    if m.arch == "llama":
+        if m.ffn_dim is None:
+            raise ConfigError("model.ffn_dim is null, but llama needs an explicit MLP size: set model.ffn_dim "
+                              "(e.g. about 8/3 * dim rounded to a multiple of 16)")
+        if m.rope_theta is None:
+            raise ConfigError("model.rope_theta is null, but llama uses RoPE: set model.rope_theta "
+                              "(10000.0 for Llama-2-style models, 500000.0 for Llama-3)")
+        _check_float(m.rope_theta, "model.rope_theta", positive=True)
+    else:  # gpt2: no GQA, learned positions
+        if m.n_kv_heads is not None and m.n_kv_heads != m.n_heads:
+            raise ConfigError(f"model.n_kv_heads={m.n_kv_heads}: gpt2 has no grouped-query attention; set "
+                              f"model.n_kv_heads to null (or to model.n_heads={m.n_heads}), e.g. "
+                              "--model.n_kv_heads null")
+        if m.rope_theta is not None:
+            raise ConfigError(f"model.rope_theta={m.rope_theta}: gpt2 uses learned absolute positions, not "
+                              "RoPE; set model.rope_theta to null, e.g. --model.rope_theta null")
+    # The family's own checks (head divisibility, even head dim, ...).
+    RunConfig(model=m).family_config()
+
+
+def _validate_parallel(p: ParallelConfig) -> None:
+    _check_int(p.nproc_per_node, "parallel.nproc_per_node", minimum=1)
+    _check_bool(p.sp, "parallel.sp")
+    for axis, what in (("cp", "context parallelism"), ("ep", "expert parallelism"),
+                       ("pp", "pipeline parallelism")):
+        n = getattr(p, axis)
+        _check_int(n, f"parallel.{axis}")
+        if n != 1:
+            raise ConfigError(f"parallel.{axis}={n}: {what} {NOT_YET}; set parallel.{axis} to 1")
+    fill = []
+    for axis in ("dp", "fsdp", "tp"):
+        n = getattr(p, axis)
+        _check_int(n, f"parallel.{axis}")
+        if n == 0 or n < -1:
+            raise ConfigError(f"parallel.{axis}={n}: sizes must be positive, or -1 to take the remaining ranks")
+        if n == -1:
+            fill.append(axis)
+    if len(fill) > 1:
+        raise ConfigError(f"parallel: only one axis may be -1 (it takes the remaining ranks), got "
+                          f"{', '.join(f'parallel.{a}=-1' for a in fill)}; give all but one a fixed size")
+
+
+def _validate_train(t: TrainConfig) -> None:
+    from ..train.schedule import SCHEDULES
+
+    for key in ("steps", "global_batch", "micro_batch", "seq_len", "log_every"):
+        _check_int(getattr(t, key), f"train.{key}", minimum=1)
+    _check_int(t.warmup_steps, "train.warmup_steps", minimum=0)
+    _check_int(t.eval_every, "train.eval_every", minimum=0)
+    if t.warmup_steps > t.steps:
+        raise ConfigError(f"train.warmup_steps={t.warmup_steps} exceeds train.steps={t.steps}: "
+                          "use fewer warmup steps")
+    if t.global_batch % t.micro_batch:
+        raise ConfigError(f"train.global_batch={t.global_batch} is not divisible by train.micro_batch="
+                          f"{t.micro_batch}: choose a global_batch that is a multiple of micro_batch")
+    _check_float(t.lr, "train.lr", positive=True)
+    _check_float(t.min_lr, "train.min_lr", minimum=0.0)
+    if t.min_lr > t.lr:
+        raise ConfigError(f"train.min_lr={t.min_lr} exceeds train.lr={t.lr}: min_lr is where the decay ends")
+    _choice(t.lr_schedule, "train.lr_schedule", SCHEDULES)
+    _check_float(t.weight_decay, "train.weight_decay", minimum=0.0)
+    if t.grad_clip is not None:
+        _check_float(t.grad_clip, "train.grad_clip", minimum=0.0)
+    _choice(t.precision, "train.precision", PRECISIONS)
+    _check_bool(t.compile, "train.compile")
+    if t.activation_checkpointing != "none":
+        raise ConfigError(f"train.activation_checkpointing={t.activation_checkpointing!r}: activation "
+                          f"checkpointing {NOT_YET}; set it to none")
+    if t.eval_every:
+        raise ConfigError(f"train.eval_every={t.eval_every}: evaluation {NOT_YET}; set train.eval_every to 0")
+
+
+def _validate_data(d: DataConfig) -> None:
+    if d.paths != "builtin" and d.paths != ["builtin"]:
+        raise ConfigError(f"data.paths={d.paths!r}: reading datasets from files (Megatron .bin/.idx) "
+                          f"{NOT_YET}; set data.paths to builtin (the embedded corpus)")
+    if d.tokenizer != "bytes":
+        raise ConfigError(f"data.tokenizer={d.tokenizer!r}: only the bytes tokenizer is available (other "
+                          f"tokenizers {NOT_YET}); set data.tokenizer to bytes")
+
+
+def _validate_checkpoint(c: CheckpointConfig) -> None:
+    _check_int(c.every, "checkpoint.every", minimum=0)
+    _check_int(c.keep_last, "checkpoint.keep_last", minimum=1)
+    _check_bool(c.export, "checkpoint.export")
+    if c.every:
+        raise ConfigError(f"checkpoint.every={c.every}: checkpoints {NOT_YET}; set checkpoint.every to 0")
+    if c.export:
+        raise ConfigError(f"checkpoint.export=true: exporting weights needs checkpoints, which {NOT_YET}; "
+                          "set checkpoint.export to false")
+    if c.resume not in ("auto", "none"):
+        raise ConfigError(f"checkpoint.resume={c.resume!r}: resuming from a checkpoint path {NOT_YET} "
+                          "(checkpoints are not implemented yet); set checkpoint.resume to auto or none")

@@ -1,0 +1,289 @@
+"""`meshtrain fit`: the config contract, the command line, and real (small) training runs.
+
+Subprocess runs pin OMP_NUM_THREADS=1: on a small, shared CPU box a few threads spinning
+against other processes make a tiny model a hundred times slower.
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from meshtrain.cli import main
+from meshtrain.config import RunConfig
+from meshtrain.data import BuiltinData, ByteTokenizer
+from meshtrain.errors import ConfigError
+from meshtrain.train.fit import fit
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = ROOT / "configs" / "tiny.yaml"
+
+# The contract: exactly these keys, in configs/tiny.yaml and in --print_config.
+CONTRACT = {
+    "run_dir": None, "seed": None,
+    "model": ["arch", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "max_seq_len",
+              "rope_theta", "norm_eps", "tie_embeddings"],
+    "parallel": ["nproc_per_node", "dp", "fsdp", "tp", "sp", "cp", "ep", "pp"],
+    "train": ["steps", "global_batch", "micro_batch", "seq_len", "lr", "min_lr", "warmup_steps", "lr_schedule",
+              "weight_decay", "grad_clip", "precision", "compile", "activation_checkpointing", "log_every",
+              "eval_every"],
+    "data": ["paths", "tokenizer"],
+    "checkpoint": ["every", "keep_last", "resume", "export"],
+}
+
+# The tiny config shrunk to seconds on one CPU core (1 layer, dim 64, 8 x 32 tokens).
+SMALL = ["--train.steps", "3", "--train.warmup_steps", "1", "--model.n_layers", "1", "--model.dim", "64",
+         "--model.n_heads", "4", "--model.n_kv_heads", "2", "--model.ffn_dim", "128", "--model.vocab_size", "256",
+         "--model.max_seq_len", "64", "--train.seq_len", "32", "--train.global_batch", "8",
+         "--train.micro_batch", "2"]
+
+
+def _env() -> dict:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+
+
+def run_cli(*args: str, launcher: list[str] | None = None, timeout: float = 300,
+            env: dict | None = None) -> subprocess.CompletedProcess:
+    """`python [launcher] -m meshtrain.cli args` in its own process group: on a timeout the
+    whole group (a launcher's workers included) gets SIGABRT, so Python prints where each
+    process was stuck, and nothing is left running."""
+    cmd = [sys.executable, *(launcher or []), "-m", "meshtrain.cli", *args]
+    env = {**_env(), "PYTHONFAULTHANDLER": "1", **(env or {})}
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGABRT)
+        try:
+            out, err = proc.communicate(timeout=30)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail(f"{' '.join(cmd)} did not finish in {timeout} s:\n{out}\n{err}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def single_run(tmp_path_factory):
+    """The small config, 3 steps, one process, through the command line."""
+    run_dir = tmp_path_factory.mktemp("single")
+    proc = run_cli("fit", "--config", str(TINY), *SMALL, "--run_dir", str(run_dir))
+    return proc, run_dir
+
+
+# --- the config contract ---------------------------------------------------------------
+
+def test_tiny_yaml_is_the_contract_and_the_defaults():
+    raw = yaml.safe_load(TINY.read_text())
+    assert {k: sorted(v) if isinstance(v, dict) else None for k, v in raw.items()} == \
+        {k: sorted(v) if v else None for k, v in CONTRACT.items()}
+    cfg = RunConfig.from_dict(raw).validate()
+    assert cfg == RunConfig()  # the dataclass defaults are the tiny run
+    assert RunConfig.from_dict(yaml.safe_load(cfg.to_yaml())) == cfg
+
+
+def test_every_field_has_a_docstring():
+    import meshtrain.config.schema as schema
+
+    source = ast.parse(Path(schema.__file__).read_text())
+    for node in source.body:
+        if isinstance(node, ast.ClassDef) and node.name.endswith("Config"):
+            body = node.body
+            for i, stmt in enumerate(body):
+                if isinstance(stmt, ast.AnnAssign):
+                    doc = body[i + 1] if i + 1 < len(body) else None
+                    assert isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant) and \
+                        isinstance(doc.value.value, str) and doc.value.value.strip(), \
+                        f"{node.name}.{stmt.target.id} has no docstring"
+
+
+def test_help_shows_the_field_docstrings(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["fit", "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert "--train.micro_batch" in out and "Sequences per data-parallel rank per micro-step" in out
+
+
+@pytest.mark.parametrize("args, key, words", [
+    (["--parallel.tp", "3"], "parallel.tp", "model.n_heads"),
+    (["--train.precision", "fp16"], "train.precision", "bf16"),
+    (["--model.arch", "gpt3"], "model.arch", "llama"),
+    (["--train.lr_schedule", "step"], "train.lr_schedule", "cosine"),
+    (["--train.activation_checkpointing", "full"], "train.activation_checkpointing", "not implemented yet"),
+    (["--parallel.cp", "2"], "parallel.cp", "not implemented yet"),
+    (["--parallel.ep", "2"], "parallel.ep", "not implemented yet"),
+    (["--parallel.pp", "2"], "parallel.pp", "not implemented yet"),
+    (["--checkpoint.every", "10"], "checkpoint.every", "not implemented yet"),
+    (["--checkpoint.export", "true"], "checkpoint.export", "not implemented yet"),
+    (["--checkpoint.resume", "runs/x/step_10"], "checkpoint.resume", "not implemented yet"),
+    (["--data.paths", "data/owt_text_document"], "data.paths", "not implemented yet"),
+    (["--data.tokenizer", "gpt2"], "data.tokenizer", "not implemented yet"),
+    (["--train.eval_every", "10"], "train.eval_every", "not implemented yet"),
+    (["--model.vocab_size", "128"], "model.vocab_size", "256"),
+    (["--train.seq_len", "512"], "train.seq_len", "model.max_seq_len"),
+    (["--train.global_batch", "10"], "train.global_batch", "micro_batch"),
+    (["--parallel.dp", "8"], "train.global_batch", "data-parallel size"),
+    (["--parallel.tp", "2", "--parallel.sp", "true", "--train.seq_len", "127"], "train.seq_len", "parallel.sp"),
+    (["--parallel.dp", "-1"], "parallel", "-1"),
+    (["--train.warmup_steps", "200"], "train.warmup_steps", "train.steps"),
+    (["--model.n_kv_heads", "3"], "model.n_kv_heads", "divisible"),
+    (["--model.arch", "gpt2"], "model.n_kv_heads", "--model.n_kv_heads null"),
+    (["--model.arch", "gpt2", "--model.n_kv_heads", "null"], "model.rope_theta", "--model.rope_theta null"),
+    (["--parallel.nproc_per_node", "2"], "parallel.nproc_per_node", "torchrun"),
+])
+def test_config_errors_name_the_key(capsys, tmp_path, args, key, words):
+    code = main(["fit", "--config", str(TINY), "--run_dir", str(tmp_path / "run"), *args])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert key in err and words in err, err
+    assert not (tmp_path / "run").exists()  # nothing is written for a config that cannot run
+
+
+def test_accumulation_is_checked_against_the_resolved_world():
+    cfg = RunConfig.from_dict({"train": {"global_batch": 16, "micro_batch": 4}}).validate()  # fsdp=-1
+    assert cfg.accumulation_steps(1) == 4 and cfg.accumulation_steps(2) == 2 and cfg.accumulation_steps(4) == 1
+    with pytest.raises(ConfigError, match="train.global_batch=16 .* data-parallel size 8"):
+        cfg.accumulation_steps(8)
+
+
+def test_unknown_keys_are_errors():
+    with pytest.raises(ConfigError, match="train.stpes"):
+        RunConfig.from_dict({"train": {"stpes": 3}})
+
+
+# --- the command line in a subprocess ---------------------------------------------------
+
+def test_fit_runs_and_writes_its_files(single_run):
+    proc, run_dir = single_run
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    records = read_metrics(run_dir)
+    assert [r["step"] for r in records] == [1, 2, 3]
+    for r in records:
+        assert set(r) >= {"step", "loss", "lr", "grad_norm", "tokens_per_s"}
+        assert math.isfinite(r["loss"]) and 0 < r["loss"] < 10 and r["tokens_per_s"] > 0
+    assert "step 3/3" in proc.stdout and "loss" in proc.stdout
+    written = RunConfig.from_dict(yaml.safe_load((run_dir / "config.yaml").read_text()))
+    assert written.train.steps == 3 and written.model.dim == 64 and written.run_dir == str(run_dir)
+    plan = json.loads((run_dir / "plan.json").read_text())
+    assert plan["world"] == 1 and plan["params"]
+
+
+def test_print_config_is_the_contract_yaml():
+    proc = run_cli("fit", "--config", str(TINY), "--train.steps", "20", "--print_config")
+    assert proc.returncode == 0, proc.stderr
+    printed = yaml.safe_load(proc.stdout)
+    assert {k: sorted(v) if isinstance(v, dict) else None for k, v in printed.items()} == \
+        {k: sorted(v) if v else None for k, v in CONTRACT.items()}
+    assert printed["train"]["steps"] == 20 and printed["model"]["dim"] == 256
+
+
+@pytest.mark.parametrize("args, key", [(["--parallel.tp", "3"], "parallel.tp"),
+                                       (["--train.precision", "fp16"], "train.precision")])
+def test_bad_values_exit_2_without_a_traceback(args, key):
+    proc = run_cli("fit", "--config", str(TINY), *args)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert key in proc.stderr and "Traceback" not in proc.stderr + proc.stdout
+
+
+def test_root_cli_py_and_console_script_run_the_same_main():
+    proc = subprocess.run([sys.executable, "cli.py", "fit", "--config", str(TINY), "--print_config"],
+                          cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and yaml.safe_load(proc.stdout)["run_dir"] == "runs/tiny", proc.stderr
+    script = Path(sys.executable).parent / "meshtrain"
+    if not script.exists():
+        pytest.skip("console script not installed (pip install -e .)")
+    proc = subprocess.run([str(script), "fit", "--config", str(TINY), "--parallel.pp", "2"], cwd=ROOT,
+                          env=_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "parallel.pp" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.slow
+def test_two_ranks_under_torchrun_match_one_process(single_run, tmp_path):
+    _, single_dir = single_run
+    run_dir = tmp_path / "fsdp2"
+    proc = run_cli("fit", "--config", str(TINY), *SMALL, "--parallel.fsdp", "2", "--run_dir", str(run_dir),
+                   launcher=["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"],
+                   env={"MESHTRAIN_DIST_TIMEOUT": "120"}, timeout=400)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("step 3/3") == 1  # rank 0 logs, rank 1 does not
+    plan = json.loads((run_dir / "plan.json").read_text())
+    assert plan["world"] == 2 and plan["mesh"] == {"fsdp": 2}
+    single = [r["loss"] for r in read_metrics(single_dir)]
+    sharded = [r["loss"] for r in read_metrics(run_dir)]
+    torch.testing.assert_close(torch.tensor(sharded), torch.tensor(single), rtol=1e-5, atol=0)
+
+
+# --- training in this process ------------------------------------------------------------
+
+def _small_cfg(tmp_path, **train) -> RunConfig:
+    cfg = RunConfig.from_dict(yaml.safe_load(TINY.read_text()))
+    cfg = dataclasses.replace(cfg, run_dir=str(tmp_path / "run"))
+    cfg.model = dataclasses.replace(cfg.model, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=176,
+                                    vocab_size=256, max_seq_len=64)
+    cfg.train = dataclasses.replace(cfg.train, seq_len=64, global_batch=16, micro_batch=8, **train)
+    return cfg
+
+
+def test_loss_falls_on_the_builtin_corpus(tmp_path, one_thread):
+    cfg = _small_cfg(tmp_path, steps=30, warmup_steps=3, lr=3e-3, min_lr=3e-4)
+    history = fit(cfg)
+    losses = [r["loss"] for r in history]
+    assert len(losses) == 30 and all(math.isfinite(x) for x in losses)
+    assert abs(losses[0] - math.log(256)) < 0.3  # starts near uniform over bytes
+    assert sum(losses[-3:]) / 3 < losses[0] - 2.0, losses  # and learns the corpus
+    assert read_metrics(Path(cfg.run_dir)) == history
+
+
+def test_gpt2_fits(tmp_path, one_thread):
+    cfg = _small_cfg(tmp_path, steps=2, warmup_steps=1, log_every=2)
+    cfg.model = dataclasses.replace(cfg.model, arch="gpt2", n_kv_heads=None, rope_theta=None)
+    history = fit(cfg)
+    assert [r["step"] for r in history] == [2] and math.isfinite(history[0]["loss"])
+
+
+# --- data ---------------------------------------------------------------------------------
+
+def test_batches_depend_on_seed_and_step_only():
+    a, b = BuiltinData(16, 128, seed=0), BuiltinData(16, 128, seed=0)
+    assert torch.equal(a.batch(5), b.batch(5)) and a.batch(5).shape == (16, 129)
+    assert not torch.equal(a.batch(5), a.batch(6))
+    assert not torch.equal(a.batch(5), BuiltinData(16, 128, seed=1).batch(5))
+    long = BuiltinData(2, 10_000).batch(0)  # longer than the corpus: windows wrap around
+    assert long.shape == (2, 10_001) and long.max() < 256
+    text = "naïve café"
+    assert ByteTokenizer().decode(ByteTokenizer().encode(text)) == text
+
+
+def test_data_imports_nothing_from_the_rest_of_meshtrain():
+    for path in (ROOT / "meshtrain" / "data").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                assert node.level <= 1 and not (node.module or "").startswith("meshtrain"), path
+            elif isinstance(node, ast.Import):
+                assert not any(a.name.startswith("meshtrain") for a in node.names), path
