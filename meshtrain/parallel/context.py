@@ -60,8 +60,12 @@ class _UseParam(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: DTensor):
-        grad = grad.to(ctx.dtype).redistribute(grad.device_mesh, ctx.placements)
-        return grad, None, None
+        grad = grad.to(ctx.dtype)
+        # Reduce-scatter over the sharded axes first, then all-reduce only the shard over
+        # the replicated ones (HSDP), instead of all-reducing the full gradient.
+        sharded_first = tuple(p if not p.is_replicate() else g for p, g in zip(ctx.placements, grad.placements))
+        grad = grad.redistribute(grad.device_mesh, sharded_first)
+        return grad.redistribute(grad.device_mesh, ctx.placements), None, None
 
 
 class _Regather:
@@ -82,10 +86,19 @@ class _Regather:
 
 
 class _BoundParams(Mapping):
+    """One forward's view of the parameters: each is gathered once however often it is
+    used (a tied embedding serves the lookup and the output projection)."""
+
     def __init__(self, context: "ShardedContext", params: Mapping[str, DTensor]):
         self._context, self._params = context, params
+        self._used: dict[str, DTensor] = {}
 
     def __getitem__(self, name: str) -> DTensor:
+        if name not in self._used:
+            self._used[name] = self._gather(name)
+        return self._used[name]
+
+    def _gather(self, name: str) -> DTensor:
         context = self._context
         placements = context.plan.params[name].compute_placements(context.plan.mesh)
         shard = self._params[name]

@@ -51,6 +51,7 @@ def make_train_step(model: ModelDef, plan=None, device_mesh=None, *, optimizer: 
         ctx = ShardedContext(plan, device_mesh, compute_dtype)
     schedule = schedule or LRSchedule(lr=optimizer.lr, kind="constant")
     scope = getattr(ctx, "regather_in_backward", contextlib.nullcontext)
+    data_ranks = plan.mesh.dp * plan.mesh.fsdp if plan is not None else 1
 
     def loss_sum(params, tokens, targets):
         return ctx.cross_entropy_sum(model.forward(params, tokens, ctx), targets)
@@ -71,6 +72,9 @@ def make_train_step(model: ModelDef, plan=None, device_mesh=None, *, optimizer: 
     def step(state: TrainState, batch: dict) -> dict:
         names = list(state.params)
         tokens, targets = batch["tokens"], batch["targets"]
+        if tokens.shape[1] % data_ranks:
+            raise ConfigError(f"batch: {tokens.shape[1]} sequences per micro-step cannot be split evenly over "
+                              f"{data_ranks} data-parallel ranks (dp x fsdp); use a multiple of {data_ranks}")
         n_tokens = (targets >= 0).sum().item()  # the whole global batch is known here
         total = None
         for micro in range(tokens.shape[0]):

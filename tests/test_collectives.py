@@ -1,0 +1,468 @@
+"""The collectives of one real training step, counted, against the closed forms of
+docs/parallelism.md ("Per-step collectives").
+
+Each case runs `make_train_step(...)` once, in-process, on the fake process group (every
+collective is issued with its real shape; the values are garbage, which does not
+matter here). Two independent counters watch the step:
+
+* `CommDebugMode` (torch's own): collectives per op type;
+* `_Recorder`, a TorchDispatchMode that records every c10d / functional collective with
+  its phase (forward, backward, optimizer), the mesh axis it runs over and its bytes.
+
+The expected values are computed here from the model config with the formulas in the
+doc, never by running meshtrain another way. Bytes are defined as in the doc:
+
+    all_gather      bytes of the gathered output on one rank (= input x group size)
+    reduce_scatter  bytes of the input on one rank (= output x group size)
+    all_reduce      bytes of the tensor
+
+`test_checks_can_fail` shows that each of the three checks (totals, per-message
+multiset, CommDebugMode counts) catches one collective too many or too few of every
+(phase, op, axis) kind that the step issues; `test_injected_collectives_are_caught` does
+the same with a real collective added to or removed from the step.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor.debug import CommDebugMode
+from torch.testing._internal.distributed.fake_pg import FakeStore
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from meshtrain.models import build
+from meshtrain.models.llama import LlamaConfig
+from meshtrain.parallel.context import ShardedContext
+from meshtrain.parallel.init import init_params
+from meshtrain.parallel.mesh import MeshSpec
+from meshtrain.parallel.plan import make_plan
+from meshtrain.parallel.rules import Rules
+from meshtrain.train.optim import AdamW
+from meshtrain.train.step import TrainState, make_train_step
+
+FP32 = 4  # bytes per element; every case here trains in fp32
+
+# Whether gathered parameters are dropped after forward and gathered again in backward
+# (ZeRO-3, FSDP2's reshard_after_forward=True: eager steps since 0273d13) or kept from
+# forward to backward (compiled steps, and the runtime before 0273d13). Read from the
+# runtime's interface, not from its behaviour; the formulas cover both. Every step here
+# is eager.
+REGATHER = hasattr(ShardedContext, "regather_in_backward")
+
+# Tiny, odd-sized: vocab 130 and ffn 100 are not powers of two, head_dim 8, GQA 6:2.
+CFG = LlamaConfig(dim=48, n_layers=2, n_heads=6, n_kv_heads=2, ffn_dim=100, vocab_size=130, max_seq_len=64)
+
+
+# ----------------------------------------------------------------------------------------
+# Recording
+
+@dataclass(frozen=True)
+class Msg:
+    """One collective: phase (fwd / bwd / opt), op (all_gather, reduce_scatter,
+    all_reduce_sum, all_reduce_max, ...), axis (mesh axis name, or "world") and bytes."""
+
+    phase: str
+    op: str
+    axis: str
+    nbytes: int
+
+
+_FUNCOL = ("_c10d_functional", "c10d_functional", "_c10d_functional_autograd")
+_NOT_COLLECTIVES = {"wait_tensor", "_wrap_tensor_autograd"}
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _in_optimizer() -> bool:
+    """True inside the step's `update` (grad norm + AdamW), found on the Python stack."""
+    f = sys._getframe(2)
+    while f is not None:
+        if f.f_code.co_name == "update" and Path(f.f_code.co_filename).as_posix().endswith("meshtrain/train/step.py"):
+            return True
+        f = f.f_back
+    return False
+
+
+class _Recorder(TorchDispatchMode):
+    def __init__(self, axis_of_group: dict[str, str]):
+        super().__init__()
+        self.axis_of_group = axis_of_group
+        self.msgs: list[Msg] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        ns, name = func.namespace, func.overloadpacket.__name__
+        if ns in _FUNCOL and name not in _NOT_COLLECTIVES or ns == "c10d":
+            self.msgs.append(self._describe(ns, name, args))
+        return func(*args, **kwargs)
+
+    def _describe(self, ns: str, name: str, args) -> Msg:
+        if torch._C._current_autograd_node() is not None:
+            phase = "bwd"
+        elif _in_optimizer():
+            phase = "opt"
+        else:
+            phase = "fwd"
+        if ns == "c10d":  # a non-functional c10d call: never expected, recorded as is
+            tensors = [a for a in args if isinstance(a, torch.Tensor)]
+            tensors += [t for a in args if isinstance(a, (list, tuple)) for t in a if isinstance(t, torch.Tensor)]
+            return Msg(phase, f"c10d.{name}", "?", sum(_nbytes(t) for t in tensors))
+        group = args[-1]
+        axis = self.axis_of_group.get(group, f"group:{group}")
+        if name == "all_gather_into_tensor":
+            inp, group_size = args[0], args[1]
+            return Msg(phase, "all_gather", axis, _nbytes(inp) * group_size)
+        if name == "reduce_scatter_tensor":
+            inp, op = args[0], args[1]
+            return Msg(phase, f"reduce_scatter_{op}", axis, _nbytes(inp))
+        if name == "all_reduce":
+            inp, op = args[0], args[1]
+            return Msg(phase, f"all_reduce_{op}", axis, _nbytes(inp))
+        # all_to_all_single, broadcast, coalesced variants...: unexpected, still recorded
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        tensors += [t for a in args if isinstance(a, (list, tuple)) for t in a if isinstance(t, torch.Tensor)]
+        return Msg(phase, name, axis, sum(_nbytes(t) for t in tensors))
+
+
+@dataclass
+class Observed:
+    msgs: list[Msg]
+    comm_counts: dict[str, int]  # CommDebugMode: op name -> count
+    tied: bool = False  # the step's model tied its embeddings
+
+
+def run_step(layout: dict, *, sp: bool = False, tied: bool = False, batch: int, seq: int,
+             micro: int = 1, world: int = 2, precision: str = "fp32", cfg: LlamaConfig = CFG) -> Observed:
+    """One real optimizer step on the fake process group, with both counters on."""
+    cfg = LlamaConfig(**{**cfg.__dict__, "tie_embeddings": tied})
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    try:
+        model = build("llama", cfg)
+        plan = make_plan(model.specs, Rules.default(sp=sp), MeshSpec(**layout), world=world)
+        mesh = plan.mesh.build()
+        axis_of_group = {}
+        if mesh.ndim > 1:
+            axis_of_group[dist.group.WORLD.group_name] = "world"
+        for i, axis in enumerate(mesh.mesh_dim_names):
+            axis_of_group[mesh.get_group(i).group_name] = axis
+        params = init_params(plan, mesh, seed=0)
+        step = make_train_step(model, plan, mesh, optimizer=AdamW(lr=3e-4), precision=precision)
+        state = TrainState.create(params)
+        t = torch.randint(0, cfg.vocab_size, (micro, batch, seq + 1), generator=torch.Generator().manual_seed(0))
+        recorder = _Recorder(axis_of_group)
+        with CommDebugMode() as comm, recorder:
+            step(state, {"tokens": t[..., :-1], "targets": t[..., 1:]})
+        counts = {k.__name__: v for k, v in comm.get_comm_counts().items() if v}
+        return Observed(recorder.msgs, counts, tied)
+    finally:
+        dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------------------
+# The doc's formulas, from the config alone
+#
+# L layers, d dim, hd = d / n_heads, kv = n_kv_heads, f ffn_dim, V vocab, B batch, S seq,
+# T = B * S tokens, m micro-batches, b = 4 bytes (fp32: gradients, loss, norms),
+# c = bytes of the compute dtype (4 in fp32, 2 in bf16: gathered parameters, activations).
+
+def block_param_sizes(cfg: LlamaConfig) -> dict[str, tuple[int, bool]]:
+    """Per block, in forward order: name -> (elements, split by tp?)."""
+    d, hd, kv, f = cfg.dim, cfg.dim // cfg.n_heads, cfg.n_kv_heads, cfg.ffn_dim
+    return {"attn_norm": (d, False), "wq": (d * d, True), "wk": (kv * hd * d, True), "wv": (kv * hd * d, True),
+            "wo": (d * d, True), "mlp_norm": (d, False), "w_gate": (f * d, True), "w_up": (f * d, True),
+            "w_down": (d * f, True)}
+
+
+def param_uses(cfg: LlamaConfig) -> list[tuple[int, bool]]:
+    """(elements, split by tp?) of every parameter gathered in one forward: 9 per block, the
+    final norm, and the vocab x dim tables (tok_emb for the lookup, `output` for the
+    projection; a tied tok_emb serves both and is gathered and reduced once)."""
+    uses = [(cfg.vocab_size * cfg.dim, True)]
+    for _ in range(cfg.n_layers):
+        uses += list(block_param_sizes(cfg).values())
+    uses += [(cfg.dim, False)]
+    if not cfg.tie_embeddings:
+        uses += [(cfg.vocab_size * cfg.dim, True)]
+    return uses
+
+
+def p_block(cfg: LlamaConfig) -> int:
+    """Closed form of one block's elements: 2d + 2d^2 + 2 kv hd d + 3 f d."""
+    d, hd = cfg.dim, cfg.dim // cfg.n_heads
+    return 2 * d + 2 * d * d + 2 * cfg.n_kv_heads * hd * d + 3 * cfg.ffn_dim * d
+
+
+LAYOUTS = ("fsdp", "dp", "hsdp", "tp", "tp_sp", "fsdp_tp", "fsdp_tp_sp")
+
+
+def closed_form(kind: str, cfg: LlamaConfig, B: int, S: int, m: int = 1, c: int = FP32,
+                tp: int = 2) -> dict[tuple, tuple[int, int]]:
+    """(phase, op, axis) -> (count, total bytes): the doc's closed-form tables. Every axis
+    that exists has size 2; `kind` is one of LAYOUTS."""
+    if kind not in LAYOUTS:
+        raise ValueError(kind)
+    L, d, V, b = cfg.n_layers, cfg.dim, cfg.vocab_size, FP32
+    tables = 1 if cfg.tie_embeddings else 2  # a tied table is gathered and reduced once
+    n, k = 9 * L + 1 + tables, 2 * L + 1  # parameters gathered per forward; tp/sp boundaries per forward
+    fsdp = kind in ("fsdp", "hsdp", "fsdp_tp", "fsdp_tp_sp")
+    dp = kind in ("dp", "hsdp")
+    with_tp, sp = kind in ("tp", "tp_sp", "fsdp_tp", "fsdp_tp_sp"), kind in ("tp_sp", "fsdp_tp_sp")
+    out: dict[tuple, tuple[int, int]] = {}
+
+    # Parameters: one gather per use, one gradient reduction per use, over fsdp / dp.
+    U = L * p_block(cfg) + d + tables * V * d  # elements of all parameters gathered
+    # Backward needs no value of the lookup-only table (untied tok_emb); a tied one is
+    # needed by the output projection.
+    lookup = 0 if cfg.tie_embeddings else V * d
+    if with_tp:  # tp-local pieces: everything but the norms is split tp ways
+        U = L * (2 * d + (p_block(cfg) - 2 * d) // tp) + d + tables * V * d // tp
+        lookup //= tp
+    if fsdp:
+        out[("fwd", "all_gather", "fsdp")] = (m * n, m * c * U)
+        if REGATHER:
+            out[("bwd", "all_gather", "fsdp")] = (m * (n - (lookup > 0)), m * c * (U - lookup))
+        out[("bwd", "reduce_scatter_sum", "fsdp")] = (m * n, m * b * U)
+    if dp:  # after the reduce-scatter when fsdp is there too: the shard (textbook HSDP)
+        out[("bwd", "all_reduce_sum", "dp")] = (m * n, m * b * U // (2 if fsdp else 1))
+
+    # The loss: a sum over the batch shards, one scalar all-reduce per batch axis.
+    for axis, present in (("dp", dp), ("fsdp", fsdp)):
+        if present:
+            out[("fwd", "all_reduce_sum", axis)] = (m, m * b)
+
+    # Tensor (and sequence) parallel activations, on the tokens of one batch shard.
+    if with_tp:
+        Bl = B // 2 if fsdp else B
+        Tl = Bl * S
+        out[("fwd", "all_reduce_max", "tp")] = (m, m * b * Tl)  # vocab-parallel loss: row max
+        if sp:
+            A = c * Bl * tp * math.ceil(S / tp) * d  # the sequence padded to a multiple of tp
+            for phase in ("fwd", "bwd"):
+                out[(phase, "reduce_scatter_sum", "tp")] = (m * k, m * k * A)
+                out[(phase, "all_gather", "tp")] = (m * k, m * k * A)
+            out[("fwd", "all_reduce_sum", "tp")] = (m, m * 2 * b * Tl)  # [sum_exp, target_logit]
+            norm = d // 2 if fsdp else d  # norm-weight grads, as the fsdp shard
+            out[("bwd", "all_reduce_sum", "tp")] = (m * k, m * k * b * norm)
+        else:
+            A = c * Tl * d
+            out[("fwd", "all_reduce_sum", "tp")] = (m * (k + 1), m * (k * A + 2 * b * Tl))
+            out[("bwd", "all_reduce_sum", "tp")] = (m * k, m * k * A)
+
+    # The optimizer: the squared grad norm, once per step, over the whole world.
+    world_axis = {"fsdp": "fsdp", "dp": "dp", "tp": "tp", "tp_sp": "tp"}.get(kind, "world")  # 1-D: its axis
+    out[("opt", "all_reduce_sum", world_axis)] = (1, b)
+    return out
+
+
+def per_message(kind: str, cfg: LlamaConfig, B: int, S: int, m: int = 1, c: int = FP32, tp: int = 2) -> Counter:
+    """The doc's per-use tables as a multiset of messages (each size, not just totals)."""
+    L, d, b = cfg.n_layers, cfg.dim, FP32
+    k = 2 * L + 1
+    out: Counter = Counter()
+    with_fsdp = kind in ("fsdp", "hsdp", "fsdp_tp", "fsdp_tp_sp")
+    with_tp = kind in ("tp", "tp_sp", "fsdp_tp", "fsdp_tp_sp")
+    for i, (n, tp_split) in enumerate(param_uses(cfg)):  # one gather, one gradient reduction per use
+        n = n // tp if with_tp and tp_split else n
+        if with_fsdp:
+            out[Msg("fwd", "all_gather", "fsdp", c * n)] += m
+            # Entry 0 is tok_emb: untied, only the lookup uses it and backward needs no value
+            # of it; tied, the output projection needs it again.
+            if REGATHER and (i > 0 or cfg.tie_embeddings):
+                out[Msg("bwd", "all_gather", "fsdp", c * n)] += m
+            out[Msg("bwd", "reduce_scatter_sum", "fsdp", b * n)] += m
+        if kind == "hsdp":
+            out[Msg("bwd", "all_reduce_sum", "dp", b * n // 2)] += m
+        if kind == "dp":
+            out[Msg("bwd", "all_reduce_sum", "dp", b * n)] += m
+    for axis in {"dp": ["dp"], "hsdp": ["dp", "fsdp"]}.get(kind, ["fsdp"] if with_fsdp else []):
+        out[Msg("fwd", "all_reduce_sum", axis, b)] += m  # the loss, summed over batch shards
+    if with_tp:
+        Bl = B // 2 if with_fsdp else B
+        Tl = Bl * S
+        out[Msg("fwd", "all_reduce_max", "tp", b * Tl)] += m  # vocab-parallel loss
+        out[Msg("fwd", "all_reduce_sum", "tp", 2 * b * Tl)] += m
+        if kind in ("tp_sp", "fsdp_tp_sp"):
+            A = c * Bl * tp * math.ceil(S / tp) * d
+            for phase in ("fwd", "bwd"):
+                out[Msg(phase, "reduce_scatter_sum", "tp", A)] += m * k
+                out[Msg(phase, "all_gather", "tp", A)] += m * k
+            out[Msg("bwd", "all_reduce_sum", "tp", b * (d // 2 if with_fsdp else d))] += m * k
+        else:
+            out[Msg("fwd", "all_reduce_sum", "tp", c * Tl * d)] += m * k
+            out[Msg("bwd", "all_reduce_sum", "tp", c * Tl * d)] += m * k
+    world_axis = {"fsdp": "fsdp", "dp": "dp", "tp": "tp", "tp_sp": "tp"}.get(kind, "world")
+    out[Msg("opt", "all_reduce_sum", world_axis, b)] += 1
+    return out
+
+
+_COMM_NAME = {"all_gather": "all_gather_into_tensor", "reduce_scatter_sum": "reduce_scatter_tensor",
+              "all_reduce_sum": "all_reduce", "all_reduce_max": "all_reduce"}
+
+
+def check_totals(obs: Observed, kind: str, cfg: LlamaConfig, B: int, S: int, m: int = 1, c: int = FP32) -> None:
+    """The closed forms: count and total bytes per (phase, op, axis)."""
+    expected = closed_form(kind, cfg, B, S, m, c)
+    got: dict[tuple, list[int]] = {}
+    for msg in obs.msgs:
+        tally = got.setdefault((msg.phase, msg.op, msg.axis), [0, 0])
+        tally[0] += 1
+        tally[1] += msg.nbytes
+    assert {k: tuple(v) for k, v in got.items()} == expected, _diff(got, expected)
+
+
+def check_messages(obs: Observed, kind: str, cfg: LlamaConfig, B: int, S: int, m: int = 1, c: int = FP32) -> None:
+    """The per-use tables: the multiset of individual messages (phase, op, axis, bytes)."""
+    want, have = per_message(kind, cfg, B, S, m, c), Counter(obs.msgs)
+    assert have == want, f"extra: {dict(have - want)}\nmissing: {dict(want - have)}"
+
+
+def check_comm_counts(obs: Observed, kind: str, cfg: LlamaConfig, B: int, S: int, m: int = 1,
+                      c: int = FP32) -> None:
+    """torch's CommDebugMode agrees with the closed forms on the count per op type."""
+    want: Counter = Counter()
+    for (_, op, _), (count, _) in closed_form(kind, cfg, B, S, m, c).items():
+        want[_COMM_NAME[op]] += count
+    assert obs.comm_counts == dict(want), f"CommDebugMode {obs.comm_counts} != formula {dict(want)}"
+
+
+CHECKS = (check_totals, check_messages, check_comm_counts)
+
+
+def check(obs: Observed, kind: str, cfg: LlamaConfig, B: int, S: int, m: int = 1, c: int = FP32) -> None:
+    """Raise AssertionError unless the step's collectives equal the doc's formulas."""
+    cfg = LlamaConfig(**{**cfg.__dict__, "tie_embeddings": obs.tied})
+    for f in CHECKS:
+        f(obs, kind, cfg, B, S, m, c)
+
+
+def _diff(got, expected) -> str:
+    lines = []
+    for k in sorted(set(got) | set(expected)):
+        g, e = tuple(got.get(k, (0, 0))), expected.get(k, (0, 0))
+        if g != e:
+            lines.append(f"  {k}: got (count, bytes) {g}, formula {e}")
+    return "collectives differ from the closed forms:\n" + "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------
+# The three layouts of the doc (world 2), tied and untied
+
+CASES = [
+    # id, layout, sp, tied, kind, B, S
+    ("fsdp2", dict(fsdp=2), False, False, "fsdp", 4, 7),
+    ("fsdp2-tied", dict(fsdp=2), False, True, "fsdp", 4, 7),
+    ("tp2", dict(tp=2), False, False, "tp", 3, 7),
+    ("tp2-tied", dict(tp=2), False, True, "tp", 3, 7),
+    ("tp2-sp", dict(tp=2), True, False, "tp_sp", 3, 10),
+    ("tp2-sp-tied-uneven-seq", dict(tp=2), True, True, "tp_sp", 3, 9),
+]
+
+
+@pytest.mark.parametrize("layout,sp,tied,kind,B,S", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_step_collectives_match_formulas(layout, sp, tied, kind, B, S):
+    obs = run_step(layout, sp=sp, tied=tied, batch=B, seq=S)
+    check(obs, kind, CFG, B, S)
+
+
+def test_micro_batches_repeat_forward_and_backward_only():
+    """m micro-batches: every forward / backward collective m times, the optimizer's once."""
+    obs = run_step(dict(fsdp=2), tied=True, batch=4, seq=5, micro=2)
+    check(obs, "fsdp", CFG, 4, 5, m=2)
+
+
+@pytest.mark.parametrize("layout,sp,kind", [(dict(fsdp=2), False, "fsdp"), (dict(tp=2), True, "tp_sp")],
+                         ids=["fsdp2", "tp2-sp"])
+def test_bf16_halves_gathers_and_activations_only(layout, sp, kind):
+    """bf16 compute: parameters are gathered and activations move in bf16 (c = 2); the
+    gradient reduce-scatters, norm-grad all-reduces, loss reductions and the grad norm stay fp32."""
+    obs = run_step(layout, sp=sp, tied=True, batch=2, seq=6, precision="bf16")
+    check(obs, kind, CFG, 2, 6, c=2)
+
+
+def test_fsdp_backward_all_gathers():
+    """Kept gathered parameters: no all-gather in backward. Re-gathered (ZeRO-3): one per
+    parameter use whose value backward needs, i.e. all but the embedding lookup."""
+    obs = run_step(dict(fsdp=2), batch=2, seq=5)
+    gathers = [m for m in obs.msgs if m.phase == "bwd" and m.op == "all_gather"]
+    assert len(gathers) == (9 * CFG.n_layers + 2 if REGATHER else 0)
+
+
+def test_data_parallel_collectives():
+    obs = run_step(dict(dp=2), tied=True, batch=4, seq=5)
+    check(obs, "dp", CFG, 4, 5)
+
+
+def test_hsdp_collectives():
+    """Reduce-scatter over fsdp first, then all-reduce the shard over dp."""
+    obs = run_step(dict(dp=2, fsdp=2), batch=4, seq=5, world=4)
+    check(obs, "hsdp", CFG, 4, 5)
+
+
+def test_fsdp_x_tp_collectives():
+    """FSDP x TP (world 4). Also guards the vocab-parallel embedding's gradient: before
+    cb158b8 its table gradient was marked Replicate over fsdp, so tok_emb's lookup use
+    got no reduce-scatter (one short here) and a gradient from one batch shard only."""
+    obs = run_step(dict(fsdp=2, tp=2), batch=4, seq=5, world=4)
+    check(obs, "fsdp_tp", CFG, 4, 5)
+
+
+def test_fsdp_x_tp_sp_tied_collectives():
+    obs = run_step(dict(fsdp=2, tp=2), sp=True, tied=True, batch=4, seq=6, world=4)
+    check(obs, "fsdp_tp_sp", CFG, 4, 6)
+
+
+# ----------------------------------------------------------------------------------------
+# The checks can fail
+
+def test_checks_can_fail():
+    """Each of the three checks, on its own, catches one collective too many or too few
+    (or one message resized) of every (phase, op, axis) kind the step issues."""
+    for _, layout, sp, tied, kind, B, S in (CASES[0], CASES[2], CASES[4]):
+        obs = run_step(layout, sp=sp, tied=tied, batch=B, seq=S)
+        check(obs, kind, CFG, B, S)
+        kinds = {(m.phase, m.op, m.axis): m for m in obs.msgs}
+        assert len(kinds) >= 4
+        for msg in kinds.values():
+            i = obs.msgs.index(msg)
+            fewer = Observed(obs.msgs[:i] + obs.msgs[i + 1:], obs.comm_counts)
+            more = Observed(obs.msgs + [msg], obs.comm_counts)
+            resized = Observed(obs.msgs[:i] + [Msg(msg.phase, msg.op, msg.axis, msg.nbytes + FP32)]
+                               + obs.msgs[i + 1:], obs.comm_counts)
+            for bad in (fewer, more, resized):
+                for f in (check_totals, check_messages):
+                    with pytest.raises(AssertionError):
+                        f(bad, kind, CFG, B, S)
+        for op in obs.comm_counts:
+            for delta in (-1, 1):
+                bad = Observed(obs.msgs, {**obs.comm_counts, op: obs.comm_counts[op] + delta})
+                with pytest.raises(AssertionError):
+                    check_comm_counts(bad, kind, CFG, B, S)
+        # The right collectives against another layout's formulas do not pass either.
+        for other in ("fsdp", "tp", "tp_sp"):
+            if other != kind:
+                for f in CHECKS:
+                    with pytest.raises(AssertionError):
+                        f(obs, other, CFG, B, S)
+
+
+def test_injected_collectives_are_caught(monkeypatch):
+    """A real extra or missing collective in the step (the grad-norm all-reduce doubled or
+    dropped) fails the check."""
+    import meshtrain.train.step as step_module
+
+    real = step_module.all_reduce_sum
+    monkeypatch.setattr(step_module, "all_reduce_sum", lambda x: real(real(x)))
+    with pytest.raises(AssertionError, match="opt"):
+        check(run_step(dict(tp=2), batch=2, seq=4), "tp", CFG, 2, 4)
+    monkeypatch.setattr(step_module, "all_reduce_sum", lambda x: x)
+    with pytest.raises(AssertionError, match="opt"):
+        check(run_step(dict(tp=2), batch=2, seq=4), "tp", CFG, 2, 4)
