@@ -69,7 +69,7 @@ def param_specs(cfg: GPT2Config) -> dict[str, ParamSpec]:
     # residual variance does not grow with depth (GPT-2 convention).
     out_std = std / math.sqrt(2 * cfg.n_layers)
     specs = {
-        "tok_emb": ParamSpec((cfg.vocab_size, d), ("vocab", "embed"), std=std),
+        "tok_emb": ParamSpec((cfg.vocab_size, d), ("vocab", "embed"), std=std, reused=cfg.tie_embeddings),
         "pos_emb": ParamSpec((cfg.max_seq_len, d), ("positions", "embed"), std=std),
     }
     for i in range(cfg.n_layers):

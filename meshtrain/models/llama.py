@@ -75,7 +75,7 @@ def param_specs(cfg: LlamaConfig) -> dict[str, ParamSpec]:
     # Output projections feed the residual stream once per block each: scale them so the
     # residual variance does not grow with depth (GPT-2 / Megatron convention).
     out_std = std / math.sqrt(2 * cfg.n_layers)
-    specs = {"tok_emb": ParamSpec((cfg.vocab_size, d), ("vocab", "embed"), std=std)}
+    specs = {"tok_emb": ParamSpec((cfg.vocab_size, d), ("vocab", "embed"), std=std, reused=cfg.tie_embeddings)}
     for i in range(cfg.n_layers):
         p = f"layers.{i}."
         specs[p + "attn_norm"] = ParamSpec((d,), ("norm",), init="ones")

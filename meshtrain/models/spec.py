@@ -27,6 +27,8 @@ class ParamSpec:
     init: "normal" (mean 0, std `std`), "ones" or "zeros".
     units: per dim, how many consecutive elements must stay on one shard (head_dim for
     a dim that packs heads), so a layout can only split whole heads.
+    reused: the forward uses this parameter at more than one place (a tied embedding), so
+    a runtime that gathers parameters should gather it once and keep it for the forward.
     """
 
     shape: tuple[int, ...]
@@ -35,6 +37,7 @@ class ParamSpec:
     std: float = 0.02
     dtype: torch.dtype = torch.float32
     units: tuple[int, ...] | None = None
+    reused: bool = False
 
     def __post_init__(self) -> None:
         if len(self.shape) != len(self.axes):

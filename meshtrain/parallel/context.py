@@ -86,17 +86,22 @@ class _Regather:
 
 
 class _BoundParams(Mapping):
-    """One forward's view of the parameters: each is gathered once however often it is
-    used (a tied embedding serves the lookup and the output projection)."""
+    """One forward's view of the parameters. A parameter the model marks `reused` (a tied
+    embedding) is gathered once and kept for the forward, so its uses share one gather
+    and one gradient reduction; any other is gathered where it is looked up and dropped
+    after its use, so a forward holds one layer's gathered weights, not the model's."""
 
     def __init__(self, context: "ShardedContext", params: Mapping[str, DTensor]):
         self._context, self._params = context, params
-        self._used: dict[str, DTensor] = {}
+        self._kept: dict[str, DTensor] = {}
 
     def __getitem__(self, name: str) -> DTensor:
-        if name not in self._used:
-            self._used[name] = self._gather(name)
-        return self._used[name]
+        if name in self._kept:
+            return self._kept[name]
+        gathered = self._gather(name)
+        if self._context.plan.params[name].spec.reused:
+            self._kept[name] = gathered
+        return gathered
 
     def _gather(self, name: str) -> DTensor:
         context = self._context
