@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from .context import ModelContext
-from .layers import apply_rope, rms_norm, rope_frequencies, rope_table
+from .layers import apply_rope, rms_norm, rope_cos_sin
 from .spec import ParamSpec
 
 
@@ -100,7 +100,7 @@ def forward(cfg: LlamaConfig, params: Mapping[str, torch.Tensor], tokens: torch.
     seq_len = tokens.shape[1]
     tokens = ctx.constrain(tokens, ("batch", "seq"))
     x = ctx.constrain(ctx.embedding(tokens, p["tok_emb"]), ("batch", "seq_sp", None))
-    cos, sin = rope_table(seq_len, rope_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
+    cos, sin = rope_cos_sin(seq_len, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
     cos, sin = (ctx.constrain(t.to(x.dtype), ("seq", None)) for t in (cos, sin))
     for i in range(cfg.n_layers):
         x = x + _attention(cfg, p, f"layers.{i}.", x, cos, sin, ctx)
