@@ -10,7 +10,6 @@ import re
 from pathlib import Path
 
 import pytest
-import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard

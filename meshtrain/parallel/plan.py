@@ -12,7 +12,6 @@ import math
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
-import torch
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
