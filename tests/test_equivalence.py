@@ -135,3 +135,29 @@ def test_inductor_single_process_matches_eager(reference):
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference[0]), rtol=LOSS_RTOL, atol=0)
     for n, ref in reference[1].items():
         torch.testing.assert_close(params[n], ref, rtol=0, atol=PARAM_ATOL)
+
+
+def train_inductor(names):
+    import torch.distributed as dist
+
+    model = build("llama", CFG)
+    out = {}
+    for name in names:
+        sizes, sp, overrides = LAYOUTS[2][name]
+        plan = make_plan(model.specs, Rules.default(sp=sp), MeshSpec(**sizes), world=dist.get_world_size())
+        mesh = plan.mesh.build()
+        params = init_params(plan, mesh, seed=0)
+        initial = {n: p.full_tensor().detach().clone() for n, p in params.items()}
+        step = make_train_step(model, plan, mesh, compile=True, **_optimizer())
+        state = TrainState.create(params)
+        losses = [step(state, b)["loss"] for b in batches(micro_steps=2)]
+        out[name] = (losses, initial, {n: p.full_tensor().detach().clone() for n, p in params.items()})
+    return out
+
+
+@pytest.mark.slow
+def test_inductor_sharded_layouts_match_single_process(reference):
+    """Inductor's generated code on DTensor layouts: fsdp (gathers) and tp+sp (sequence
+    all-gather / reduce-scatter, vocab-parallel loss)."""
+    results = run_ranks(train_inductor, 2, ["fsdp2", "tp2_sp"])
+    _check(reference, results[0])
