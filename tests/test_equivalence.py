@@ -57,15 +57,15 @@ def single_process(micro_steps: int = 1, compile=False):
 COMPILED = {"dp2", "fsdp2", "tp2", "tp2_sp", "dp2_fsdp2", "fsdp2_tp2", "fsdp2_tp2_sp"}
 
 
-def train_layouts(world: int, compile):
-    """Runs on every rank: each layout of this world size in turn."""
+def train_layouts(world: int, compile, names=None):
+    """Runs on every rank: each layout of this world size in turn (or those named)."""
     import torch.distributed as dist
 
+    names = names or [n for n in LAYOUTS[world] if not compile or n in COMPILED]
     model = build("llama", CFG)
     out = {}
-    for name, (sizes, sp, overrides) in LAYOUTS[world].items():
-        if compile and name not in COMPILED:
-            continue
+    for name in names:
+        sizes, sp, overrides = LAYOUTS[world][name]
         rules = Rules(Rules.default(sp=sp).mapping, overrides or {})
         plan = make_plan(model.specs, rules, MeshSpec(**sizes), world=dist.get_world_size())
         mesh = plan.mesh.build()
@@ -137,27 +137,10 @@ def test_inductor_single_process_matches_eager(reference):
         torch.testing.assert_close(params[n], ref, rtol=0, atol=PARAM_ATOL)
 
 
-def train_inductor(names):
-    import torch.distributed as dist
-
-    model = build("llama", CFG)
-    out = {}
-    for name in names:
-        sizes, sp, overrides = LAYOUTS[2][name]
-        plan = make_plan(model.specs, Rules.default(sp=sp), MeshSpec(**sizes), world=dist.get_world_size())
-        mesh = plan.mesh.build()
-        params = init_params(plan, mesh, seed=0)
-        initial = {n: p.full_tensor().detach().clone() for n, p in params.items()}
-        step = make_train_step(model, plan, mesh, compile=True, **_optimizer())
-        state = TrainState.create(params)
-        losses = [step(state, b)["loss"] for b in batches(micro_steps=2)]
-        out[name] = (losses, initial, {n: p.full_tensor().detach().clone() for n, p in params.items()})
-    return out
-
 
 @pytest.mark.slow
 def test_inductor_sharded_layouts_match_single_process(reference):
     """Inductor's generated code on DTensor layouts: fsdp (gathers) and tp+sp (sequence
     all-gather / reduce-scatter, vocab-parallel loss)."""
-    results = run_ranks(train_inductor, 2, ["fsdp2", "tp2_sp"])
+    results = run_ranks(train_layouts, 2, 2, True, ["fsdp2", "tp2_sp"])
     _check(reference, results[0])
