@@ -1,6 +1,20 @@
 """Training data. Imports nothing from the rest of meshtrain, so loaders can run anywhere
-(worker processes, tools) without pulling in the model or the parallel runtime."""
+(worker processes, tools) without pulling in the model or the parallel runtime.
 
-from .builtin import CORPUS, ByteTokenizer, BuiltinData, sample_windows
+    preprocess     JSON lines -> Megatron-LM indexed dataset (<prefix>.bin / .idx)
+    indexed        read and write those files, byte compatible with Megatron-LM
+    tokenizer      bytes, or a Hugging Face tokenizer.json
+    dataset        packing, shuffling, blending, splits: build_data for the trainer
+    builtin        the embedded corpus (the default, no-download dataset)
+"""
 
-__all__ = ["CORPUS", "BuiltinData", "ByteTokenizer", "sample_windows"]
+from .builtin import CORPUS, builtin_dataset
+from .dataset import BlendSchedule, EpochShuffle, PackedDataset, TokenData, build_data, parse_paths
+from .errors import DataError
+from .indexed import IndexedDataset, IndexedWriter
+from .preprocess import preprocess
+from .tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
+
+__all__ = ["CORPUS", "BlendSchedule", "ByteTokenizer", "DataError", "EpochShuffle", "HFTokenizer",
+           "IndexedDataset", "IndexedWriter", "PackedDataset", "TokenData", "build_data", "builtin_dataset",
+           "load_tokenizer", "parse_paths", "preprocess"]

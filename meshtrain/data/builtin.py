@@ -1,20 +1,21 @@
-"""The built-in corpus, the byte tokenizer, and a deterministic window sampler.
-
-The corpus is a few KB of English embedded in this module (no files, no network), for
-smoke tests and examples: a model can visibly learn its spelling and phrasing within a
+"""The built-in corpus: a few KB of English embedded in this module (no files, no network),
+for smoke tests and examples: a model can visibly learn its spelling and phrasing within a
 few dozen steps. It is not a dataset to measure anything on.
 
-The sampler draws each step's global batch from (seed, step) alone: every rank, every
-layout and every world size sees the same sequences, in the same order, and a resumed
-run sees the batch it would have seen without stopping. Windows wrap around the end of
-the corpus, so any sequence length works.
+`builtin_dataset()` serves it through the same interface as a Megatron-LM indexed dataset:
+one document per paragraph (split at blank lines), bytes-tokenized with BOS and EOS.
 """
 
 from __future__ import annotations
 
-import hashlib
+import re
 
-import torch
+import numpy as np
+
+from .indexed import IndexedDataset
+from .tokenizer import ByteTokenizer
+
+NAME = "builtin corpus"
 
 # The Gettysburg Address (Abraham Lincoln, 1863; public domain), followed by passages
 # written for this module and dedicated to the public domain.
@@ -108,40 +109,13 @@ down the hundred and twelve steps to sleep.
 """
 
 
-class ByteTokenizer:
-    """Token = byte value: UTF-8 bytes in, bytes out. Vocabulary 256, no special tokens."""
-
-    vocab_size = 256
-
-    def encode(self, text: str) -> torch.Tensor:
-        return torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8).long()
-
-    def decode(self, tokens) -> str:
-        return bytes(int(t) for t in tokens).decode("utf-8", errors="replace")
+def builtin_documents(text: str = CORPUS) -> list[str]:
+    """The corpus split into documents at blank lines."""
+    return [doc for doc in re.split(r"\n[ \t]*\n", text.strip()) if doc.strip()]
 
 
-def _generator(seed: int, step: int) -> torch.Generator:
-    digest = hashlib.blake2b(f"meshtrain.data.builtin/{seed}/{step}".encode(), digest_size=8).digest()
-    return torch.Generator().manual_seed(int.from_bytes(digest, "little") & ((1 << 63) - 1))
-
-
-def sample_windows(tokens: torch.Tensor, batch: int, length: int, seed: int, step: int) -> torch.Tensor:
-    """(batch, length) windows of the 1-D `tokens`, starting at offsets drawn from
-    (seed, step) only; a window that runs past the end continues from the start."""
-    n = tokens.numel()
-    starts = torch.randint(0, n, (batch,), generator=_generator(seed, step))
-    index = (starts[:, None] + torch.arange(length)) % n
-    return tokens[index]
-
-
-class BuiltinData:
-    """Each step's global batch from the embedded corpus: `batch(step)` is a
-    (global_batch, seq_len + 1) LongTensor; inputs are [:, :-1], targets [:, 1:]."""
-
-    def __init__(self, global_batch: int, seq_len: int, seed: int = 0, text: str = CORPUS):
-        self.global_batch, self.seq_len, self.seed = global_batch, seq_len, seed
-        self.tokenizer = ByteTokenizer()
-        self.tokens = self.tokenizer.encode(text)
-
-    def batch(self, step: int) -> torch.Tensor:
-        return sample_windows(self.tokens, self.global_batch, self.seq_len + 1, self.seed, step)
+def builtin_dataset(text: str = CORPUS) -> IndexedDataset:
+    """The corpus as an in-memory indexed dataset: per document BOS + UTF-8 bytes + EOS."""
+    tok = ByteTokenizer()
+    return IndexedDataset.in_memory([tok.encode(doc) + [tok.eos_id] for doc in builtin_documents(text)],
+                                    np.uint16, NAME)

@@ -1,0 +1,163 @@
+"""JSON lines -> a Megatron-LM indexed dataset (<prefix>.bin, <prefix>.idx).
+
+One document per non-blank line, one sequence per document: the tokenizer's encoding of
+the line's text, plus EOS with append_eod. Tokens are uint16 when the vocabulary fits, else
+int32 (what Megatron-LM's preprocess_data.py picks). With workers > 1 a process pool
+encodes chunks of lines and the results are written in input order, so the output is the
+same for any worker count. Any error leaves files under the final names as they were.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+
+import numpy as np
+
+from .errors import DataError
+from .indexed import IndexedWriter, bin_path, idx_path
+from .tokenizer import EOS_TOKENS, load_tokenizer
+
+CHUNK_LINES = 256  # lines per worker task: large enough to amortise the inter-process hop
+
+
+def preprocess(input, output_prefix, tokenizer="bytes", append_eod: bool = False, workers: int = 1,
+               text_key: str = "text") -> dict:
+    """Tokenize the JSON-lines file `input` into <output_prefix>.bin/.idx. `tokenizer` is a
+    spec for load_tokenizer (bytes, a tokenizer.json) or a tokenizer object. Returns
+    {documents, tokens, dtype, bin, idx}."""
+    src, prefix = os.fspath(input), os.fspath(output_prefix)
+    if not os.path.exists(src):
+        raise DataError(f"{src}: input file not found; give a .jsonl file with one JSON object per line")
+    if not os.path.isfile(src):
+        raise DataError(f"{src}: not a file; give a .jsonl file with one JSON object per line")
+    _check_output(prefix)
+    if not isinstance(workers, int) or workers < 1:
+        raise DataError(f"workers={workers!r}: give a whole number of processes, at least 1")
+    tok = load_tokenizer(tokenizer)
+    eod = None
+    if append_eod:
+        eod = tok.eos_id
+        if eod is None:
+            name = getattr(tok, "name", type(tok).__name__)
+            raise DataError(f"tokenizer {name}: no end-of-document token (looked for {', '.join(EOS_TOKENS)}); "
+                            "drop --append-eod or use a tokenizer that has one")
+    dtype = np.uint16 if tok.vocab_size <= 65536 else np.int32
+    with IndexedWriter(prefix, dtype) as writer:
+        encoder = _Encoder(tok, src, text_key, eod)
+        if workers == 1:
+            _write(map(encoder, _chunks(src)), writer)
+        else:
+            _encode_parallel(_chunks(src), workers, encoder, writer)
+        if writer.documents == 0:
+            raise DataError(f"{src}: no documents (the file has no non-blank lines); give a .jsonl file with one "
+                            f'JSON object per line, such as {{"{text_key}": "..."}}')
+    return {"documents": writer.documents, "tokens": writer.tokens, "dtype": np.dtype(dtype).name,
+            "bin": bin_path(prefix), "idx": idx_path(prefix)}
+
+
+def _check_output(prefix: str) -> None:
+    for ext in (".bin", ".idx"):
+        if prefix.endswith(ext):
+            raise DataError(f"output prefix {prefix!r}: the prefix is given without extension (it writes "
+                            f"<prefix>.bin and <prefix>.idx); use {prefix[:-len(ext)]!r}")
+    if not os.path.basename(prefix):
+        raise DataError(f"output prefix {prefix!r} names a directory; add a file name, e.g. {prefix}docs")
+    directory = os.path.dirname(os.path.abspath(prefix))
+    if not os.path.isdir(directory):
+        raise DataError(f"output prefix {prefix!r}: directory {directory} does not exist; create it first")
+    if not os.access(directory, os.W_OK):
+        raise DataError(f"output prefix {prefix!r}: directory {directory} is not writable; choose another "
+                        "output prefix or fix its permissions")
+
+
+def _chunks(path: str):
+    """Lists of (line number, raw bytes) of the non-blank lines, CHUNK_LINES at a time."""
+    chunk = []
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, 1):
+            if raw.strip():
+                chunk.append((number, raw))
+                if len(chunk) == CHUNK_LINES:
+                    yield chunk
+                    chunk = []
+    if chunk:
+        yield chunk
+
+
+def _encode_parallel(chunks, workers: int, encoder: "_Encoder", writer: IndexedWriter) -> None:
+    # fork where there is one: workers start at once instead of re-importing torch.
+    methods = mp.get_all_start_methods()
+    ctx = mp.get_context("fork" if "fork" in methods else None)
+    with ctx.Pool(workers, initializer=_start_worker, initargs=(encoder,)) as pool:
+        # A bounded window of chunks in flight keeps memory flat on any input size;
+        # imap returns them in order, so the first bad line raises first, as with one worker.
+        window = []
+        for chunk in chunks:
+            window.append(chunk)
+            if len(window) == 4 * workers:
+                _write(pool.imap(_encode_in_worker, window), writer)
+                window = []
+        _write(pool.imap(_encode_in_worker, window), writer)
+
+
+def _write(results, writer: IndexedWriter) -> None:
+    for docs in results:
+        for tokens in docs:
+            writer.add_document(tokens)
+
+
+# The encoder of a pool worker: sent once when the worker starts, not with every chunk.
+_WORKER: dict = {}
+
+
+def _start_worker(encoder: "_Encoder") -> None:
+    _WORKER["encoder"] = encoder
+
+
+def _encode_in_worker(chunk) -> list[np.ndarray]:
+    return _WORKER["encoder"](chunk)
+
+
+class _Encoder:
+    """Chunk of (line number, raw line) -> token arrays, one per document."""
+
+    def __init__(self, tok, src: str, text_key: str, eod: int | None):
+        self.tok, self.src, self.text_key, self.eod = tok, src, text_key, eod
+
+    def __call__(self, chunk) -> list[np.ndarray]:
+        out = []
+        for number, raw in chunk:
+            ids = self.tok.encode(self.text(number, raw))
+            if self.eod is not None:
+                ids = [*ids, self.eod]
+            out.append(np.asarray(ids, dtype=np.int64))
+        return out
+
+    def text(self, number: int, raw: bytes) -> str:
+        where, key = f"{self.src}:{number}", self.text_key
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise DataError(f"{where}: not valid UTF-8 (byte {e.start} of the line is {raw[e.start:e.start + 1]!r}); "
+                            "re-encode the file as UTF-8") from None
+        if number == 1:
+            line = line.lstrip("\ufeff")  # a byte-order mark some editors write
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{where}: not valid JSON ({e.msg} at column {e.colno}); each line must be one JSON "
+                            f'object such as {{"{key}": "..."}}') from None
+        if not isinstance(obj, dict):
+            raise DataError(f"{where}: a JSON {type(obj).__name__}, not an object; each line must be one JSON object "
+                            f'such as {{"{key}": "..."}}')
+        if key not in obj:
+            keys = ", ".join(repr(k) for k in list(obj)[:8]) or "none"
+            raise DataError(f"{where}: no {key!r} key (keys: {keys}); set the text key (--text-key) to the field "
+                            "that holds the text")
+        text = obj[key]
+        if not isinstance(text, str):
+            raise DataError(f"{where}: {key!r} is a JSON {type(text).__name__}, not a string; every line's {key!r} "
+                            "must be text")
+        return text
