@@ -2,10 +2,12 @@
 
     meshtrain fit --config configs/tiny.yaml [--train.steps 20 --parallel.tp 2 ...]
     meshtrain fit --config configs/tiny.yaml --print_config
+    meshtrain preprocess --input docs.jsonl --output-prefix data/docs --tokenizer bytes --append-eod
 
-Every key of the YAML file can be overridden with a dotted flag. Configuration errors
-(meshtrain.errors.ConfigError) are printed without a traceback and exit with status 2,
-as argument errors do.
+Every key of the YAML file can be overridden with a dotted flag. Bad input (a config
+value, a dataset, a checkpoint) is printed as one line without a traceback and exits with
+status 2, as argument errors do. A rank that fails in a self-launched run is reported
+with its own traceback, first, and the command exits 1.
 """
 
 from __future__ import annotations
@@ -28,8 +30,17 @@ def build_parser():
                                      "then dotted flags, in the order given.")
     fit.add_argument("--config", action=ActionConfigFile, help="A YAML file with the keys below.")
     fit.add_class_arguments(RunConfig, as_group=False)
+    preprocess = ArgumentParser(description="Tokenize a JSON-lines file into a Megatron-LM indexed dataset "
+                                            "(<prefix>.bin and <prefix>.idx).")
+    preprocess.add_argument("--input", required=True, help="A .jsonl file: one JSON object per line.")
+    preprocess.add_argument("--output-prefix", required=True, help="Path of the output without .bin/.idx.")
+    preprocess.add_argument("--tokenizer", default="bytes", help="bytes, or the path of a tokenizer.json.")
+    preprocess.add_argument("--append-eod", action="store_true", help="End every document with EOS.")
+    preprocess.add_argument("--workers", type=int, default=1, help="Processes that tokenize in parallel.")
+    preprocess.add_argument("--text-key", default="text", help="The JSON key holding each document's text.")
     subcommands = parser.add_subcommands(dest="command")
-    subcommands.add_subcommand("fit", fit, help="Train a model (single process or under torchrun).")
+    subcommands.add_subcommand("fit", fit, help="Train a model (one process, self-launched ranks, or under torchrun).")
+    subcommands.add_subcommand("preprocess", preprocess, help="Tokenize text into a Megatron-LM indexed dataset.")
     return parser
 
 
@@ -44,6 +55,10 @@ def _run_config(namespace):
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    from .data.errors import DataError
+    from .launch import RankFailed
+    from .train.checkpoint import CheckpointError
+
     try:
         parser = build_parser()
         args = parser.parse_args(argv)
@@ -51,10 +66,30 @@ def main(argv: list[str] | None = None) -> int:
             from .train.fit import fit
 
             fit(_run_config(args.fit))
+        elif args.command == "preprocess":
+            _preprocess(args.preprocess)
         return 0
     except ConfigError as e:
         print(f"meshtrain: config error: {e}", file=sys.stderr)
         return EXIT_CONFIG
+    except DataError as e:
+        print(f"meshtrain: data error: {e}", file=sys.stderr)
+        return EXIT_CONFIG
+    except CheckpointError as e:
+        print(f"meshtrain: checkpoint error: {e}", file=sys.stderr)
+        return EXIT_CONFIG
+    except RankFailed as e:
+        print(f"meshtrain: {e}\n{e.report['traceback']}", file=sys.stderr)
+        return 1
+
+
+def _preprocess(a) -> None:
+    from .data.preprocess import preprocess
+
+    stats = preprocess(a.input, a.output_prefix, tokenizer=a.tokenizer, append_eod=a.append_eod,
+                       workers=a.workers, text_key=a.text_key)
+    print(f"wrote {stats['documents']:,} documents, {stats['tokens']:,} tokens ({stats['dtype']}) to "
+          f"{a.output_prefix}.bin and {a.output_prefix}.idx")
 
 
 def _entry() -> None:

@@ -16,6 +16,7 @@ from typing import Any, Mapping
 from ..errors import ConfigError
 
 PRECISIONS = ("fp32", "bf16")
+BYTES_VOCAB = 258  # the bytes tokenizer: 256 byte values, BOS and EOS
 NOT_YET = "is not implemented yet"
 
 
@@ -52,7 +53,7 @@ class ParallelConfig:
     """How the ranks are laid out. The mesh axes (dp, fsdp, tp, cp, ep, pp) must multiply to the number of ranks; one of them may be -1 to take the remaining ranks."""
 
     nproc_per_node: int = 1
-    """Processes per node. Under torchrun (or any launcher setting RANK/WORLD_SIZE) the launcher decides; self-launching more than one process is not implemented yet."""
+    """Processes per node. Run without a launcher, meshtrain fit starts this many ranks itself (torch.distributed's elastic agent, one node). Under torchrun (or any launcher setting RANK/WORLD_SIZE) the launcher's world is used, and this must be 1 or match the launcher's --nproc_per_node."""
     dp: int = 1
     """Replicated data parallelism (DDP-style: parameters and optimizer state replicated)."""
     fsdp: int = -1
@@ -102,29 +103,35 @@ class TrainConfig:
     log_every: int = 1
     """Log step, loss, lr, grad_norm and tokens/s every this many steps (and at the last step)."""
     eval_every: int = 0
-    """Evaluate every this many steps; 0: never. Evaluation is not implemented yet."""
+    """Evaluate the validation loss and perplexity every this many steps (and at the last step); 0: never. Needs data.valid_fraction > 0."""
+    eval_batches: int = 2
+    """Global batches of validation data per evaluation: always the same first samples of the validation split."""
+    stop_at: int = 0
+    """Stop after this step (saving a checkpoint when checkpoint.every > 0) without changing the schedule, which still runs to train.steps; 0: run to train.steps. For jobs split over several allocations."""
 
 
 @dataclass
 class DataConfig:
     """Training data."""
 
-    paths: str | list[str] = "builtin"
-    """Token source: builtin (a small embedded English corpus, for smoke tests). Megatron .bin/.idx datasets are not implemented yet."""
+    paths: Any = "builtin"
+    """Token source: builtin (a small embedded English corpus, no download); a Megatron-LM indexed dataset prefix (path without .bin/.idx, as written by meshtrain preprocess); a list of prefixes (equal weights); or a blend [[0.7, prefixA], [0.3, prefixB]]."""
     tokenizer: str = "bytes"
-    """Tokenizer: bytes (token = byte value, vocabulary 256). Others are not implemented yet."""
+    """Tokenizer the data was written with: bytes (UTF-8 bytes + BOS 256 + EOS 257, vocabulary 258) or a path to a Hugging Face tokenizer.json. Used to check the vocabulary against model.vocab_size."""
+    valid_fraction: float = 0.01
+    """Share of each dataset's documents (its last ones) held out for validation; at least one document when > 0; 0: no validation split."""
 
 
 @dataclass
 class CheckpointConfig:
-    """Checkpoints (not implemented yet: only the defaults below are accepted)."""
+    """Checkpoints: torch.distributed.checkpoint directories <run_dir>/checkpoints/step_XXXXXXXX/ with parameters, optimizer state, step, data position and RNG states."""
 
     every: int = 0
-    """Save a checkpoint every this many steps; 0: never. Checkpoints are not implemented yet, so only 0."""
+    """Save a checkpoint every this many steps and at the end of the run (train.steps or train.stop_at); 0: never."""
     keep_last: int = 2
-    """How many of the newest checkpoints to keep."""
+    """How many of the newest complete checkpoints to keep."""
     resume: str = "auto"
-    """auto: resume from the newest checkpoint in run_dir if there is one (there never is yet, so every run starts at step 0); none: always start fresh. A checkpoint path is not implemented yet."""
+    """auto: continue from the newest complete checkpoint in <run_dir>/checkpoints if there is one; none: start at step 0; or the path of a checkpoint directory."""
     export: bool = False
     """Export the final weights (safetensors). Not implemented yet, so only false."""
 
@@ -134,7 +141,7 @@ class RunConfig:
     """A training run."""
 
     run_dir: str = "runs/tiny"
-    """Directory for config.yaml, plan.json and metrics.jsonl."""
+    """Directory for config.yaml, plan.json, metrics.jsonl and checkpoints/."""
     seed: int = 0
     """Seed of the parameter initialisation and of the data sampler."""
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -189,9 +196,13 @@ class RunConfig:
         if t.seq_len > m.max_seq_len:
             raise ConfigError(f"train.seq_len={t.seq_len} exceeds model.max_seq_len={m.max_seq_len}: "
                               f"use a shorter seq_len or raise max_seq_len")
-        if self.data.tokenizer == "bytes" and m.vocab_size < 256:
+        if self.data.tokenizer == "bytes" and m.vocab_size < BYTES_VOCAB:
             raise ConfigError(f"model.vocab_size={m.vocab_size} is smaller than the bytes tokenizer's "
-                              "vocabulary (256): set model.vocab_size to at least 256")
+                              f"vocabulary ({BYTES_VOCAB}: 256 bytes, BOS, EOS): set model.vocab_size to at least "
+                              f"{BYTES_VOCAB}")
+        if t.eval_every and not self.data.valid_fraction:
+            raise ConfigError(f"train.eval_every={t.eval_every} needs a validation split, but "
+                              "data.valid_fraction=0: set data.valid_fraction (e.g. 0.01), or train.eval_every 0")
         if p.tp > 1:
             split = {"model.n_heads": m.n_heads, "model.vocab_size": m.vocab_size}
             if m.arch == "llama":
@@ -370,10 +381,11 @@ def _validate_parallel(p: ParallelConfig) -> None:
 def _validate_train(t: TrainConfig) -> None:
     from ..train.schedule import SCHEDULES
 
-    for key in ("steps", "global_batch", "micro_batch", "seq_len", "log_every"):
+    for key in ("steps", "global_batch", "micro_batch", "seq_len", "log_every", "eval_batches"):
         _check_int(getattr(t, key), f"train.{key}", minimum=1)
     _check_int(t.warmup_steps, "train.warmup_steps", minimum=0)
     _check_int(t.eval_every, "train.eval_every", minimum=0)
+    _check_int(t.stop_at, "train.stop_at", minimum=0)
     if t.warmup_steps > t.steps:
         raise ConfigError(f"train.warmup_steps={t.warmup_steps} exceeds train.steps={t.steps}: "
                           "use fewer warmup steps")
@@ -393,28 +405,30 @@ def _validate_train(t: TrainConfig) -> None:
     if t.activation_checkpointing != "none":
         raise ConfigError(f"train.activation_checkpointing={t.activation_checkpointing!r}: activation "
                           f"checkpointing {NOT_YET}; set it to none")
-    if t.eval_every:
-        raise ConfigError(f"train.eval_every={t.eval_every}: evaluation {NOT_YET}; set train.eval_every to 0")
 
 
 def _validate_data(d: DataConfig) -> None:
-    if d.paths != "builtin" and d.paths != ["builtin"]:
-        raise ConfigError(f"data.paths={d.paths!r}: reading datasets from files (Megatron .bin/.idx) "
-                          f"{NOT_YET}; set data.paths to builtin (the embedded corpus)")
-    if d.tokenizer != "bytes":
-        raise ConfigError(f"data.tokenizer={d.tokenizer!r}: only the bytes tokenizer is available (other "
-                          f"tokenizers {NOT_YET}); set data.tokenizer to bytes")
+    # The shape of data.paths only; files and tokens are checked when the data is opened.
+    from ..data import DataError, parse_paths
+
+    try:
+        parse_paths(d.paths)
+    except DataError as e:
+        raise ConfigError(str(e)) from None
+    if not isinstance(d.tokenizer, str) or not d.tokenizer:
+        raise ConfigError(f"data.tokenizer={d.tokenizer!r}: give bytes or the path of a tokenizer.json")
+    _check_float(d.valid_fraction, "data.valid_fraction", minimum=0.0)
+    if d.valid_fraction >= 1:
+        raise ConfigError(f"data.valid_fraction={d.valid_fraction} leaves no training data: choose a value "
+                          "below 1 (e.g. 0.01)")
 
 
 def _validate_checkpoint(c: CheckpointConfig) -> None:
     _check_int(c.every, "checkpoint.every", minimum=0)
     _check_int(c.keep_last, "checkpoint.keep_last", minimum=1)
     _check_bool(c.export, "checkpoint.export")
-    if c.every:
-        raise ConfigError(f"checkpoint.every={c.every}: checkpoints {NOT_YET}; set checkpoint.every to 0")
     if c.export:
-        raise ConfigError(f"checkpoint.export=true: exporting weights needs checkpoints, which {NOT_YET}; "
+        raise ConfigError(f"checkpoint.export=true: exporting to Hugging Face safetensors {NOT_YET}; "
                           "set checkpoint.export to false")
-    if c.resume not in ("auto", "none"):
-        raise ConfigError(f"checkpoint.resume={c.resume!r}: resuming from a checkpoint path {NOT_YET} "
-                          "(checkpoints are not implemented yet); set checkpoint.resume to auto or none")
+    if not isinstance(c.resume, str) or not c.resume:
+        raise ConfigError(f"checkpoint.resume={c.resume!r}: give auto, none, or a checkpoint directory")

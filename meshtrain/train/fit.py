@@ -1,196 +1,269 @@
-"""`fit(cfg)`: train a model from a RunConfig, in one process or under a launcher.
+"""`fit(cfg)`: train a model from a RunConfig, in one process, under a launcher, or by
+launching `parallel.nproc_per_node` ranks itself.
 
 One process: no process group; the model runs on one device with plain tensors (the
-reference path every layout is tested against). Under torchrun, or any launcher that sets
-RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT, every rank joins one process group (gloo on
-CPU, nccl on CUDA) and the parameters are DTensors laid out by the plan. Every rank
-builds the same global batch from (seed, step); the layout keeps each rank's part.
+reference path every layout is tested against). With more ranks every rank joins one
+process group (gloo on CPU, nccl on CUDA) and the parameters are DTensors laid out by the
+plan. Each rank reads only its own rows of each global batch; which rows form a step's
+batch depends on the global sample count alone, so any layout trains on the same data.
 
-Rank 0 writes `<run_dir>/config.yaml` (the merged config), `<run_dir>/plan.json` and
-`<run_dir>/metrics.jsonl` (one JSON object per logged step).
+Rank 0 writes `<run_dir>/config.yaml` (the merged config), `<run_dir>/plan.json`,
+`<run_dir>/metrics.jsonl` (one JSON object per logged step) and, when
+`checkpoint.every` > 0, `<run_dir>/checkpoints/step_XXXXXXXX/`. Nothing is written
+before the config, the data and the checkpoint to resume from have been checked.
 """
 
 from __future__ import annotations
 
-import datetime
-import json
 import math
-import os
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from .. import launch
 from ..config import RunConfig
 from ..errors import ConfigError
 from ..models.spec import init_slice
 from ..parallel.plan import make_plan
+from . import checkpoint
+from .metrics import Reporter, device_peak_tflops, flops_per_token, memory_gib
 from .optim import AdamW
 from .schedule import LRSchedule
-from .step import TrainState, make_train_step
-
-# Seconds a collective may wait for a peer before the run fails instead of hanging.
-DEFAULT_DIST_TIMEOUT_S = 600
-
-
-@dataclass(frozen=True)
-class _Ranks:
-    rank: int
-    world: int
-    local_rank: int
-    launched: bool  # started by a launcher (env) or inside an existing process group
-
-
-def _ranks(cfg: RunConfig) -> _Ranks:
-    env = os.environ
-    if dist.is_available() and dist.is_initialized():
-        rank, world = dist.get_rank(), dist.get_world_size()
-        return _Ranks(rank, world, int(env.get("LOCAL_RANK", rank)), True)
-    if "RANK" in env and "WORLD_SIZE" in env:
-        rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
-        local_world = env.get("LOCAL_WORLD_SIZE")
-        nproc = cfg.parallel.nproc_per_node
-        if nproc > 1 and local_world is not None and int(local_world) != nproc:
-            raise ConfigError(f"parallel.nproc_per_node={nproc}, but the launcher started {local_world} "
-                              f"processes on this node: under a launcher its --nproc_per_node decides; set "
-                              f"parallel.nproc_per_node to {local_world} (or 1) to match")
-        if world > 1 and not ("MASTER_ADDR" in env and "MASTER_PORT" in env):
-            raise ConfigError(f"WORLD_SIZE={world} is set but MASTER_ADDR/MASTER_PORT are not: start the "
-                              "ranks with torchrun (or set all four variables)")
-        return _Ranks(rank, world, int(env.get("LOCAL_RANK", 0)), True)
-    nproc = cfg.parallel.nproc_per_node
-    if nproc > 1:
-        raise ConfigError(f"parallel.nproc_per_node={nproc}, but this is a single process and launching "
-                          f"the other ranks itself is not implemented yet: run it under torchrun for now, "
-                          f"e.g. `torchrun --standalone --nproc_per_node {nproc} -m meshtrain.cli fit ...`, "
-                          f"or set parallel.nproc_per_node to 1")
-    return _Ranks(0, 1, 0, False)
-
-
-def _dist_timeout() -> datetime.timedelta:
-    return datetime.timedelta(seconds=float(os.environ.get("MESHTRAIN_DIST_TIMEOUT", DEFAULT_DIST_TIMEOUT_S)))
-
-
-class _Log:
-    """Rank 0's console and metrics file; every other rank's is silent."""
-
-    def __init__(self, enabled: bool, run_dir: Path | None):
-        self.enabled = enabled
-        self.console = None
-        self.metrics_path = None
-        if enabled:
-            from rich.console import Console
-
-            self.console = Console(highlight=False, soft_wrap=True)
-            self.metrics_path = run_dir / "metrics.jsonl"
-
-    def print(self, *args, **kwargs) -> None:
-        if self.console is not None:
-            self.console.print(*args, **kwargs)
-
-    def metrics(self, record: dict) -> None:
-        if self.metrics_path is not None:
-            with open(self.metrics_path, "a") as f:
-                f.write(json.dumps(record) + "\n")
-
-
-def _format(record: dict, steps: int) -> str:
-    width = len(str(steps))
-    return (f"step {record['step']:>{width}}/{steps}  loss {record['loss']:.4f}  lr {record['lr']:.3e}  "
-            f"grad_norm {record['grad_norm']:.3f}  tokens/s {record['tokens_per_s']:,.0f}")
+from .step import TrainState, make_eval_step, make_train_step
 
 
 def fit(cfg: RunConfig) -> list[dict]:
-    """Train for cfg.train.steps steps. Returns the logged metrics (on every rank)."""
+    """Train to cfg.train.steps (or train.stop_at). Returns the metrics this run logged."""
     cfg.validate()
-    ranks = _ranks(cfg)
+    ranks = launch.detect(cfg.parallel.nproc_per_node)
+    if ranks is None:  # launch the ranks ourselves, once everything they read is known good
+        nproc = cfg.parallel.nproc_per_node
+        make_plan(cfg.model_def().specs, cfg.rules(), cfg.mesh_spec(), world=nproc)
+        _open_data(cfg)
+        _resume_path(cfg)
+        return launch.launch(_fit_rank, (cfg.to_dict(),), nproc)[0]
     model = cfg.model_def()
     # The plan and every layout error come before any process group exists.
     plan = make_plan(model.specs, cfg.rules(), cfg.mesh_spec(), world=ranks.world)
-    dp_size = plan.mesh.dp * plan.mesh.fsdp
-    accumulation = cfg.accumulation_steps(dp_size)
-
+    cfg.accumulation_steps(plan.mesh.dp * plan.mesh.fsdp)
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", ranks.local_rank) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
     created_group = False
     if ranks.world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if cuda else "gloo", timeout=_dist_timeout(),
+        dist.init_process_group("nccl" if cuda else "gloo", timeout=launch.dist_timeout(),
                                 **({"device_id": device} if cuda else {}))
         created_group = True
     try:
-        return _train(cfg, ranks, model, plan, accumulation, dp_size, device)
+        return _Run(cfg, ranks, model, plan, device).train()
     finally:
         if created_group:
             dist.destroy_process_group()
 
 
-def _train(cfg: RunConfig, ranks: _Ranks, model, plan, accumulation: int, dp_size: int,
-           device: torch.device) -> list[dict]:
-    t = cfg.train
-    run_dir = Path(cfg.run_dir)
-    log = _Log(ranks.rank == 0, run_dir)
-    if ranks.rank == 0:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(cfg.to_yaml())
-        (run_dir / "plan.json").write_text(plan.to_json() + "\n")
-        metrics_path = run_dir / "metrics.jsonl"
-        if metrics_path.exists():
-            log.print(f"[yellow]{metrics_path} exists: starting over from step 0 (checkpoints are not "
-                      f"implemented yet, so there is nothing to resume), the old metrics are replaced[/]")
-        metrics_path.write_text("")
+def _fit_rank(cfg_dict: dict) -> list[dict]:
+    return fit(RunConfig.from_dict(cfg_dict))
 
-    if ranks.world == 1:
-        params = {n: init_slice(s, n, cfg.seed, device=device).requires_grad_() for n, s in model.specs.items()}
-        step = make_train_step(model, **_step_options(cfg))
-    else:
-        from ..parallel.init import init_params
 
-        mesh = plan.mesh.build(device.type)
-        params = init_params(plan, mesh, cfg.seed, device=device)
-        step = make_train_step(model, plan, mesh, **_step_options(cfg))
-    state = TrainState.create(params)
+def _open_data(cfg: RunConfig):
+    from ..data import build_data
 
-    from ..data import BuiltinData
+    d, t = cfg.data, cfg.train
+    return build_data(d.paths, d.tokenizer, t.seq_len, cfg.seed, cfg.model.vocab_size, d.valid_fraction)
 
-    data = BuiltinData(t.global_batch, t.seq_len, cfg.seed)
-    n_params = sum(s.numel for s in model.specs.values())
-    mesh_desc = " x ".join(f"{a}={plan.mesh.size(a)}" for a in plan.mesh.axes)
-    log.print(f"[bold]meshtrain fit[/] {cfg.model.arch} {n_params / 1e6:.2f}M params | world {ranks.world} "
-              f"({mesh_desc}) on {device.type} | batch {t.global_batch} x {t.seq_len} tokens = "
-              f"{accumulation} micro-step(s) of {t.micro_batch} per data-parallel rank x {dp_size} | "
-              f"{t.precision}{', compiled' if t.compile else ''} | {run_dir}")
 
-    tokens_per_step = t.global_batch * t.seq_len
-    history: list[dict] = []
-    start = last_time = time.perf_counter()
-    last_step = 0
-    for i in range(t.steps):
-        window = data.batch(i).to(device)
-        shape = (accumulation, t.global_batch // accumulation, t.seq_len)
-        batch = {"tokens": window[:, :-1].reshape(shape), "targets": window[:, 1:].reshape(shape)}
-        metrics = step(state, batch)
-        done = i + 1
-        if not math.isfinite(metrics["loss"]):
-            raise FloatingPointError(f"the loss is {metrics['loss']} at step {done}: training diverged; "
-                                     f"try a lower train.lr or train.precision fp32")
-        if done % t.log_every == 0 or done == t.steps:
-            now = time.perf_counter()
-            record = {"step": done, "loss": metrics["loss"], "lr": metrics["lr"],
-                      "grad_norm": metrics["grad_norm"],
-                      "tokens_per_s": tokens_per_step * (done - last_step) / (now - last_time),
-                      "elapsed_s": now - start}
-            last_time, last_step = now, done
-            history.append(record)
-            log.metrics(record)
-            log.print(_format(record, t.steps))
-    if history:
-        log.print(f"done: {t.steps} steps in {time.perf_counter() - start:.1f} s, final loss "
-                  f"{history[-1]['loss']:.4f}; metrics in {run_dir / 'metrics.jsonl'}")
-    return history
+def _resume_path(cfg: RunConfig, repair: bool = False) -> Path | None:
+    """The checkpoint this run starts from. `repair` (every rank of the run, together)
+    first clears what an interrupted save left behind."""
+    resume = cfg.checkpoint.resume
+    if resume == "none":
+        return None
+    if resume == "auto":
+        root = Path(cfg.run_dir) / "checkpoints"
+        if repair:
+            checkpoint.cleanup_incomplete(root)
+        return checkpoint.latest(root)
+    path = Path(resume)
+    if not (path / "meta.json").is_file():
+        raise ConfigError(f"checkpoint.resume={resume!r} is not a complete checkpoint directory (no meta.json): "
+                          "give a <run_dir>/checkpoints/step_XXXXXXXX directory, or auto, or none")
+    return path
+
+
+class _Run:
+    """One rank's training run: state, data, loop, evaluation, checkpoints, reports."""
+
+    def __init__(self, cfg: RunConfig, ranks: launch.Ranks, model, plan, device: torch.device):
+        self.cfg, self.ranks, self.model, self.plan, self.device = cfg, ranks, model, plan, device
+        t = cfg.train
+        self.data = _open_data(cfg)  # before anything is written: bad data costs nothing
+        self.resume = _resume_path(cfg, repair=True)
+        self.run_dir = Path(cfg.run_dir)
+        self.dp_size = plan.mesh.dp * plan.mesh.fsdp
+        self.accumulation = cfg.accumulation_steps(self.dp_size)
+        self.micro_rows = t.global_batch // self.accumulation  # sequences per micro-step, all ranks
+        options = dict(precision=t.precision, compile=t.compile)
+        if ranks.world == 1:
+            self.mesh = None
+            params = {n: init_slice(s, n, cfg.seed, device=device).requires_grad_()
+                      for n, s in model.specs.items()}
+            self.step_fn = make_train_step(model, **_step_options(cfg))
+            self.eval_fn = make_eval_step(model, **options)
+        else:
+            from ..parallel.init import init_params
+
+            self.mesh = plan.mesh.build(device.type)
+            params = init_params(plan, self.mesh, cfg.seed, device=device)
+            self.step_fn = make_train_step(model, plan, self.mesh, **_step_options(cfg))
+            self.eval_fn = make_eval_step(model, plan, self.mesh, **options)
+        self.state = TrainState.create(params)
+        self.consumed = 0  # global training samples consumed: the data position
+        self.rows = _RowSlice(plan, self.mesh, self.micro_rows, t.seq_len)
+
+    # --- the loop ----------------------------------------------------------------------
+
+    def train(self) -> list[dict]:
+        cfg, t = self.cfg, self.cfg.train
+        if self.resume is not None:
+            meta = checkpoint.load(self.resume, self.state)
+            self.consumed = int(meta["extra"]["consumed_samples"])
+        stop = min(t.stop_at or t.steps, t.steps)
+        rep = Reporter(self.ranks.rank == 0, self.run_dir, t.steps)
+        if self.ranks.rank == 0:
+            self._write_run_files()
+        rep.start(self._kept_metrics())
+        rep.print(self._banner())
+        if self.resume is not None:
+            rep.print(f"resumed from {self.resume} at step {self.state.step} "
+                      f"({self.consumed:,} samples consumed)")
+        if self.state.step >= stop:
+            rep.print(f"nothing to do: already at step {self.state.step} (train.steps={t.steps}, "
+                      f"train.stop_at={t.stop_at})")
+        peak = device_peak_tflops(self.device, t.precision)
+        m = cfg.model
+        flops = flops_per_token(self.model.specs, m.n_layers, m.dim, t.seq_len, m.tie_embeddings)
+        tokens_per_step = t.global_batch * t.seq_len
+        history: list[dict] = []
+        first_step, start = self.state.step, time.perf_counter()
+        last_time, last_step = start, first_step
+        try:
+            while self.state.step < stop:
+                metrics = self.step_fn(self.state, self._batch(self.data.train, self.consumed))
+                self.consumed += t.global_batch
+                done = self.state.step
+                if not math.isfinite(metrics["loss"]):
+                    raise FloatingPointError(f"the loss is {metrics['loss']} at step {done}: training diverged; "
+                                             f"try a lower train.lr or train.precision fp32")
+                evaluate = t.eval_every and (done % t.eval_every == 0 or done == t.steps)
+                if done % t.log_every == 0 or done == stop or evaluate:
+                    now = time.perf_counter()
+                    tokens_per_s = tokens_per_step * (done - last_step) / (now - last_time)
+                    record = {"step": done, "loss": metrics["loss"], "lr": metrics["lr"],
+                              "grad_norm": metrics["grad_norm"], "tokens_per_s": tokens_per_s,
+                              "mfu": flops * tokens_per_s / self.ranks.world / (peak * 1e12) if peak else None,
+                              "memory_gib": memory_gib(self.device), "elapsed_s": now - start,
+                              "eta_s": (now - start) / (done - first_step) * (stop - done)}
+                    if evaluate:
+                        record["val_loss"] = self._evaluate()
+                        record["val_ppl"] = math.exp(min(record["val_loss"], 700.0))
+                    last_time, last_step = time.perf_counter(), done  # evaluation time is not training time
+                    history.append(record)
+                    rep.log(record)
+                every = self.cfg.checkpoint.every
+                if every and (done % every == 0 or done == stop):
+                    path = self._save()
+                    rep.print(f"checkpoint {path}")
+        finally:
+            rep.close()
+        if history:
+            rep.print(f"done: at step {self.state.step} of {t.steps} after {time.perf_counter() - start:.1f} s, final loss "
+                      f"{history[-1]['loss']:.4f}; metrics in {self.run_dir / 'metrics.jsonl'}")
+        return history
+
+    def _batch(self, source, start: int) -> dict:
+        """This rank's rows of the global batch of samples [start, start + global_batch)."""
+        tokens, targets = [], []
+        for micro in range(self.accumulation):
+            window = self.rows.read(source, start + micro * self.micro_rows).to(self.device)
+            tokens.append(self.rows.wrap(window[:, :-1]))
+            targets.append(self.rows.wrap(window[:, 1:]))
+        return {"tokens": tokens, "targets": targets}
+
+    def _evaluate(self) -> float:
+        """Mean loss per token on the first eval_batches global batches of the validation split."""
+        t = self.cfg.train
+        losses = [self.eval_fn(self.state.params, self._batch(self.data.valid, i * t.global_batch))
+                  for i in range(t.eval_batches)]
+        return sum(losses) / len(losses)
+
+    def _save(self) -> Path:
+        extra = {"consumed_samples": self.consumed, "config": self.cfg.to_dict()}
+        return checkpoint.save(self.run_dir / "checkpoints", self.state.step, self.state, extra,
+                               self.cfg.checkpoint.keep_last)
+
+    # --- files ---------------------------------------------------------------------------
+
+    def _write_run_files(self) -> None:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "config.yaml").write_text(self.cfg.to_yaml())
+        (self.run_dir / "plan.json").write_text(self.plan.to_json() + "\n")
+
+    def _kept_metrics(self) -> list[dict]:
+        """A resumed run keeps the records up to its checkpoint; a new run starts empty."""
+        import json
+
+        path = self.run_dir / "metrics.jsonl"
+        if self.resume is None or not path.exists():
+            return []
+        kept = []
+        for line in path.read_text().splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:  # a line cut short by a crash
+                continue
+            if record.get("step", math.inf) <= self.state.step:
+                kept.append(record)
+        return kept
+
+    def _banner(self) -> str:
+        cfg, t, plan = self.cfg, self.cfg.train, self.plan
+        n_params = sum(s.numel for s in self.model.specs.values())
+        mesh = " x ".join(f"{a}={plan.mesh.size(a)}" for a in plan.mesh.axes)
+        return (f"[bold]meshtrain fit[/] {cfg.model.arch} {n_params / 1e6:.2f}M params | world {self.ranks.world} "
+                f"({mesh}) on {self.device.type} | batch {t.global_batch} x {t.seq_len} tokens = "
+                f"{self.accumulation} micro-step(s) of {t.micro_batch} per data-parallel rank x {self.dp_size} | "
+                f"{t.precision}{', compiled' if t.compile else ''} | {self.run_dir}")
+
+
+class _RowSlice:
+    """Which rows (and columns) of a micro-batch this rank holds, from the plan's layout
+    of ("batch", "seq") activations, and how to wrap them as that DTensor."""
+
+    def __init__(self, plan, mesh, rows: int, seq_len: int):
+        self.mesh, self.shape = mesh, (rows, seq_len)
+        if mesh is None:
+            self.offset, self.local = (0, 0), self.shape
+            return
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        self.placements = plan.activation(("batch", "seq")).placements
+        self.local, self.offset = compute_local_shape_and_global_offset(self.shape, mesh, self.placements)
+
+    def read(self, source, start: int) -> torch.Tensor:
+        window = source.batch(start + self.offset[0], self.local[0])
+        return window[:, self.offset[1]: self.offset[1] + self.local[1] + 1]
+
+    def wrap(self, local: torch.Tensor):
+        if self.mesh is None:
+            return local
+        from torch.distributed.tensor import DTensor
+
+        local = local.contiguous()
+        return DTensor.from_local(local, self.mesh, self.placements, run_check=False, shape=torch.Size(self.shape),
+                                  stride=(self.shape[1], 1))
 
 
 def _step_options(cfg: RunConfig) -> dict:

@@ -33,28 +33,20 @@ def make_train_step(model: ModelDef, plan=None, device_mesh=None, *, optimizer: 
                     compile: bool | str = False) -> Callable[[TrainState, dict], dict]:
     """Build `step(state, batch) -> metrics`.
 
-    batch["tokens"] and batch["targets"] are (micro_steps, batch, seq): the global batch
-    split into micro-batches, each given in full on every rank (the layout keeps each
-    rank's part) or already as DTensors. Gradients accumulate over micro-steps; the loss
+    batch["tokens"] and batch["targets"] are (micro_steps, batch, seq) tensors, or lists of
+    (batch, seq) micro-batches: the global batch split into micro-batches, each given in
+    full on every rank (the layout keeps each rank's part) or as DTensors laid out as the
+    plan's ("batch", "seq") activation, each rank holding only its own rows. Gradients accumulate over micro-steps; the loss
     is the mean over every target token of the global batch (targets < 0 are ignored).
     With no plan the step runs on one device. `compile` True wraps the loss and the update
     in torch.compile(fullgraph=True) with inductor; a string names another backend.
     """
-    if precision not in PRECISIONS:
-        raise ConfigError(f"train.precision={precision!r}: choose one of {', '.join(PRECISIONS)}")
-    compute_dtype = PRECISIONS[precision]
-    if plan is None:
-        ctx = LocalContext(compute_dtype)
-    else:
-        from ..parallel.context import ShardedContext
-
-        ctx = ShardedContext(plan, device_mesh, compute_dtype)
+    ctx = _context(plan, device_mesh, precision)
     schedule = schedule or LRSchedule(lr=optimizer.lr, kind="constant")
     scope = getattr(ctx, "regather_in_backward", contextlib.nullcontext)
     data_ranks = plan.mesh.dp * plan.mesh.fsdp if plan is not None else 1
 
-    def loss_sum(params, tokens, targets):
-        return ctx.cross_entropy_sum(model.forward(params, tokens, ctx), targets)
+    loss_sum = _loss_sum(model, ctx)
 
     def update(params, grads, exp_avg, exp_avg_sq, decay, replicas, lr, step, clip):
         norm = all_reduce_sum(grad_norm_squared_local(grads, replicas)).sqrt()
@@ -65,19 +57,17 @@ def make_train_step(model: ModelDef, plan=None, device_mesh=None, *, optimizer: 
         return norm
 
     if compile:
-        backend = "inductor" if compile is True else compile
-        loss_sum = torch.compile(loss_sum, fullgraph=True, backend=backend)
-        update = torch.compile(update, fullgraph=True, backend=backend)
+        loss_sum, update = _compiled(loss_sum, compile), _compiled(update, compile)
 
     def step(state: TrainState, batch: dict) -> dict:
         names = list(state.params)
         tokens, targets = batch["tokens"], batch["targets"]
-        if tokens.shape[1] % data_ranks:
-            raise ConfigError(f"batch: {tokens.shape[1]} sequences per micro-step cannot be split evenly over "
+        if tokens[0].shape[0] % data_ranks:
+            raise ConfigError(f"batch: {tokens[0].shape[0]} sequences per micro-step cannot be split evenly over "
                               f"{data_ranks} data-parallel ranks (dp x fsdp); use a multiple of {data_ranks}")
-        n_tokens = (targets >= 0).sum().item()  # the whole global batch is known here
+        n_tokens = _count_targets(targets)
         total = None
-        for micro in range(tokens.shape[0]):
+        for micro in range(len(tokens)):
             with scope():
                 loss = loss_sum(state.params, tokens[micro], targets[micro]) / n_tokens
             loss.backward()
@@ -95,7 +85,53 @@ def make_train_step(model: ModelDef, plan=None, device_mesh=None, *, optimizer: 
                           torch.tensor(lr, dtype=torch.float32), torch.tensor(float(state.step)), grad_clip)
         for n in names:
             state.params[n].grad = None
-        loss_value = total.full_tensor() if hasattr(total, "full_tensor") else total
-        return {"loss": float(loss_value), "grad_norm": float(norm), "lr": lr}
+        return {"loss": float(_full(total)), "grad_norm": float(norm), "lr": lr}
 
     return step
+
+
+def make_eval_step(model: ModelDef, plan=None, device_mesh=None, *, precision: str = "fp32",
+                   compile: bool | str = False) -> Callable[[dict, dict], float]:
+    """Build `evaluate(params, batch) -> mean loss per target token`, without gradients;
+    the batch is given as for the train step (micro-steps bound the memory used)."""
+    loss_sum = _loss_sum(model, _context(plan, device_mesh, precision))
+    if compile:
+        loss_sum = _compiled(loss_sum, compile)
+
+    @torch.no_grad()
+    def evaluate(params: dict, batch: dict) -> float:
+        tokens, targets = batch["tokens"], batch["targets"]
+        total = sum(_full(loss_sum(params, tokens[m], targets[m])) for m in range(len(tokens)))
+        return float(total) / _count_targets(targets)
+
+    return evaluate
+
+
+def _context(plan, device_mesh, precision: str):
+    if precision not in PRECISIONS:
+        raise ConfigError(f"train.precision={precision!r}: choose one of {', '.join(PRECISIONS)}")
+    if plan is None:
+        return LocalContext(PRECISIONS[precision])
+    from ..parallel.context import ShardedContext
+
+    return ShardedContext(plan, device_mesh, PRECISIONS[precision])
+
+
+def _loss_sum(model: ModelDef, ctx):
+    def loss_sum(params, tokens, targets):
+        return ctx.cross_entropy_sum(model.forward(params, tokens, ctx), targets)
+
+    return loss_sum
+
+
+def _compiled(fn, compile: bool | str):
+    return torch.compile(fn, fullgraph=True, backend="inductor" if compile is True else compile)
+
+
+def _full(x: torch.Tensor) -> torch.Tensor:
+    return x.full_tensor() if hasattr(x, "full_tensor") else x
+
+
+def _count_targets(targets) -> int:
+    """Target tokens (>= 0) in the whole global batch, also when each rank holds a part."""
+    return int(sum(_full((t >= 0).sum()).item() for t in targets))

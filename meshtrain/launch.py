@@ -1,0 +1,131 @@
+"""Where a run's processes come from: this process alone, a launcher's world, or ours.
+
+- Under torchrun (or anything that sets RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT,
+  e.g. SLURM via `srun torchrun ...`) every process is one rank of the world it was given.
+- Otherwise, when `parallel.nproc_per_node` asks for more than one process, this process
+  becomes the launcher: it starts the ranks through torch.distributed's elastic agent on
+  this machine (c10d rendezvous on a free local port, no restarts), waits for them, and
+  reports the first rank that failed with that rank's own error, not the "connection
+  closed" its peers see afterwards.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import os
+import sys
+import tempfile
+import time
+import traceback
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch.distributed as dist
+
+from .errors import ConfigError
+
+# Seconds a collective may wait for a peer before the run fails instead of hanging.
+DEFAULT_DIST_TIMEOUT_S = 600
+_REPORT_DIR = "MESHTRAIN_FAILURE_DIR"  # where self-launched ranks leave their error
+
+
+@dataclass(frozen=True)
+class Ranks:
+    rank: int
+    world: int
+    local_rank: int
+    launched: bool  # started by a launcher (env) or inside an existing process group
+
+
+def detect(nproc_per_node: int) -> Ranks | None:
+    """This process's place in the world, or None when it must launch the ranks itself."""
+    env = os.environ
+    if dist.is_available() and dist.is_initialized():
+        rank, world = dist.get_rank(), dist.get_world_size()
+        return Ranks(rank, world, int(env.get("LOCAL_RANK", rank)), True)
+    if "RANK" in env and "WORLD_SIZE" in env:
+        rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
+        local_world = env.get("LOCAL_WORLD_SIZE")
+        if nproc_per_node > 1 and local_world is not None and int(local_world) != nproc_per_node:
+            raise ConfigError(f"parallel.nproc_per_node={nproc_per_node}, but the launcher started {local_world} "
+                              f"processes on this node: under a launcher its --nproc_per_node decides; set "
+                              f"parallel.nproc_per_node to {local_world} (or 1) to match")
+        if world > 1 and not ("MASTER_ADDR" in env and "MASTER_PORT" in env):
+            raise ConfigError(f"WORLD_SIZE={world} is set but MASTER_ADDR/MASTER_PORT are not: start the "
+                              "ranks with torchrun (or set all four variables)")
+        return Ranks(rank, world, int(env.get("LOCAL_RANK", 0)), True)
+    if nproc_per_node > 1:
+        return None
+    return Ranks(0, 1, 0, False)
+
+
+def dist_timeout() -> datetime.timedelta:
+    return datetime.timedelta(seconds=float(os.environ.get("MESHTRAIN_DIST_TIMEOUT", DEFAULT_DIST_TIMEOUT_S)))
+
+
+class RankFailed(RuntimeError):
+    """A self-launched rank failed; `report` is that rank's own error."""
+
+    def __init__(self, report: dict):
+        self.report = report
+        super().__init__(f"rank {report['rank']} failed: {report['type']}: {report['message']}")
+
+
+def launch(fn: Callable[..., Any], args: tuple, nproc: int) -> list[Any]:
+    """Run `fn(*args)` on `nproc` local ranks; returns each rank's result, by rank.
+
+    Raises the first failing rank's ConfigError as a ConfigError (so the CLI exits 2 with
+    its one-line message) and any other failure as RankFailed."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    # One thread per rank unless the user chose: ranks share this machine's cores.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=uuid.uuid4().hex,
+                          rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0,
+                          monitor_interval=0.1, start_method="spawn")
+    # The agent logs every rank's failure at length; we report the first one ourselves.
+    loggers = [logging.getLogger(n) for n in ("torch.distributed.elastic", "torch.multiprocessing")]
+    levels = [g.level for g in loggers]
+    for g in loggers:
+        g.setLevel(logging.CRITICAL)
+    with tempfile.TemporaryDirectory(prefix="meshtrain-ranks-") as reports:
+        try:
+            results = elastic_launch(config, _run_rank)(reports, fn, args)
+        except ChildFailedError:
+            first = _first_failure(Path(reports))
+            if first is None:
+                raise
+            if first["config_error"]:
+                raise ConfigError(first["message"]) from None
+            raise RankFailed(first) from None
+        finally:
+            for g, level in zip(loggers, levels):
+                g.setLevel(level)
+    return [results[r] for r in sorted(results)]
+
+
+def _run_rank(reports: str, fn: Callable[..., Any], args: tuple) -> Any:
+    try:
+        return fn(*args)
+    except BaseException as e:
+        report = {"rank": int(os.environ.get("RANK", -1)), "time": time.time(), "type": type(e).__name__,
+                  "message": str(e), "config_error": isinstance(e, ConfigError) or _is_data_error(e),
+                  "traceback": traceback.format_exc()}
+        Path(reports, f"rank{report['rank']}.json").write_text(json.dumps(report))
+        raise
+
+
+def _is_data_error(e: BaseException) -> bool:
+    data_error = getattr(sys.modules.get("meshtrain.data.errors"), "DataError", None)
+    return data_error is not None and isinstance(e, data_error)
+
+
+def _first_failure(reports: Path) -> dict | None:
+    """The earliest error any rank reported: the cause, not a peer's reaction to it."""
+    found = [json.loads(p.read_text()) for p in reports.glob("rank*.json")]
+    return min(found, key=lambda r: r["time"]) if found else None

@@ -1,0 +1,263 @@
+"""`meshtrain fit` end to end: self-launched ranks, two "nodes" under torchrun, exact
+resume, evaluation, real datasets through the CLI, and bad input that costs nothing.
+
+Multi-process runs use the tiny model shrunk to seconds (test_cli.SMALL) and compare
+with one process of the same config: fp32, rtol 1e-5 across layouts, bitwise for the
+same layout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import socket
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from meshtrain.config import RunConfig
+from meshtrain.train import checkpoint
+from meshtrain.train.fit import fit
+from meshtrain.train.metrics import flops_per_token
+from meshtrain.train.step import TrainState
+from test_cli import ROOT, SMALL, TINY, _env, _small_cfg, read_metrics, run_cli
+
+TINY4 = ROOT / "configs" / "tiny-4proc.yaml"
+STEPS4 = ["--train.steps", "4"]
+
+
+def losses(run_dir: Path) -> torch.Tensor:
+    return torch.tensor([r["loss"] for r in read_metrics(run_dir)], dtype=torch.float64)
+
+
+@pytest.fixture(scope="module")
+def single4(tmp_path_factory):
+    """The reference: the small config, 4 steps, one process."""
+    run_dir = tmp_path_factory.mktemp("single4")
+    proc = run_cli("fit", "--config", str(TINY), *SMALL, *STEPS4, "--run_dir", str(run_dir))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory):
+    """tiny-4proc (fsdp 2 x tp 2 + sp, 4 self-launched ranks): stopped after step 2 with a
+    checkpoint, then resumed to step 4 by the same command without stop_at."""
+    run_dir = tmp_path_factory.mktemp("four")
+    common = ["fit", "--config", str(TINY4), *SMALL, *STEPS4, "--checkpoint.every", "2", "--run_dir", str(run_dir)]
+    first = run_cli(*common, "--train.stop_at", "2", env={"MESHTRAIN_DIST_TIMEOUT": "120"}, timeout=400)
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert [r["step"] for r in read_metrics(run_dir)] == [1, 2]
+    second = run_cli(*common, env={"MESHTRAIN_DIST_TIMEOUT": "120"}, timeout=400)
+    assert second.returncode == 0, second.stdout + second.stderr
+    return run_dir, first, second
+
+
+@pytest.mark.slow
+def test_four_self_launched_ranks_resume_and_match_one_process(four_ranks, single4):
+    run_dir, first, second = four_ranks
+    assert "resumed from" in second.stdout and "step_00000002" in second.stdout
+    assert second.stdout.count("step 4/4") == 1  # rank 0 reports, the others do not
+    assert [r["step"] for r in read_metrics(run_dir)] == [1, 2, 3, 4]
+    plan = json.loads((run_dir / "plan.json").read_text())
+    assert plan["world"] == 4 and plan["mesh"] == {"fsdp": 2, "tp": 2}
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_00000002", "step_00000004"]
+    torch.testing.assert_close(losses(run_dir), losses(single4), rtol=1e-5, atol=0)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_two_nodes_on_loopback_train_exactly_as_one_node(four_ranks, tmp_path):
+    """Two torchrun agents (--nnodes 2, 2 processes each, c10d rendezvous) form the same
+    4-rank world as one node: the same losses, bit for bit."""
+    run_dir = tmp_path / "two_nodes"
+    port = _free_port()
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "2",
+                "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{port}", "--rdzv_id", "loopback",
+                "-m", "meshtrain.cli", "fit", "--config", str(TINY4), *SMALL, *STEPS4,
+                "--parallel.nproc_per_node", "2", "--run_dir", str(run_dir)]
+    env = {**_env(), "MESHTRAIN_DIST_TIMEOUT": "120"}
+    nodes = [subprocess.Popen(torchrun, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, start_new_session=True) for _ in range(2)]
+    try:
+        outputs = [node.communicate(timeout=400) for node in nodes]
+    finally:
+        for node in nodes:
+            node.kill()
+    for node, (out, err) in zip(nodes, outputs):
+        assert node.returncode == 0, out + err
+    assert json.loads((run_dir / "plan.json").read_text())["world"] == 4
+    torch.testing.assert_close(losses(run_dir), losses(four_ranks[0]), rtol=0, atol=0)
+
+
+# --- exact resume in one process ----------------------------------------------------------
+
+def _final_state(cfg: RunConfig) -> TrainState:
+    path = checkpoint.latest(Path(cfg.run_dir) / "checkpoints")
+    state = TrainState.create({n: torch.empty(s.shape) for n, s in cfg.model_def().specs.items()})
+    checkpoint.load(path, state)
+    return state
+
+
+def test_stop_and_resume_equals_an_uninterrupted_run_bitwise(tmp_path, one_thread):
+    base = _small_cfg(tmp_path, steps=20, warmup_steps=2)
+    base.checkpoint = dataclasses.replace(base.checkpoint, every=5)
+    whole = dataclasses.replace(base, run_dir=str(tmp_path / "whole"))
+    pieces = dataclasses.replace(base, run_dir=str(tmp_path / "pieces"))
+    fit(whole)
+    first = fit(dataclasses.replace(pieces, train=dataclasses.replace(base.train, stop_at=10)))
+    assert [r["step"] for r in first] == list(range(1, 11))
+    (Path(pieces.run_dir) / "checkpoints" / "step_00000005" / "meta.json").unlink()  # a half-written one
+    second = fit(pieces)
+    assert [r["step"] for r in second] == list(range(11, 21))
+    assert losses(Path(pieces.run_dir)).tolist() == losses(Path(whole.run_dir)).tolist()
+    a, b = _final_state(whole), _final_state(pieces)
+    assert a.step == b.step == 20
+    for name in a.params:
+        assert torch.equal(a.params[name], b.params[name]), name
+        for moment in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(a.optimizer[moment][name], b.optimizer[moment][name]), (moment, name)
+    kept = sorted(p.name for p in (Path(pieces.run_dir) / "checkpoints").iterdir())
+    assert kept == ["step_00000015", "step_00000020"]  # keep_last 2
+
+
+def test_a_finished_run_resumed_has_nothing_to_do(tmp_path, one_thread):
+    cfg = _small_cfg(tmp_path, steps=2, warmup_steps=1)
+    cfg.checkpoint = dataclasses.replace(cfg.checkpoint, every=2)
+    assert len(fit(cfg)) == 2
+    assert fit(cfg) == [] and len(read_metrics(Path(cfg.run_dir))) == 2
+
+
+# --- evaluation and metrics --------------------------------------------------------------
+
+def test_validation_loss_and_perplexity(tmp_path, one_thread):
+    cfg = _small_cfg(tmp_path, steps=4, warmup_steps=1, eval_every=2, log_every=3)
+    records = fit(cfg)
+    assert [r["step"] for r in records] == [2, 3, 4]
+    evaluated = [r for r in records if "val_loss" in r]
+    assert [r["step"] for r in evaluated] == [2, 4]
+    for r in evaluated:
+        assert 0 < r["val_loss"] < 10 and math.isclose(r["val_ppl"], math.exp(r["val_loss"]), rel_tol=1e-9)
+    for r in records:
+        assert {"step", "loss", "lr", "grad_norm", "tokens_per_s", "memory_gib", "eta_s"} <= set(r)
+        assert r["mfu"] is None  # no known peak on a CPU
+
+
+def test_flops_per_token_matches_the_architecture():
+    """6 x matmul parameters + 12 x layers x dim x seq, counted here from the shapes."""
+    cfg = RunConfig.from_dict(yaml.safe_load((ROOT / "configs" / "llama3-8b.yaml").read_text()))
+    m = cfg.model
+    hd = m.dim // m.n_heads
+    attn = m.dim * (m.n_heads * hd) * 2 + m.dim * (m.n_kv_heads * hd) * 2
+    mlp = 3 * m.dim * m.ffn_dim
+    matmul = m.n_layers * (attn + mlp) + m.vocab_size * m.dim  # the output head, not the lookup
+    expected = 6 * matmul + 12 * m.n_layers * m.dim * 8192
+    assert flops_per_token(cfg.model_def().specs, m.n_layers, m.dim, 8192, False) == expected
+    assert 6 * matmul / 1e9 == pytest.approx(45.1, abs=0.1)  # 6 x 7.5B non-embedding parameters
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-4proc", "llama3-1b", "llama3-8b", "llama3-70b", "llama3-405b"])
+def test_config_presets_validate(name):
+    raw = yaml.safe_load((ROOT / "configs" / f"{name}.yaml").read_text())
+    cfg = RunConfig.from_dict(raw).validate()
+    assert cfg.run_dir == f"runs/{name}"
+
+
+# --- real datasets through the CLI --------------------------------------------------------
+
+def _jsonl(path: Path, n: int = 40) -> Path:
+    words = "the miller weighed every sack of grain and wrote the numbers in a red book".split()
+    with open(path, "w") as f:
+        for i in range(n):
+            text = " ".join(words[(i + j) % len(words)] for j in range(30 + i % 7))
+            f.write(json.dumps({"text": f"{i}: {text}."}) + "\n")
+    return path
+
+
+def test_preprocess_then_fit_with_a_blend_and_evaluation(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    for prefix, n in ((a, 40), (b, 30)):
+        proc = run_cli("preprocess", "--input", str(_jsonl(tmp_path / f"{prefix.name}.jsonl", n)),
+                       "--output-prefix", str(prefix), "--tokenizer", "bytes", "--append-eod")
+        assert proc.returncode == 0, proc.stderr
+        assert (tmp_path / f"{prefix.name}.idx").exists() and "documents" in proc.stdout
+    run_dir = tmp_path / "run"
+    proc = run_cli("fit", "--config", str(TINY), *SMALL, "--data.paths", f"[[0.7, {a}], [0.3, {b}]]",
+                   "--data.valid_fraction", "0.1", "--train.eval_every", "3", "--run_dir", str(run_dir))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    records = read_metrics(run_dir)
+    assert [r["step"] for r in records] == [1, 2, 3] and "val_loss" in records[-1]
+    assert yaml.safe_load((run_dir / "config.yaml").read_text())["data"]["paths"] == [[0.7, str(a)], [0.3, str(b)]]
+
+
+def _tree_digest(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    """A run with a checkpoint and metrics that bad input must leave exactly as it is."""
+    run_dir = tmp_path_factory.mktemp("finished")
+    proc = run_cli("fit", "--config", str(TINY), *SMALL, "--train.steps", "2", "--checkpoint.every", "2",
+                   "--run_dir", str(run_dir))
+    assert proc.returncode == 0, proc.stderr
+    return run_dir
+
+
+def _idx(prefix: Path, tokens: list[int]) -> None:
+    """A one-document Megatron dataset of int32 tokens, written with struct."""
+    prefix.with_suffix(".bin").write_bytes(struct.pack(f"<{len(tokens)}i", *tokens))
+    prefix.with_suffix(".idx").write_bytes(b"MMIDIDX\x00\x00" + struct.pack("<QBQQ", 1, 4, 1, 2)
+                                           + struct.pack("<i", len(tokens)) + struct.pack("<q", 0)
+                                           + struct.pack("<2q", 0, 1))
+
+
+@pytest.mark.parametrize("case", ["missing", "token_id", "short", "bad_magic", "config", "resume"])
+def test_bad_input_exits_2_with_one_line_and_writes_nothing(finished_run, tmp_path, case):
+    prefix = tmp_path / "data"
+    args, words = [], []
+    if case == "missing":
+        args, words = ["--data.paths", str(tmp_path / "nope")], [str(tmp_path / "nope")]
+    elif case == "token_id":
+        _idx(prefix, [1, 2, 300] + [5] * 200)
+        args, words = ["--data.paths", str(prefix), "--data.valid_fraction", "0"], ["300", str(prefix)]
+    elif case == "short":
+        _idx(prefix, [1, 2, 3])
+        args, words = ["--data.paths", str(prefix), "--data.valid_fraction", "0"], [str(prefix)]
+    elif case == "bad_magic":
+        _idx(prefix, [1] * 100)
+        prefix.with_suffix(".idx").write_bytes(b"NOTMMIDX" + prefix.with_suffix(".idx").read_bytes()[8:])
+        args, words = ["--data.paths", str(prefix)], [str(prefix)]
+    elif case == "config":
+        args, words = ["--train.lr", "-1"], ["train.lr"]
+    elif case == "resume":
+        args, words = ["--checkpoint.resume", str(tmp_path / "ckpt")], ["checkpoint.resume"]
+    before = _tree_digest(finished_run)
+    proc = run_cli("fit", "--config", str(TINY), *SMALL, "--train.steps", "4", "--checkpoint.every", "2",
+                   "--run_dir", str(finished_run), *args)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert all(w in proc.stderr for w in words), proc.stderr
+    assert _tree_digest(finished_run) == before
+
+
+def test_bad_preprocess_input_names_the_line(tmp_path):
+    src = tmp_path / "bad.jsonl"
+    src.write_text('{"text": "fine"}\n{"text": broken}\n')
+    proc = run_cli("preprocess", "--input", str(src), "--output-prefix", str(tmp_path / "out"))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert f"{src}:2" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert not list(tmp_path.glob("out*"))
