@@ -261,3 +261,15 @@ def test_bad_preprocess_input_names_the_line(tmp_path):
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     assert f"{src}:2" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert not list(tmp_path.glob("out*"))
+
+
+def test_tensorboard_gets_the_metrics_when_installed(tmp_path, one_thread):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    cfg = _small_cfg(tmp_path, steps=2, warmup_steps=1, eval_every=2)
+    records = fit(cfg)
+    events = EventAccumulator(str(Path(cfg.run_dir) / "tensorboard"))
+    events.Reload()
+    assert [e.value for e in events.Scalars("train/loss")] == pytest.approx([r["loss"] for r in records])
+    assert [e.step for e in events.Scalars("val/loss")] == [2]

@@ -70,11 +70,17 @@ class PackedDataset:
             filled, pos, i = filled + take, pos + take, i + 1
         return out
 
+    vocab_limit: int | None = None  # set when token ids are checked as they are read
+
     def samples(self, indices) -> np.ndarray:
         """(len(indices), seq_len + 1) int64 array of the given samples."""
         out = np.empty((len(indices), self.seq_len + 1), dtype=np.int64)
         for row, k in enumerate(indices):
             out[row] = self[int(k)]
+        if self.vocab_limit is not None and out.size and out.max() >= self.vocab_limit:
+            where = getattr(self.source, "bin_path", None) or self.name
+            raise DataError(f"{where}: token id {int(out.max())} >= model.vocab_size={self.vocab_limit}; raise "
+                            "model.vocab_size, or use a dataset written with the model's tokenizer")
         return out
 
 
@@ -334,8 +340,12 @@ def build_data(paths, tokenizer: str, seq_len: int, seed: int, vocab_size: int,
     train, valid, names = [], [], []
     for _, prefix in entries:
         source = builtin_dataset() if prefix == "builtin" else IndexedDataset(prefix)
-        _check_tokens(source, vocab_size)
+        checked = _check_tokens(source, vocab_size)
         t, v = _split(source, seq_len, valid_fraction)
+        if not checked:
+            for part in (t, v):
+                if part is not None:
+                    part.vocab_limit = vocab_size
         train.append(t)
         valid += [v] if v is not None else []
         names.append(source.name)
@@ -385,19 +395,27 @@ def _check_tokenizer(spec: str, vocab_size: int, builtin: bool) -> None:
                         f"raise model.vocab_size to at least {tok.vocab_size}")
 
 
-def _check_tokens(source: IndexedDataset, vocab_size: int) -> None:
+# Scan a .bin for out-of-vocabulary ids at open only up to this size (about a second of
+# reading); larger datasets are checked batch by batch as they are read, so that every
+# rank of a large job does not read the whole corpus before its first step.
+SCAN_LIMIT_BYTES = 1 << 30
+
+
+def _check_tokens(source: IndexedDataset, vocab_size: int) -> bool:
     """Every token id must be a row of the embedding: scan for the largest, unless the
-    dtype cannot hold an id >= vocab_size anyway."""
+    dtype cannot hold an id >= vocab_size anyway. False: too large to scan, check as read."""
     where = source.bin_path or source.name
     if source.dtype.kind not in "iu":
         raise DataError(f"{where}: tokens are stored as {source.dtype.name}, not integers; re-run meshtrain "
                         "preprocess")
     info = np.iinfo(source.dtype)
     if info.min >= 0 and info.max < vocab_size:
-        return
+        return True
+    if source.num_tokens * source.dtype.itemsize > SCAN_LIMIT_BYTES:
+        return False
     found = source.token_range()
     if found is None:
-        return
+        return True
     low, high = found
     if low < 0:
         raise DataError(f"{where}: negative token id {low}; the file is damaged or not token ids, re-run "
@@ -405,6 +423,7 @@ def _check_tokens(source: IndexedDataset, vocab_size: int) -> None:
     if high >= vocab_size:
         raise DataError(f"{where}: token id {high} >= model.vocab_size={vocab_size}; raise model.vocab_size to at "
                         f"least {high + 1}, or use a dataset written with the model's tokenizer")
+    return True
 
 
 def _split(source: IndexedDataset, seq_len: int, valid_fraction: float):

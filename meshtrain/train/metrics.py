@@ -142,11 +142,12 @@ def _duration(seconds: float) -> str:
 
 
 def _panel(r: dict, total: int):
+    from rich.console import Group
     from rich.progress_bar import ProgressBar
     from rich.table import Table
+    from rich.text import Text
 
-    grid = Table.grid(padding=(0, 2))
-    grid.add_row(ProgressBar(total=total, completed=r["step"], width=40), f"step {r['step']}/{total}",
-                 f"eta {_duration(r['eta_s'])}")
-    grid.add_row(format_record(r, total), "", "")
-    return grid
+    bar = Table.grid(padding=(0, 2))
+    bar.add_row(ProgressBar(total=total, completed=r["step"], width=40), f"step {r['step']}/{total}",
+                f"eta {_duration(r['eta_s'])}")
+    return Group(bar, Text(format_record(r, total)))
