@@ -46,6 +46,10 @@ class ModelConfig:
     """Epsilon of RMSNorm (llama) or LayerNorm (gpt2)."""
     tie_embeddings: bool = False
     """Share the token embedding table with the output projection."""
+    init_from: str | None = None
+    """Start from Hugging Face weights: a directory with config.json and *.safetensors (Llama or GPT-2). Its architecture must match the model.* keys; each rank reads only the slices of its own shards. Ignored when resuming from a checkpoint. null: random initialisation from seed."""
+    rope_scaling: dict | None = None
+    """Llama 3.1-style RoPE rescaling for long context (llama only): {factor, low_freq_factor, high_freq_factor, original_max_position_embeddings}; null: none."""
 
 
 @dataclass
@@ -241,7 +245,7 @@ class RunConfig:
                                       n_kv_heads=m.n_kv_heads or m.n_heads, ffn_dim=m.ffn_dim,
                                       vocab_size=m.vocab_size, max_seq_len=m.max_seq_len,
                                       rope_theta=m.rope_theta, norm_eps=m.norm_eps,
-                                      tie_embeddings=m.tie_embeddings)
+                                      tie_embeddings=m.tie_embeddings, rope_scaling=m.rope_scaling)
         return module.GPT2Config(dim=m.dim, n_layers=m.n_layers, n_heads=m.n_heads, ffn_dim=m.ffn_dim,
                                  vocab_size=m.vocab_size, max_seq_len=m.max_seq_len, norm_eps=m.norm_eps,
                                  tie_embeddings=m.tie_embeddings)
@@ -336,6 +340,13 @@ def _validate_model(m: ModelConfig) -> None:
             _check_int(getattr(m, key), f"model.{key}", minimum=1)
     _check_float(m.norm_eps, "model.norm_eps", positive=True)
     _check_bool(m.tie_embeddings, "model.tie_embeddings")
+    if m.rope_scaling is not None:
+        keys = {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}
+        if m.arch != "llama" or not isinstance(m.rope_scaling, dict) or set(m.rope_scaling) != keys:
+            raise ConfigError(f"model.rope_scaling={m.rope_scaling!r}: give null, or (llama only) a mapping with "
+                              f"exactly the keys {', '.join(sorted(keys))}")
+        for key, value in m.rope_scaling.items():
+            _check_float(value, f"model.rope_scaling.{key}", positive=True)
     if m.arch == "llama":
         if m.ffn_dim is None:
             raise ConfigError("model.ffn_dim is null, but llama needs an explicit MLP size: set model.ffn_dim "
