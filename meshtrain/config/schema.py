@@ -340,6 +340,9 @@ def _validate_model(m: ModelConfig) -> None:
             _check_int(getattr(m, key), f"model.{key}", minimum=1)
     _check_float(m.norm_eps, "model.norm_eps", positive=True)
     _check_bool(m.tie_embeddings, "model.tie_embeddings")
+    if m.init_from is not None:
+        raise ConfigError(f"model.init_from={m.init_from!r}: starting from Hugging Face weights {NOT_YET}; "
+                          "set model.init_from to null")
     if m.rope_scaling is not None:
         keys = {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}
         if m.arch != "llama" or not isinstance(m.rope_scaling, dict) or set(m.rope_scaling) != keys:
