@@ -3,6 +3,7 @@
     meshtrain fit --config configs/tiny.yaml [--train.steps 20 --parallel.tp 2 ...]
     meshtrain fit --config configs/tiny.yaml --print_config
     meshtrain preprocess --input docs.jsonl --output-prefix data/docs --tokenizer bytes --append-eod
+    meshtrain export --checkpoint runs/tiny --out runs/tiny/hf [--dtype bf16|fp32]
 
 Every key of the YAML file can be overridden with a dotted flag. Bad input (a config
 value, a dataset, a checkpoint) is printed as one line without a traceback and exits with
@@ -38,9 +39,19 @@ def build_parser():
     preprocess.add_argument("--append-eod", action="store_true", help="End every document with EOS.")
     preprocess.add_argument("--workers", type=int, default=1, help="Processes that tokenize in parallel.")
     preprocess.add_argument("--text-key", default="text", help="The JSON key holding each document's text.")
+    export = ArgumentParser(description="Write a checkpoint as a Hugging Face model directory: safetensors "
+                                        "(sharded with an index above --max-shard-gb), config.json, "
+                                        "generation_config.json and the run's tokenizer files. Streams one "
+                                        "tensor at a time.")
+    export.add_argument("--checkpoint", required=True,
+                        help="A checkpoint directory (<run_dir>/checkpoints/step_N) or a run directory (its latest).")
+    export.add_argument("--out", required=True, help="The output directory (must not exist or be empty).")
+    export.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"], help="Weight dtype of the export.")
+    export.add_argument("--max-shard-gb", type=float, default=2.0, help="Split the weights into files this large.")
     subcommands = parser.add_subcommands(dest="command")
     subcommands.add_subcommand("fit", fit, help="Train a model (one process, self-launched ranks, or under torchrun).")
     subcommands.add_subcommand("preprocess", preprocess, help="Tokenize text into a Megatron-LM indexed dataset.")
+    subcommands.add_subcommand("export", export, help="Export a checkpoint to Hugging Face safetensors.")
     return parser
 
 
@@ -68,6 +79,8 @@ def main(argv: list[str] | None = None) -> int:
             fit(_run_config(args.fit))
         elif args.command == "preprocess":
             _preprocess(args.preprocess)
+        elif args.command == "export":
+            _export(args.export)
         return 0
     except ConfigError as e:
         print(f"meshtrain: config error: {e}", file=sys.stderr)
@@ -81,6 +94,16 @@ def main(argv: list[str] | None = None) -> int:
     except RankFailed as e:
         print(f"meshtrain: {e}\n{e.report['traceback']}", file=sys.stderr)
         return 1
+
+
+def _export(a) -> None:
+    from .interop.hf import export_checkpoint
+
+    if not a.max_shard_gb > 0:
+        raise ConfigError(f"--max-shard-gb={a.max_shard_gb}: give a positive size in GB")
+    summary = export_checkpoint(a.checkpoint, a.out, dtype=a.dtype, max_shard_bytes=int(a.max_shard_gb * 2**30))
+    print(f"exported step {summary['step']} of {summary['checkpoint']} to {a.out} ({a.dtype}, "
+          f"{len(summary['files'])} file(s), {summary['total_bytes'] / 2**20:,.1f} MiB)")
 
 
 def _preprocess(a) -> None:

@@ -75,11 +75,14 @@ class RankFailed(RuntimeError):
         super().__init__(f"rank {report['rank']} failed: {report['type']}: {report['message']}")
 
 
-def launch(fn: Callable[..., Any], args: tuple, nproc: int) -> list[Any]:
-    """Run `fn(*args)` on `nproc` local ranks; returns each rank's result, by rank.
+def launch(fn: Callable[..., Any], args: tuple, nproc: int) -> list[Any] | None:
+    """Run `fn(*args)` on `nproc` local ranks; returns each rank's result, by rank, or None
+    when a SIGTERM / SIGINT to this process was passed on to the ranks and they all exited
+    cleanly (the trainer checkpoints and stops: preemption).
 
     Raises the first failing rank's ConfigError as a ConfigError (so the CLI exits 2 with
     its one-line message) and any other failure as RankFailed."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -87,7 +90,9 @@ def launch(fn: Callable[..., Any], args: tuple, nproc: int) -> list[Any]:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=uuid.uuid4().hex,
                           rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0,
-                          monitor_interval=0.1, start_method="spawn")
+                          monitor_interval=0.1, start_method="spawn",
+                          # Ranks that got a stop signal checkpoint first: give them time.
+                          shutdown_timeout=int(os.environ.get("MESHTRAIN_SHUTDOWN_TIMEOUT", 300)))
     # The agent logs every rank's failure at length; we report the first one ourselves.
     loggers = [logging.getLogger(n) for n in ("torch.distributed.elastic", "torch.multiprocessing")]
     levels = [g.level for g in loggers]
@@ -103,6 +108,11 @@ def launch(fn: Callable[..., Any], args: tuple, nproc: int) -> list[Any]:
             if first["config_error"]:
                 raise ConfigError(first["message"]) from None
             raise RankFailed(first) from None
+        except SignalException:
+            first = _first_failure(Path(reports))
+            if first is not None:
+                raise RankFailed(first) from None
+            return None
         finally:
             for g, level in zip(loggers, levels):
                 g.setLevel(level)

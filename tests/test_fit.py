@@ -12,10 +12,13 @@ import dataclasses
 import hashlib
 import json
 import math
+import shutil
+import signal
 import socket
 import struct
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -30,7 +33,8 @@ from meshtrain.train.step import TrainState
 from test_cli import ROOT, SMALL, TINY, _env, _small_cfg, read_metrics, run_cli
 
 TINY4 = ROOT / "configs" / "tiny-4proc.yaml"
-STEPS4 = ["--train.steps", "4"]
+# 4 steps; 4 kv heads so that tp 4 is a valid layout to resume in.
+STEPS4 = ["--train.steps", "4", "--model.n_kv_heads", "4"]
 
 
 def losses(run_dir: Path) -> torch.Tensor:
@@ -70,6 +74,31 @@ def test_four_self_launched_ranks_resume_and_match_one_process(four_ranks, singl
     assert plan["world"] == 4 and plan["mesh"] == {"fsdp": 2, "tp": 2}
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_00000002", "step_00000004"]
     torch.testing.assert_close(losses(run_dir), losses(single4), rtol=1e-5, atol=0)
+
+
+RESHARD = {  # layout to resume in: (processes, parallel.* overrides)
+    "tp4": (4, ["--parallel.tp", "4", "--parallel.fsdp", "1"]),
+    "dp2_fsdp2": (4, ["--parallel.dp", "2", "--parallel.fsdp", "2", "--parallel.tp", "1", "--parallel.sp", "false"]),
+    "dp2_on_2": (2, ["--parallel.dp", "2", "--parallel.fsdp", "1", "--parallel.tp", "1", "--parallel.sp", "false"]),
+    "one_process": (1, ["--parallel.fsdp", "1", "--parallel.tp", "1", "--parallel.sp", "false"]),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", list(RESHARD))
+def test_resume_in_another_layout_continues_the_same_run(four_ranks, single4, tmp_path, layout):
+    """The step-2 checkpoint of fsdp 2 x tp 2 resumed in another layout and world size:
+    parameters, optimizer state, schedule and data position carry over."""
+    nproc, parallel = RESHARD[layout]
+    run_dir = tmp_path / layout
+    shutil.copytree(four_ranks[0] / "checkpoints" / "step_00000002", run_dir / "checkpoints" / "step_00000002")
+    proc = run_cli("fit", "--config", str(TINY4), *SMALL, *STEPS4, "--parallel.nproc_per_node", str(nproc),
+                   *parallel, "--run_dir", str(run_dir), env={"MESHTRAIN_DIST_TIMEOUT": "120"}, timeout=400)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "resumed from" in proc.stdout
+    assert [r["step"] for r in read_metrics(run_dir)] == [3, 4]
+    assert json.loads((run_dir / "plan.json").read_text())["world"] == nproc
+    torch.testing.assert_close(losses(run_dir), losses(single4)[2:], rtol=1e-5, atol=0)
 
 
 def _free_port() -> int:
@@ -138,6 +167,64 @@ def test_a_finished_run_resumed_has_nothing_to_do(tmp_path, one_thread):
     cfg.checkpoint = dataclasses.replace(cfg.checkpoint, every=2)
     assert len(fit(cfg)) == 2
     assert fit(cfg) == [] and len(read_metrics(Path(cfg.run_dir))) == 2
+
+
+@pytest.mark.parametrize("damage", ["truncated", "missing_file", "bad_metadata", "wrong_shapes"])
+def test_a_damaged_latest_checkpoint_falls_back_to_the_previous_one(tmp_path, one_thread, damage):
+    cfg = _small_cfg(tmp_path, steps=8, warmup_steps=1)
+    cfg.checkpoint = dataclasses.replace(cfg.checkpoint, every=2)
+    whole = fit(dataclasses.replace(cfg, run_dir=str(tmp_path / "whole")))
+    fit(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, stop_at=6)))
+    latest = Path(cfg.run_dir) / "checkpoints" / "step_00000006"
+    tensors = latest / "__0_0.distcp"
+    if damage == "truncated":
+        tensors.write_bytes(tensors.read_bytes()[:1000])
+    elif damage == "missing_file":
+        tensors.unlink()
+    elif damage == "bad_metadata":
+        (latest / ".metadata").write_bytes(b"not a pickle")
+    else:  # a checkpoint of another model under the latest name
+        other = dataclasses.replace(cfg, run_dir=str(tmp_path / "other"),
+                                    model=dataclasses.replace(cfg.model, ffn_dim=64),
+                                    train=dataclasses.replace(cfg.train, stop_at=6))
+        fit(other)
+        shutil.rmtree(latest)
+        shutil.copytree(Path(other.run_dir) / "checkpoints" / "step_00000006", latest)
+    resumed = fit(cfg)
+    assert [r["step"] for r in resumed] == [5, 6, 7, 8]  # from step 4, the one before the damaged one
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in whole[4:]]
+
+
+@pytest.mark.parametrize("nproc", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_sigterm_checkpoints_exits_0_and_the_resume_continues_the_curve(tmp_path, nproc):
+    """A real SIGTERM to a real training process: it checkpoints at the next step
+    boundary and exits 0; the same command resumes on the uninterrupted run's curve."""
+    args = ["fit", "--config", str(TINY), *SMALL, "--train.steps", "400", "--parallel.nproc_per_node", str(nproc),
+            "--parallel.fsdp", str(nproc)]
+    run_dir = tmp_path / "preempted"
+    cmd = [sys.executable, "-m", "meshtrain.cli", *args, "--run_dir", str(run_dir)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env={**_env(), "MESHTRAIN_DIST_TIMEOUT": "120"}, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not (run_dir / "metrics.jsonl").exists() or len(read_metrics(run_dir)) < 3:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, out + err
+    stopped = read_metrics(run_dir)[-1]["step"]
+    assert f"stopped by SIGTERM after step {stopped}" in out
+    assert checkpoint.latest(run_dir / "checkpoints").name == f"step_{stopped:08d}"
+    until = ["--train.stop_at", str(stopped + 3)]  # the same 400-step schedule, 3 more steps
+    resumed = run_cli(*args, *until, "--run_dir", str(run_dir), env={"MESHTRAIN_DIST_TIMEOUT": "120"})
+    assert resumed.returncode == 0 and "resumed from" in resumed.stdout, resumed.stdout + resumed.stderr
+    reference = run_cli(*args, *until, "--run_dir", str(tmp_path / "reference"), env={"MESHTRAIN_DIST_TIMEOUT": "120"})
+    assert reference.returncode == 0, reference.stderr
+    assert [r["step"] for r in read_metrics(run_dir)] == list(range(1, stopped + 4))
+    assert losses(run_dir).tolist() == losses(tmp_path / "reference").tolist()
 
 
 # --- evaluation and metrics --------------------------------------------------------------

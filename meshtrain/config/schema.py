@@ -137,7 +137,7 @@ class CheckpointConfig:
     resume: str = "auto"
     """auto: continue from the newest complete checkpoint in <run_dir>/checkpoints if there is one; none: start at step 0; or the path of a checkpoint directory."""
     export: bool = False
-    """Export the final weights (safetensors). Not implemented yet, so only false."""
+    """At the end of fit, write the weights as a Hugging Face model directory (safetensors, config.json, generation_config.json, tokenizer files) into <run_dir>/export/, in fp32 for fp32 runs and bf16 otherwise."""
 
 
 @dataclass
@@ -340,9 +340,9 @@ def _validate_model(m: ModelConfig) -> None:
             _check_int(getattr(m, key), f"model.{key}", minimum=1)
     _check_float(m.norm_eps, "model.norm_eps", positive=True)
     _check_bool(m.tie_embeddings, "model.tie_embeddings")
-    if m.init_from is not None:
-        raise ConfigError(f"model.init_from={m.init_from!r}: starting from Hugging Face weights {NOT_YET}; "
-                          "set model.init_from to null")
+    if m.init_from is not None and (not isinstance(m.init_from, str) or not m.init_from):
+        raise ConfigError(f"model.init_from={m.init_from!r}: give the path of a Hugging Face model directory, "
+                          "or null")
     if m.rope_scaling is not None:
         keys = {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}
         if m.arch != "llama" or not isinstance(m.rope_scaling, dict) or set(m.rope_scaling) != keys:
@@ -441,8 +441,5 @@ def _validate_checkpoint(c: CheckpointConfig) -> None:
     _check_int(c.every, "checkpoint.every", minimum=0)
     _check_int(c.keep_last, "checkpoint.keep_last", minimum=1)
     _check_bool(c.export, "checkpoint.export")
-    if c.export:
-        raise ConfigError(f"checkpoint.export=true: exporting to Hugging Face safetensors {NOT_YET}; "
-                          "set checkpoint.export to false")
     if not isinstance(c.resume, str) or not c.resume:
         raise ConfigError(f"checkpoint.resume={c.resume!r}: give auto, none, or a checkpoint directory")

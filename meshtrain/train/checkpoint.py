@@ -50,6 +50,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 if TYPE_CHECKING:
     from .step import TrainState
@@ -221,6 +222,11 @@ def _complete(root: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
+def complete(root: str | os.PathLike) -> list[Path]:
+    """Every complete checkpoint under root, oldest first."""
+    return [path for _, path in _complete(Path(root))]
+
+
 def latest(root: str | os.PathLike) -> Path | None:
     """The complete checkpoint with the highest step under root, or None."""
     found = _complete(Path(root))
@@ -277,8 +283,16 @@ def load(path: str | os.PathLike, state: TrainState) -> dict:
     reader = _SafeReader(path)
     metadata = reader.read_metadata()
     _check_layout(path, metadata, state)
-    with _quiet_dcp(), torch.no_grad():
-        dcp.load(_tensors(state), storage_reader=_SafeReader(path))
+    try:
+        with _quiet_dcp(), torch.no_grad():
+            dcp.load(_tensors(state), storage_reader=_SafeReader(path))
+    except CheckpointException as e:  # a missing or damaged tensor file: name it in one line
+        rank, failure = next(iter(e.failures.items()))
+        cause = failure[0] if isinstance(failure, tuple) else getattr(failure, "exc", failure)  # (exc, frames)
+        detail = str(cause).splitlines()[0] if str(cause) else "no detail"
+        raise CheckpointError(f"checkpoint {path}: reading the tensors failed on rank {rank} "
+                              f"({type(cause).__name__}: {detail}); the files are damaged: load an earlier "
+                              "checkpoint or delete this one") from None
     state.step = meta["step"]
     rank, world = _rank_world()
     rng = meta.get("rng")

@@ -16,6 +16,11 @@ before the config, the data and the checkpoint to resume from have been checked.
 from __future__ import annotations
 
 import math
+import os
+import shutil
+import signal
+import sys
+import threading
 import time
 from pathlib import Path
 
@@ -42,8 +47,10 @@ def fit(cfg: RunConfig) -> list[dict]:
         nproc = cfg.parallel.nproc_per_node
         make_plan(cfg.model_def().specs, cfg.rules(), cfg.mesh_spec(), world=nproc)
         _open_data(cfg)
-        _resume_path(cfg)
-        return launch.launch(_fit_rank, (cfg.to_dict(),), nproc)[0]
+        if _resume_path(cfg) is None and cfg.model.init_from:
+            _check_init_from(cfg)
+        results = launch.launch(_fit_rank, (cfg.to_dict(),), nproc)
+        return [] if results is None else results[0]  # None: stopped by a signal, checkpointed
     model = cfg.model_def()
     # The plan and every layout error come before any process group exists.
     plan = make_plan(model.specs, cfg.rules(), cfg.mesh_spec(), world=ranks.world)
@@ -65,7 +72,14 @@ def fit(cfg: RunConfig) -> list[dict]:
 
 
 def _fit_rank(cfg_dict: dict) -> list[dict]:
-    return fit(RunConfig.from_dict(cfg_dict))
+    history = fit(RunConfig.from_dict(cfg_dict))
+    if _StopSignal.received_by_this_process:
+        # The elastic agent is shutting down and no longer collects results: a rank that
+        # returned would wait for it until killed. Leave now, successfully.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+    return history
 
 
 def _open_data(cfg: RunConfig):
@@ -73,6 +87,17 @@ def _open_data(cfg: RunConfig):
 
     d, t = cfg.data, cfg.train
     return build_data(d.paths, d.tokenizer, t.seq_len, cfg.seed, cfg.model.vocab_size, d.valid_fraction)
+
+
+def _check_init_from(cfg: RunConfig) -> None:
+    """model.init_from must hold weights of the model the config describes."""
+    from ..interop.hf import _check_same_model
+
+    path = Path(cfg.model.init_from)
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"model.init_from={cfg.model.init_from!r} is not a Hugging Face model directory (no "
+                          "config.json): give a directory written by save_pretrained or meshtrain export")
+    _check_same_model(path, cfg.model.arch, cfg.family_config())
 
 
 def _resume_path(cfg: RunConfig, repair: bool = False) -> Path | None:
@@ -106,17 +131,31 @@ class _Run:
         self.accumulation = cfg.accumulation_steps(self.dp_size)
         self.micro_rows = t.global_batch // self.accumulation  # sequences per micro-step, all ranks
         options = dict(precision=t.precision, compile=t.compile)
+        init_from = cfg.model.init_from if self.resume is None else None  # a checkpoint wins
+        if init_from:
+            _check_init_from(cfg)
         if ranks.world == 1:
             self.mesh = None
-            params = {n: init_slice(s, n, cfg.seed, device=device).requires_grad_()
-                      for n, s in model.specs.items()}
+            if init_from:
+                from ..interop.hf import load_hf_params
+
+                params = load_hf_params(init_from, cfg.model.arch, cfg.family_config(), device=device)
+                params = {n: t.requires_grad_() for n, t in params.items()}
+            else:
+                params = {n: init_slice(s, n, cfg.seed, device=device).requires_grad_()
+                          for n, s in model.specs.items()}
             self.step_fn = make_train_step(model, **_step_options(cfg))
             self.eval_fn = make_eval_step(model, **options)
         else:
             from ..parallel.init import init_params
 
             self.mesh = plan.mesh.build(device.type)
-            params = init_params(plan, self.mesh, cfg.seed, device=device)
+            if init_from:  # each rank reads only the slices of its own shards
+                from ..interop.hf import load_hf_params
+
+                params = load_hf_params(init_from, cfg.model.arch, cfg.family_config(), plan, self.mesh, device)
+            else:
+                params = init_params(plan, self.mesh, cfg.seed, device=device)
             self.step_fn = make_train_step(model, plan, self.mesh, **_step_options(cfg))
             self.eval_fn = make_eval_step(model, plan, self.mesh, **options)
         self.state = TrainState.create(params)
@@ -127,15 +166,15 @@ class _Run:
 
     def train(self) -> list[dict]:
         cfg, t = self.cfg, self.cfg.train
-        if self.resume is not None:
-            meta = checkpoint.load(self.resume, self.state)
-            self.consumed = int(meta["extra"]["consumed_samples"])
+        skipped = self._load_resume() if self.resume is not None else []
         stop = min(t.stop_at or t.steps, t.steps)
         rep = Reporter(self.ranks.rank == 0, self.run_dir, t.steps)
         if self.ranks.rank == 0:
             self._write_run_files()
         rep.start(self._kept_metrics())
         rep.print(self._banner())
+        for note in skipped:
+            rep.print(f"[yellow]{note}[/]")
         if self.resume is not None:
             rep.print(f"resumed from {self.resume} at step {self.state.step} "
                       f"({self.consumed:,} samples consumed)")
@@ -149,6 +188,7 @@ class _Run:
         history: list[dict] = []
         first_step, start = self.state.step, time.perf_counter()
         last_time, last_step = start, first_step
+        stop_signal = _StopSignal(self.device if self.ranks.world > 1 else None)
         try:
             while self.state.step < stop:
                 metrics = self.step_fn(self.state, self._batch(self.data.train, self.consumed))
@@ -172,16 +212,45 @@ class _Run:
                     last_time, last_step = time.perf_counter(), done  # evaluation time is not training time
                     history.append(record)
                     rep.log(record)
-                every = self.cfg.checkpoint.every
+                every, saved = self.cfg.checkpoint.every, False
                 if every and (done % every == 0 or done == stop):
-                    path = self._save()
-                    rep.print(f"checkpoint {path}")
+                    rep.print(f"checkpoint {self._save()}")
+                    saved = True
+                received = stop_signal.received()
+                if received and done < stop:
+                    # Preemption: a checkpoint at this step boundary, then a clean exit.
+                    path = self._save() if not saved else checkpoint.step_dir(self.run_dir / "checkpoints", done)
+                    rep.print(f"stopped by {received} after step {done}: checkpoint {path}; run the same command "
+                              "to resume")
+                    break
+            if self.cfg.checkpoint.export and self.state.step >= stop:
+                rep.print(f"exported to {self._export()}")
         finally:
+            stop_signal.restore()
             rep.close()
         if history:
             rep.print(f"done: at step {self.state.step} of {t.steps} after {time.perf_counter() - start:.1f} s, final loss "
                       f"{history[-1]['loss']:.4f}; metrics in {self.run_dir / 'metrics.jsonl'}")
         return history
+
+    def _load_resume(self) -> list[str]:
+        """Load the checkpoint to resume from. With resume auto, a damaged newest checkpoint
+        (missing or truncated files, bad metadata, shapes that do not fit) is skipped for the
+        one before it; returns a one-line note per skipped checkpoint."""
+        auto = self.cfg.checkpoint.resume == "auto"
+        candidates = [p for p in reversed(checkpoint.complete(self.resume.parent))] if auto else [self.resume]
+        notes, first_error = [], None
+        for path in candidates:
+            try:
+                meta = checkpoint.load(path, self.state)
+            except checkpoint.CheckpointError as e:
+                first_error = first_error or e
+                notes.append(f"skipping {path.name}: {e}")
+                continue
+            self.resume, self.consumed = path, int(meta["extra"]["consumed_samples"])
+            return notes
+        raise checkpoint.CheckpointError(f"{first_error}; no earlier checkpoint in {self.resume.parent} loads either "
+                                         "(set checkpoint.resume none to start over)" if auto else str(first_error))
 
     def _batch(self, source, start: int) -> dict:
         """This rank's rows of the global batch of samples [start, start + global_batch)."""
@@ -203,6 +272,29 @@ class _Run:
         extra = {"consumed_samples": self.consumed, "config": self.cfg.to_dict()}
         return checkpoint.save(self.run_dir / "checkpoints", self.state.step, self.state, extra,
                                self.cfg.checkpoint.keep_last)
+
+    def _export(self) -> Path:
+        """The final weights as a Hugging Face directory <run_dir>/export (replaced whole)."""
+        from ..interop.hf import save_hf
+
+        cfg, out = self.cfg, self.run_dir / "export"
+        fresh, old = self.run_dir / ".export-new", self.run_dir / ".export-old"
+        if self.ranks.rank == 0:
+            for leftover in (fresh, old):
+                shutil.rmtree(leftover, ignore_errors=True)
+        if self.ranks.world > 1:
+            dist.barrier()
+        dtype = "fp32" if cfg.train.precision == "fp32" else "bf16"
+        tokenizer = cfg.data.tokenizer
+        save_hf(self.state.params, cfg.model.arch, cfg.family_config(), fresh, dtype=dtype, tokenizer=tokenizer)
+        if self.ranks.rank == 0:
+            if out.exists():
+                out.rename(old)
+            fresh.rename(out)
+            shutil.rmtree(old, ignore_errors=True)
+        if self.ranks.world > 1:
+            dist.barrier()
+        return out
 
     # --- files ---------------------------------------------------------------------------
 
@@ -236,6 +328,41 @@ class _Run:
                 f"({mesh}) on {self.device.type} | batch {t.global_batch} x {t.seq_len} tokens = "
                 f"{self.accumulation} micro-step(s) of {t.micro_batch} per data-parallel rank x {self.dp_size} | "
                 f"{t.precision}{', compiled' if t.compile else ''} | {self.run_dir}")
+
+
+class _StopSignal:
+    """SIGTERM / SIGINT ask the run to stop at the next step boundary (after a checkpoint),
+    as a cluster's preemption notice does; a second one stops at once. With several ranks
+    they agree every step (a one-element all-reduce), since a signal may reach only some."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+    received_by_this_process = False
+
+    def __init__(self, device: torch.device | None):
+        self.device, self.name, self.previous = device, None, {}
+        if threading.current_thread() is not threading.main_thread():
+            return  # signal handlers can only be set from the main thread
+        for sig in self.SIGNALS:
+            self.previous[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, sig, frame) -> None:
+        if self.name is not None:  # asked twice: stop now
+            self.restore()
+            raise KeyboardInterrupt if sig == signal.SIGINT else SystemExit(128 + sig)
+        self.name = signal.Signals(sig).name
+        _StopSignal.received_by_this_process = True
+
+    def received(self) -> str | None:
+        if self.device is None:
+            return self.name
+        flag = torch.tensor([float(self.name is not None)], device=self.device)
+        dist.all_reduce(flag, dist.ReduceOp.MAX)
+        return (self.name or "a signal to another rank") if flag.item() else None
+
+    def restore(self) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+        self.previous = {}
 
 
 class _RowSlice:
