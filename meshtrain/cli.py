@@ -4,6 +4,7 @@
     meshtrain fit --config configs/tiny.yaml --print_config
     meshtrain preprocess --input docs.jsonl --output-prefix data/docs --tokenizer bytes --append-eod
     meshtrain export --checkpoint runs/tiny --out runs/tiny/hf [--dtype bf16|fp32]
+    meshtrain generate --checkpoint runs/tiny --prompt "Four score" --max-new-tokens 40 --temperature 0
 
 Every key of the YAML file can be overridden with a dotted flag. Bad input (a config
 value, a dataset, a checkpoint) is printed as one line without a traceback and exits with
@@ -48,10 +49,24 @@ def build_parser():
     export.add_argument("--out", required=True, help="The output directory (must not exist or be empty).")
     export.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"], help="Weight dtype of the export.")
     export.add_argument("--max-shard-gb", type=float, default=2.0, help="Split the weights into files this large.")
+    generate = ArgumentParser(description="Continue a prompt with a trained model (one process, KV cache).")
+    generate.add_argument("--checkpoint", required=True,
+                          help="A checkpoint directory, a run directory (its latest), or a Hugging Face model directory.")
+    generate.add_argument("--prompt", default=None, help="Text, encoded with the run's tokenizer.")
+    generate.add_argument("--prompt-ids", default=None, help="Token ids instead of --prompt, e.g. 1,2,3.")
+    generate.add_argument("--max-new-tokens", type=int, default=32, help="Tokens to generate at most.")
+    generate.add_argument("--temperature", type=float, default=1.0, help="0: greedy.")
+    generate.add_argument("--top-k", type=int, default=None, help="Sample among the k most likely tokens.")
+    generate.add_argument("--top-p", type=float, default=None, help="Sample within this probability mass.")
+    generate.add_argument("--seed", type=int, default=0, help="Seed of the sampler.")
+    generate.add_argument("--output-format", default="text", choices=["text", "json"],
+                          help="json: one object per line with prompt_ids, generated_ids and text.")
+    generate.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available).")
     subcommands = parser.add_subcommands(dest="command")
     subcommands.add_subcommand("fit", fit, help="Train a model (one process, self-launched ranks, or under torchrun).")
     subcommands.add_subcommand("preprocess", preprocess, help="Tokenize text into a Megatron-LM indexed dataset.")
     subcommands.add_subcommand("export", export, help="Export a checkpoint to Hugging Face safetensors.")
+    subcommands.add_subcommand("generate", generate, help="Generate text from a checkpoint or a Hugging Face model.")
     return parser
 
 
@@ -81,6 +96,13 @@ def main(argv: list[str] | None = None) -> int:
             _preprocess(args.preprocess)
         elif args.command == "export":
             _export(args.export)
+        elif args.command == "generate":
+            from .generate import main_generate
+
+            a = args.generate
+            main_generate(a.checkpoint, prompt=a.prompt, prompt_ids=a.prompt_ids, max_new_tokens=a.max_new_tokens,
+                          temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, seed=a.seed,
+                          output_format=a.output_format, device=a.device)
         return 0
     except ConfigError as e:
         print(f"meshtrain: config error: {e}", file=sys.stderr)

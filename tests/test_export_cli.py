@@ -92,3 +92,21 @@ def test_bad_interop_input_exits_2_with_one_line(exported, tmp_path, args, words
     assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert all(w.format(**fill) in proc.stderr for w in words), proc.stderr
     assert not (tmp_path / "run").exists() and not (tmp_path / "out").exists()
+
+
+def test_generate_greedy_is_the_same_from_the_checkpoint_the_export_and_transformers(exported):
+    outputs = []
+    for source in (exported, exported / "checkpoints" / "step_00000003", exported / "export"):
+        proc = run_cli("generate", "--checkpoint", str(source), "--prompt-ids", "256,70,111,117,114",
+                       "--max-new-tokens", "12", "--temperature", "0", "--output-format", "json")
+        assert proc.returncode == 0, proc.stderr
+        outputs.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    assert outputs[0] == outputs[1]
+    assert outputs[2]["generated_ids"] == outputs[0]["generated_ids"]  # (no tokenizer.json for bytes: no text)
+    assert outputs[0]["prompt_ids"] == [256, 70, 111, 117, 114] and len(outputs[0]["generated_ids"]) <= 12
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.LlamaForCausalLM.from_pretrained(exported / "export", torch_dtype=torch.float32).eval()
+    prompt = torch.tensor([outputs[0]["prompt_ids"]])
+    ids = hf.generate(prompt, do_sample=False, max_new_tokens=len(outputs[0]["generated_ids"]),
+                      eos_token_id=257, pad_token_id=257)[0, prompt.shape[1]:].tolist()
+    assert ids == outputs[0]["generated_ids"]

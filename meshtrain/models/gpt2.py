@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from .context import ModelContext
-from .layers import layer_norm
+from .layers import KVCache, cached_attention, layer_norm
 from .spec import ParamSpec
 
 
@@ -133,3 +133,45 @@ def _mlp(cfg, p, prefix, x, ctx):
     h = ctx.constrain(h, ("batch", "seq", None))
     up = F.gelu(F.linear(h, p[prefix + "mlp.w_up"], p[prefix + "mlp.b_up"]), approximate="tanh")
     return ctx.constrain(F.linear(up, p[prefix + "mlp.w_down"]), ("batch", "seq_sp", None)) + p[prefix + "mlp.b_down"]
+
+
+# --------------------------------------------------------------------------- decoding
+# See llama.decode: the same KV-cache inference path, with learned positions.
+
+
+def init_cache(cfg: GPT2Config, batch: int, max_len: int, dtype: torch.dtype = torch.float32,
+               device: torch.device | str = "cpu") -> KVCache:
+    """An empty cache for `max_len` positions (at most cfg.max_seq_len)."""
+    return KVCache.empty(cfg.n_layers, batch, max_len, cfg.n_heads, cfg.head_dim, dtype, device)
+
+
+def decode(cfg: GPT2Config, params: Mapping[str, torch.Tensor], tokens: torch.Tensor, cache: KVCache,
+           start_pos: int, last_only: bool = False) -> torch.Tensor:
+    """Logits (batch, t, vocab) for `tokens` (batch, t) at positions start_pos..start_pos+t-1,
+    given that the cache holds positions 0..start_pos-1; stores these positions' keys and
+    values in the cache. last_only: logits of the last position only (batch, 1, vocab)."""
+    p = params
+    t = tokens.shape[1]
+    end = start_pos + t
+    if end > cfg.max_seq_len:
+        from ..errors import ConfigError
+
+        raise ConfigError(f"position {end - 1} exceeds model.max_seq_len={cfg.max_seq_len} (GPT-2 learns one "
+                          "embedding per position): generate fewer tokens")
+    positions = torch.arange(start_pos, end, device=tokens.device)
+    x = F.embedding(tokens, p["tok_emb"]) + F.embedding(positions, p["pos_emb"])
+    hd = cfg.head_dim
+    for i in range(cfg.n_layers):
+        prefix = f"layers.{i}."
+        h = layer_norm(x, p[prefix + "attn_norm"], p[prefix + "attn_norm_bias"], cfg.norm_eps)
+        q, k, v = (F.linear(h, p[prefix + f"attn.w{w}"], p[prefix + f"attn.b{w}"]).unflatten(-1, (-1, hd))
+                   for w in ("q", "k", "v"))
+        out = cached_attention(q, k, v, cache, i, start_pos).flatten(-2)
+        x = x + (F.linear(out, p[prefix + "attn.wo"]) + p[prefix + "attn.bo"])
+        h = layer_norm(x, p[prefix + "mlp_norm"], p[prefix + "mlp_norm_bias"], cfg.norm_eps)
+        up = F.gelu(F.linear(h, p[prefix + "mlp.w_up"], p[prefix + "mlp.b_up"]), approximate="tanh")
+        x = x + (F.linear(up, p[prefix + "mlp.w_down"]) + p[prefix + "mlp.b_down"])
+    if last_only:
+        x = x[:, -1:]
+    x = layer_norm(x, p["norm"], p["norm_bias"], cfg.norm_eps)
+    return F.linear(x, p["tok_emb" if cfg.tie_embeddings else "output"])

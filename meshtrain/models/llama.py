@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from .context import ModelContext
-from .layers import apply_rope, rms_norm, rope_cos_sin
+from .layers import KVCache, apply_rope, cached_attention, rms_norm, rope_cos_sin, rope_frequencies
 from .spec import ParamSpec
 
 
@@ -124,3 +124,50 @@ def _mlp(p, prefix, x, eps, ctx):
     h = ctx.constrain(rms_norm(x, p[prefix + "mlp_norm"], eps), ("batch", "seq", None))
     gate = F.silu(F.linear(h, p[prefix + "mlp.w_gate"])) * F.linear(h, p[prefix + "mlp.w_up"])
     return ctx.constrain(F.linear(gate, p[prefix + "mlp.w_down"]), ("batch", "seq_sp", None))
+
+
+# --------------------------------------------------------------------------- decoding
+#
+# Inference with a KV cache: `decode` runs the prompt (prefill) and then one token at a
+# time, each call reading the keys and values of earlier positions from the cache instead
+# of recomputing them. It is plain single-device code (no ModelContext): parameters are
+# used in their own dtype.
+
+
+def init_cache(cfg: LlamaConfig, batch: int, max_len: int, dtype: torch.dtype = torch.float32,
+               device: torch.device | str = "cpu") -> KVCache:
+    """An empty cache for `max_len` positions (at most cfg.max_seq_len is meaningful)."""
+    return KVCache.empty(cfg.n_layers, batch, max_len, cfg.n_kv_heads, cfg.head_dim, dtype, device)
+
+
+def decode(cfg: LlamaConfig, params: Mapping[str, torch.Tensor], tokens: torch.Tensor, cache: KVCache,
+           start_pos: int, last_only: bool = False) -> torch.Tensor:
+    """Logits (batch, t, vocab) for `tokens` (batch, t) at positions start_pos..start_pos+t-1,
+    given that the cache holds positions 0..start_pos-1; stores these positions' keys and
+    values in the cache. Called on the whole prompt and then token by token, the logits are
+    those of `forward` on the whole sequence. last_only: logits of the last position only
+    (batch, 1, vocab)."""
+    p = params
+    t = tokens.shape[1]
+    x = F.embedding(tokens, p["tok_emb"])
+    inv_freq = rope_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling).to(tokens.device)
+    positions = torch.arange(start_pos, start_pos + t, dtype=torch.float32, device=tokens.device)
+    angles = torch.outer(positions, inv_freq)
+    angles = torch.cat([angles, angles], dim=-1)
+    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+    hd = cfg.head_dim
+    for i in range(cfg.n_layers):
+        prefix = f"layers.{i}."
+        h = rms_norm(x, p[prefix + "attn_norm"], cfg.norm_eps)
+        q = F.linear(h, p[prefix + "attn.wq"]).unflatten(-1, (-1, hd))
+        k = F.linear(h, p[prefix + "attn.wk"]).unflatten(-1, (-1, hd))
+        v = F.linear(h, p[prefix + "attn.wv"]).unflatten(-1, (-1, hd))
+        out = cached_attention(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, cache, i, start_pos)
+        x = x + F.linear(out.flatten(-2), p[prefix + "attn.wo"])
+        h = rms_norm(x, p[prefix + "mlp_norm"], cfg.norm_eps)
+        gate = F.silu(F.linear(h, p[prefix + "mlp.w_gate"])) * F.linear(h, p[prefix + "mlp.w_up"])
+        x = x + F.linear(gate, p[prefix + "mlp.w_down"])
+    if last_only:
+        x = x[:, -1:]
+    x = rms_norm(x, p["norm"], cfg.norm_eps)
+    return F.linear(x, p["tok_emb" if cfg.tie_embeddings else "output"])
