@@ -15,7 +15,6 @@ import datetime
 import json
 import logging
 import os
-import sys
 import tempfile
 import time
 import traceback
@@ -80,8 +79,9 @@ def launch(fn: Callable[..., Any], args: tuple, nproc: int) -> list[Any] | None:
     when a SIGTERM / SIGINT to this process was passed on to the ranks and they all exited
     cleanly (the trainer checkpoints and stops: preemption).
 
-    Raises the first failing rank's ConfigError as a ConfigError (so the CLI exits 2 with
-    its one-line message) and any other failure as RankFailed."""
+    Raises the first failing rank's ConfigError, DataError or CheckpointError again as
+    such (so the CLI exits 2 with its one-line message) and any other failure as
+    RankFailed."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -105,12 +105,12 @@ def launch(fn: Callable[..., Any], args: tuple, nproc: int) -> list[Any] | None:
             first = _first_failure(Path(reports))
             if first is None:
                 raise
-            if first["config_error"]:
-                raise ConfigError(first["message"]) from None
+            _raise_bad_input(first)
             raise RankFailed(first) from None
         except SignalException:
             first = _first_failure(Path(reports))
             if first is not None:
+                _raise_bad_input(first)
                 raise RankFailed(first) from None
             return None
         finally:
@@ -123,16 +123,25 @@ def _run_rank(reports: str, fn: Callable[..., Any], args: tuple) -> Any:
     try:
         return fn(*args)
     except BaseException as e:
+        bad_input = next((name for name, cls in _bad_input_errors().items() if isinstance(e, cls)), None)
         report = {"rank": int(os.environ.get("RANK", -1)), "time": time.time(), "type": type(e).__name__,
-                  "message": str(e), "config_error": isinstance(e, ConfigError) or _is_data_error(e),
-                  "traceback": traceback.format_exc()}
+                  "message": str(e), "bad_input": bad_input, "traceback": traceback.format_exc()}
         Path(reports, f"rank{report['rank']}.json").write_text(json.dumps(report))
         raise
 
 
-def _is_data_error(e: BaseException) -> bool:
-    data_error = getattr(sys.modules.get("meshtrain.data.errors"), "DataError", None)
-    return data_error is not None and isinstance(e, data_error)
+def _bad_input_errors() -> dict[str, type]:
+    """The errors that mean bad input (the CLI exits 2 with their one-line message)."""
+    from .data.errors import DataError
+    from .train.checkpoint import CheckpointError
+
+    return {"config": ConfigError, "data": DataError, "checkpoint": CheckpointError}
+
+
+def _raise_bad_input(report: dict) -> None:
+    """Raise a rank's bad-input error again here, as the same class, without its traceback."""
+    if report.get("bad_input"):
+        raise _bad_input_errors()[report["bad_input"]](report["message"]) from None
 
 
 def _first_failure(reports: Path) -> dict | None:

@@ -1,0 +1,44 @@
+"""The self-launcher: results by rank, and the first failing rank's own error."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from meshtrain.data.errors import DataError
+from meshtrain.launch import RankFailed, launch
+
+
+def _rank_and_world(x):
+    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), x
+
+
+def _bad_data_on_rank_1():
+    if os.environ["RANK"] == "1":
+        raise DataError("data/x.bin: token id 300 >= model.vocab_size=258")
+    time.sleep(30)  # the launcher stops this rank once rank 1 has failed
+
+
+def _crash_on_rank_1_then_peer_errors():
+    if os.environ["RANK"] == "1":
+        raise RuntimeError("the real cause, on rank 1")
+    time.sleep(1)
+    raise ConnectionError("connection closed by peer")  # what the other ranks see afterwards
+
+
+def test_results_come_back_by_rank():
+    assert launch(_rank_and_world, ("x",), 2) == [(0, 2, "x"), (1, 2, "x")]
+
+
+def test_a_rank_with_bad_input_raises_that_error_here():
+    with pytest.raises(DataError, match="token id 300"):
+        launch(_bad_data_on_rank_1, (), 2)
+
+
+def test_the_first_failure_is_reported_not_the_peers_reaction():
+    with pytest.raises(RankFailed) as e:
+        launch(_crash_on_rank_1_then_peer_errors, (), 2)
+    assert e.value.report["rank"] == 1 and "the real cause" in str(e.value)
+    assert "RuntimeError" in e.value.report["traceback"]
