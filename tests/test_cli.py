@@ -130,7 +130,7 @@ def test_help_shows_the_field_docstrings(capsys):
     (["--parallel.cp", "2"], "parallel.cp", "not implemented yet"),
     (["--parallel.ep", "2"], "parallel.ep", "not implemented yet"),
     (["--parallel.pp", "2"], "parallel.pp", "not implemented yet"),
-    (["--checkpoint.export", "true"], "checkpoint.export", "not implemented yet"),
+    (["--model.init_from", ""], "model.init_from", "Hugging Face"),
     (["--checkpoint.resume", "runs/x/step_10"], "checkpoint.resume", "meta.json"),
     (["--data.paths", "data/owt_text_document"], "data/owt_text_document", ".idx"),
     (["--data.paths", "[[0, a], [1, b]]"], "data.paths", "positive"),
