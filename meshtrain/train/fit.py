@@ -259,7 +259,9 @@ class _Run:
             window = self.rows.read(source, start + micro * self.micro_rows).to(self.device)
             tokens.append(self.rows.wrap(window[:, :-1]))
             targets.append(self.rows.wrap(window[:, 1:]))
-        return {"tokens": tokens, "targets": targets}
+        # Every target of a packed sample is a real token: the count needs no collective.
+        t = self.cfg.train
+        return {"tokens": tokens, "targets": targets, "num_targets": t.global_batch * t.seq_len}
 
     def _evaluate(self) -> float:
         """Mean loss per token on the first eval_batches global batches of the validation split."""

@@ -36,7 +36,9 @@ def make_train_step(model: ModelDef, plan=None, device_mesh=None, *, optimizer: 
     batch["tokens"] and batch["targets"] are (micro_steps, batch, seq) tensors, or lists of
     (batch, seq) micro-batches: the global batch split into micro-batches, each given in
     full on every rank (the layout keeps each rank's part) or as DTensors laid out as the
-    plan's ("batch", "seq") activation, each rank holding only its own rows. Gradients accumulate over micro-steps; the loss
+    plan's ("batch", "seq") activation, each rank holding only its own rows. Optional
+    batch["num_targets"]: the number of targets >= 0 in the whole global batch, when the
+    caller knows it (otherwise it is counted, with a collective when ranks hold parts). Gradients accumulate over micro-steps; the loss
     is the mean over every target token of the global batch (targets < 0 are ignored).
     With no plan the step runs on one device. `compile` True wraps the loss and the update
     in torch.compile(fullgraph=True) with inductor; a string names another backend.
@@ -65,7 +67,7 @@ def make_train_step(model: ModelDef, plan=None, device_mesh=None, *, optimizer: 
         if tokens[0].shape[0] % data_ranks:
             raise ConfigError(f"batch: {tokens[0].shape[0]} sequences per micro-step cannot be split evenly over "
                               f"{data_ranks} data-parallel ranks (dp x fsdp); use a multiple of {data_ranks}")
-        n_tokens = _count_targets(targets)
+        n_tokens = batch.get("num_targets") or _count_targets(targets)
         total = None
         for micro in range(len(tokens)):
             with scope():
@@ -102,7 +104,7 @@ def make_eval_step(model: ModelDef, plan=None, device_mesh=None, *, precision: s
     def evaluate(params: dict, batch: dict) -> float:
         tokens, targets = batch["tokens"], batch["targets"]
         total = sum(_full(loss_sum(params, tokens[m], targets[m])) for m in range(len(tokens)))
-        return float(total) / _count_targets(targets)
+        return float(total) / (batch.get("num_targets") or _count_targets(targets))
 
     return evaluate
 
