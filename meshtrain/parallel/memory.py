@@ -1,0 +1,225 @@
+"""Per-rank memory of one training step, from the Plan and the model's shapes alone.
+
+`per_rank_memory` is the dry-run estimate behind `meshtrain plan`: no process group, no
+tensors, so it answers for any world size in microseconds. Every number is bytes on the
+most loaded rank (uneven fsdp shards round up, so rank 0 may hold more).
+
+State (fp32, exact: straight from the Plan's local shapes)
+  params     sum of ParamPlan.bytes_per_rank
+  grads      the same shapes, fp32 (the gradient reaches the shard in the parameter's dtype)
+  optimizer  AdamW exp_avg + exp_avg_sq: 2 x params
+
+Activations: what autograd keeps for backward for ONE micro-batch on one rank, counted
+per saved tensor (unique storage) in the dtype it is saved in, with its local shape from
+the plan's activation layouts (batch split over the axes the "batch" rule names, dp x
+fsdp by default; heads / mlp / vocab over tp; the residual stream's sequence over tp when
+sequence parallel maps seq_sp to tp). Tensors that exist before the forward (parameters,
+input tokens) are not counted. With c = bytes of the compute dtype (4 fp32, 2 bf16),
+B x S local tokens, and each term taking the local size of its logical axes, Llama keeps
+per layer, per token:
+
+  attention norm   4*D  input in fp32 (x.float(); the residual itself in fp32)   [seq_sp]
+                   4    rsqrt (one fp32 per token)                                [seq_sp]
+                   c*D  normalised input, saved by `* weight`                     [seq_sp]
+  q/k/v matmuls    c*D  the normed input after the sp all-gather (one tensor)     [seq]
+  attention        c*hd*(Hq + 2*Hkv)  rotated q, rotated k, v (flash/fused kernel)
+                   c*hd*Hq + 4*Hq     output and log-sum-exp (the output is also wo's input)
+  mlp norm         4*D + 4 + c*D                                                 [seq_sp]
+  mlp matmuls      c*D  normed input after the all-gather                        [seq]
+                   4*c*F  gate pre-activation (silu), silu output and up (the product),
+                          the product (w_down's input)
+
+Once per micro-batch: RoPE cos and sin (S x hd each, c); the final norm (4*D + 4 + c*D)
+and the output matmul's input (c*D); the loss, which never gathers the vocab: the local
+logits slice in fp32 twice (itself, kept by the target `gather`, and its exp: 2*4*V/tp
+per token), the target index (int64), two bool masks and the stacked (sum_exp,
+target_logit) pair (2 fp32); the vocab-parallel embedding's
+clamped ids (int64) and mask (bool). GPT-2 differs where its forward does: LayerNorm
+keeps the centred fp32 input (4*D), no GQA, learned positions, and the MLP keeps 2*F
+(GELU input, GELU output).
+
+Attention kernel: the fused kernels (CPU's flash kernel, CUDA flash / mem-efficient)
+keep q, k, v, output and log-sum-exp and recompute the probabilities. The math path
+keeps q and k expanded to Hq heads (GQA), v expanded, the probabilities (B, Hq, S, S)
+and a contiguous copy of the output; it is selected with attention="math" and is what
+CUDA runs for fp32 GQA (no fused kernel takes fp32 + GQA there).
+
+Weights kept for backward (`saved_weights`, part of activations): matmuls and norm
+scales save the weight they multiply by. Parameters that are not gathered are saved as
+themselves in fp32 (no new memory) but as a new bf16 copy under bf16. Gathered (fsdp)
+weights are re-gathered in backward by eager steps (ZeRO-3): nothing kept; compiled
+steps keep every gathered weight from forward to backward (`gathered_weights`).
+
+Activation checkpointing (not in the runtime yet, so these are estimates only):
+  full       each layer keeps only its input (c*D, [seq_sp]); backward recomputes one
+             layer at a time, so one layer's activations come back as a transient.
+  selective  op-level (torchtitan's "op" policy): keep the layer input, the outputs of
+             the matmuls (q, k, v before RoPE, wo's output [seq_sp], gate and up
+             pre-activations) and of attention (output, log-sum-exp); recompute norms,
+             RoPE, activation functions and products. With the math kernel the
+             (S x S) probabilities are recomputed too (Korthikanti et al. 2022).
+
+Peak = params + grads + optimizer + activations + recompute + the largest transient:
+one layer's gathered weights in the compute dtype (fsdp gathers a layer's weights at a
+time; under bf16 a non-gathered weight is cast per use) or the loss's logits (the local
+logits slice in c bytes plus its fp32 copy). Grads are counted as resident for the whole
+step (true from the second micro-step; an upper bound for the first). Allocator
+fragmentation, communication buffers and the CUDA context are not counted.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+from .mesh import GATHERED_AXES
+from .plan import Plan
+
+_DTYPE_BYTES = {"fp32": 4, "bf16": 2}
+FP32, INT64, BOOL = 4, 8, 1
+
+
+def _local(plan: Plan, shape: Sequence[int], axes: Sequence[str | None]) -> int:
+    """Elements of this activation on the most loaded rank."""
+    return math.prod(plan.activation(axes).local_shape(shape, plan.mesh))
+
+
+def _compute_numel(plan: Plan, name: str) -> int:
+    """Elements of a parameter where it is used: gathered over fsdp, tp shards kept. An
+    uneven fsdp dim is gathered padded (fsdp x the largest shard), as the all-gather
+    buffer is, and the gathered tensor is a view of that buffer."""
+    p = plan.params[name]
+    shape = list(p.spec.shape)
+    for d, axes in enumerate(p.layout.dim_axes):
+        for a in axes:
+            n = plan.mesh.size(a)
+            shape[d] = math.ceil(shape[d] / n) * (n if a in GATHERED_AXES else 1)
+    return math.prod(shape)
+
+
+def _is_gathered(plan: Plan, name: str) -> bool:
+    p = plan.params[name]
+    return tuple(p.compute_placements(plan.mesh)) != tuple(p.placements)
+
+
+def _saved_in_backward(family: str, cfg, name: str) -> bool:
+    """Does some op keep this weight for backward (matmul, norm scale)? Embedding lookups
+    keep ids, bias additions keep nothing."""
+    if name == "tok_emb":
+        return cfg.tie_embeddings
+    if family == "gpt2":
+        leaf = name.rsplit(".", 1)[-1]
+        return not (name == "pos_emb" or leaf.startswith("b") or leaf.endswith("norm_bias"))
+    return True
+
+
+def _norm(plan: Plan, B: int, S: int, D: int, c: int) -> int:
+    """fp32 input (or centred input), rsqrt, normalised input (c): residual layout."""
+    res = ("batch", "seq_sp", None)
+    return _local(plan, (B, S, D), res) * (FP32 + c) + _local(plan, (B, S, 1), res) * FP32
+
+
+def _attention_saved(plan, B, S, Hq, Hkv, hd, c, kernel: str) -> int:
+    q = _local(plan, (B, S, Hq, hd), ("batch", "seq", "q_heads", None))
+    kv = _local(plan, (B, S, Hkv, hd), ("batch", "seq", "kv_heads", None))
+    if kernel == "flash":
+        lse = _local(plan, (B, Hq, S), ("batch", "q_heads", "seq"))
+        return c * (q + 2 * kv + q) + FP32 * lse
+    probs = _local(plan, (B, Hq, S, S), ("batch", "q_heads", "seq", None))
+    return c * (4 * q + probs)  # q, k and v at Hq heads, output copy; probabilities
+
+
+def per_rank_memory(plan: Plan, model, *, micro_batch: int, seq_len: int, precision: str = "fp32",
+                    activation_checkpointing: str = "none", compiled: bool = False,
+                    device: str = "cpu", attention: str | None = None) -> dict:
+    """Bytes on the most loaded rank for one training step (see the module docstring for
+    what is counted). micro_batch: sequences per data-parallel rank per micro-step.
+    device: "cpu" | "cuda" picks the attention kernel unless `attention` ("flash" |
+    "math") names it. Returns params, grads, optimizer, activations (kept for backward,
+    including saved weights), peak, and a breakdown."""
+    if precision not in _DTYPE_BYTES:
+        raise ValueError(f"precision={precision!r}: choose fp32 or bf16")
+    if activation_checkpointing not in ("none", "full", "selective"):
+        raise ValueError(f"activation_checkpointing={activation_checkpointing!r}: choose none, full or selective")
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device={device!r}: choose cpu or cuda")
+    family = model.family.__name__.rsplit(".", 1)[-1]
+    if family not in ("llama", "gpt2"):
+        raise ValueError(f"no activation model for the {family} family")
+    cfg, mesh = model.cfg, plan.mesh
+    c = _DTYPE_BYTES[precision]
+    gqa = family == "llama" and cfg.n_kv_heads != cfg.n_heads
+    if attention is None:
+        attention = "math" if device == "cuda" and precision == "fp32" and gqa else "flash"
+    if attention not in ("flash", "math"):
+        raise ValueError(f"attention={attention!r}: choose flash or math")
+
+    B, S, D, hd, F = micro_batch * mesh.dp * mesh.fsdp, seq_len, cfg.dim, cfg.head_dim, cfg.ffn_dim
+    Hq = cfg.n_heads
+    Hkv = cfg.n_kv_heads if family == "llama" else Hq
+    V = cfg.vocab_size
+    res, full = ("batch", "seq_sp", None), ("batch", "seq", None)
+    mlp = _local(plan, (B, S, F), ("batch", "seq", "mlp"))
+    x_res, x_full = _local(plan, (B, S, D), res), _local(plan, (B, S, D), full)
+    tokens = _local(plan, (B, S), ("batch", "seq"))
+
+    # One layer, nothing recomputed.
+    attn = _norm(plan, B, S, D, c) + c * x_full + _attention_saved(plan, B, S, Hq, Hkv, hd, c, attention)
+    mlp_saved = _norm(plan, B, S, D, c) + c * x_full + (4 if family == "llama" else 2) * c * mlp
+    layer_none = attn + mlp_saved
+    if activation_checkpointing == "none":
+        layer = layer_none
+    elif activation_checkpointing == "full":
+        layer = c * x_res
+    else:
+        q = _local(plan, (B, S, Hq, hd), ("batch", "seq", "q_heads", None))
+        kv = _local(plan, (B, S, Hkv, hd), ("batch", "seq", "kv_heads", None))
+        lse = _local(plan, (B, Hq, S), ("batch", "q_heads", "seq"))
+        layer = c * (2 * x_res + q + 2 * kv + q) + FP32 * lse + 2 * c * mlp
+    recompute = 0 if activation_checkpointing == "none" else max(0, layer_none - layer)
+
+    # Once per micro-batch: RoPE tables or position ids, embedding, final norm, loss.
+    once = 0
+    if family == "llama":
+        once += 2 * c * _local(plan, (S, hd), ("seq", None))
+    else:
+        once += INT64 * _local(plan, (S,), ("seq",))
+    if any(a for a in plan.params["tok_emb"].layout.dim_axes[0] if a not in GATHERED_AXES):
+        once += tokens * (INT64 + BOOL)  # vocab-parallel lookup: clamped ids, in-slice mask
+    once += _norm(plan, B, S, D, c) + c * x_full
+    logits = _local(plan, (B, S, V), ("batch", "seq", "vocab"))
+    loss = 2 * FP32 * logits + tokens * (INT64 + BOOL + 2 * FP32 + BOOL)
+
+    # Weights autograd keeps, and the transient of gathering them.
+    saved_weights = gathered_weights = 0
+    layer_weights: dict[str, int] = {}
+    for name in plan.params:
+        gathered, n = _is_gathered(plan, name), _compute_numel(plan, name)
+        new_copy = gathered or c != FP32  # otherwise the parameter itself is used
+        if new_copy:
+            group = name.split(".")[1] if name.startswith("layers.") else name
+            layer_weights[group] = layer_weights.get(group, 0) + n * c
+        if not new_copy or not _saved_in_backward(family, cfg, name):
+            continue
+        if gathered:
+            gathered_weights += n * c if compiled else 0
+        else:
+            saved_weights += n * c
+
+    activations_per_layer = layer
+    activations = cfg.n_layers * layer + once + loss + saved_weights + gathered_weights
+    params = plan.param_bytes_per_rank
+    grads = sum(math.prod(p.local_shape) * FP32 for p in plan.params.values())
+    optimizer = 2 * grads
+    loss_logits = logits * (c + (FP32 if c != FP32 else 0))
+    transient = max(max(layer_weights.values(), default=0), loss_logits)
+    peak = params + grads + optimizer + activations + recompute + transient
+    return {
+        "params": params, "grads": grads, "optimizer": optimizer, "activations": activations,
+        "peak": peak,
+        "activations_per_layer": activations_per_layer, "activations_layers": cfg.n_layers * layer,
+        "activations_once": once, "loss_saved": loss, "saved_weights": saved_weights,
+        "gathered_weights": gathered_weights, "recompute": recompute, "transient": transient,
+        "transient_layer_weights": max(layer_weights.values(), default=0), "logits": loss_logits,
+        "attention_kernel": attention,
+    }

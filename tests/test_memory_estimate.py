@@ -1,0 +1,179 @@
+"""per_rank_memory against what real sharded steps hold (gloo CPU ranks).
+
+State (params, grads after backward, AdamW state) is measured on every rank from the
+tensors the runtime produced and must equal the estimate for the most loaded rank. What
+autograd keeps for backward is measured with saved-tensor hooks: the unique storages
+created by the forward (not parameters or input tokens) that autograd saves, skipping
+gathered weights that the eager runtime re-gathers in backward (its own hook swaps them
+for their shard).
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from meshtrain import MeshSpec, Rules, build, init_params, make_plan
+from meshtrain.models import llama
+from meshtrain.parallel.memory import per_rank_memory
+from meshtrain.testing import run_ranks
+
+CFG = llama.LlamaConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=128, max_seq_len=64)
+# 130 rows over fsdp 4: shards of 33, 33, 32, 32 (rank 0 holds more).
+UNEVEN_CFG = llama.LlamaConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=130,
+                               max_seq_len=64)
+UNEVEN = {"tok_emb": {"vocab": ("fsdp",), "embed": ()}, "output": {"vocab": ("fsdp",), "embed": ()}}
+MICRO, SEQ = 2, 24  # sequences per data-parallel rank; seq != head_dim keeps shapes apart
+
+# name: (mesh sizes, sequence parallel, rule overrides, config)
+LAYOUTS = {
+    1: {"single": ({}, False, None, CFG)},
+    2: {"fsdp2": ({"fsdp": 2}, False, None, CFG), "tp2": ({"tp": 2}, False, None, CFG)},  # sp: fsdp2_tp2_sp
+    4: {"fsdp2_tp2_sp": ({"fsdp": 2, "tp": 2}, True, None, CFG), "dp2_fsdp2": ({"dp": 2, "fsdp": 2}, False, None, CFG),
+        "fsdp4_uneven": ({"fsdp": 4}, False, UNEVEN, UNEVEN_CFG)},
+}
+PRECISIONS = {"fp32": None, "bf16": torch.bfloat16}
+
+
+def _plan(name, world):
+    sizes, sp, overrides, cfg = LAYOUTS[world][name]
+    model = build("llama", cfg)
+    return model, make_plan(model.specs, Rules(Rules.default(sp=sp).mapping, overrides or {}), MeshSpec(**sizes),
+                            world=world)
+
+
+def _storage(t):
+    from torch.distributed.tensor import DTensor
+
+    t = t._local_tensor if isinstance(t, DTensor) else t
+    return t.untyped_storage()
+
+
+def measure(world: int):
+    """On every rank: each layout x precision, one forward + backward of one micro-batch."""
+    from meshtrain.parallel.context import ShardedContext
+    from meshtrain.train.optim import init_state, local
+
+    out = {}
+    for name in LAYOUTS[world]:
+        model, plan = _plan(name, world)
+        mesh = plan.mesh.build()
+        for precision, dtype in PRECISIONS.items():
+            params = init_params(plan, mesh, seed=0)
+            ctx = ShardedContext(plan, mesh, dtype)
+            g = torch.Generator().manual_seed(0)
+            batch = MICRO * plan.mesh.dp * plan.mesh.fsdp
+            tokens = torch.randint(0, model.cfg.vocab_size, (batch, SEQ), generator=g)
+            targets = torch.randint(0, model.cfg.vocab_size, (batch, SEQ), generator=g)
+            before = {_storage(p).data_ptr() for p in params.values()}
+            before |= {tokens.untyped_storage().data_ptr(), targets.untyped_storage().data_ptr()}
+            kept, regathered = {}, {}
+
+            def pack(t):
+                s = _storage(t)
+                ptr = s.data_ptr()
+                entry = ctx._gathered.get(ptr)
+                alive = entry[0]() if entry else None
+                if alive is not None and alive.untyped_storage().data_ptr() == ptr:
+                    regathered[ptr] = s.nbytes()  # the runtime keeps the shard instead
+                elif ptr not in before:
+                    kept[ptr] = (s.nbytes(), t)  # hold the tensor: its address stays unique
+                return t
+
+            with ctx.regather_in_backward(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                loss = ctx.cross_entropy_sum(model.forward(params, tokens, ctx), targets)
+            loss.backward()
+            state = init_state(params)
+            out[(name, precision)] = {
+                "params": sum(local(p).nbytes for p in params.values()),
+                "grads": sum(local(p.grad).nbytes for p in params.values()),
+                "optimizer": sum(local(t).nbytes for group in state.values() for t in group.values()),
+                "activations": sum(n for n, _ in kept.values()),
+                "regathered": sum(regathered.values()),
+            }
+    return out
+
+
+@pytest.fixture(scope="module")
+def measured():
+    results = {}
+    for world in LAYOUTS:
+        for rank, per_layout in enumerate(run_ranks(measure, world, world)):
+            for key, value in per_layout.items():
+                results.setdefault((world, *key), []).append(value)
+    return results
+
+
+def _estimate(world, name, precision, **kw):
+    model, plan = _plan(name, world)
+    return per_rank_memory(plan, model, micro_batch=MICRO, seq_len=SEQ, precision=precision, **kw)
+
+
+CASES = [(w, n, p) for w in LAYOUTS for n in LAYOUTS[w] for p in PRECISIONS]
+
+
+@pytest.mark.parametrize("world,name,precision", CASES)
+def test_state_bytes_match(measured, world, name, precision):
+    """params + grads + optimizer: exact for the most loaded rank, no rank above it."""
+    est = _estimate(world, name, precision)
+    ranks = measured[(world, name, precision)]
+    for key in ("params", "grads", "optimizer"):
+        values = [r[key] for r in ranks]
+        assert max(values) == est[key], (key, values, est[key])
+    if name == "fsdp4_uneven":  # rank 0 holds 33 embedding rows, rank 3 holds 32
+        assert ranks[0]["params"] > ranks[3]["params"]
+
+
+@pytest.mark.parametrize("world,name,precision", CASES)
+def test_activation_bytes_match(measured, world, name, precision):
+    """Saved-for-backward bytes (eager), estimate vs hooks. Counted per saved tensor from
+    the same shapes, so the tolerance is 0: any missing or extra tensor fails."""
+    est = _estimate(world, name, precision)
+    values = [r["activations"] for r in measured[(world, name, precision)]]
+    assert max(values) == est["activations"], (values, est["activations"], est)
+    # Gathered weights the eager runtime re-gathers: what a compiled step keeps instead.
+    compiled = _estimate(world, name, precision, compiled=True)
+    regathered = max(r["regathered"] for r in measured[(world, name, precision)])
+    assert compiled["gathered_weights"] == regathered, (regathered, compiled["gathered_weights"])
+
+
+def test_peak_not_measurable_on_cpu():
+    if not torch.cuda.is_available():
+        pytest.skip("peak memory needs an allocator that records it (torch.cuda.max_memory_allocated); "
+                    "the CPU allocator does not, so the peak estimate is not checked here")
+    pytest.skip("CUDA peak check not written: this suite runs the gloo CPU runtime")
+
+
+def test_llama3_405b_at_16384_ranks():
+    model = build("llama", llama.PRESETS["llama3-405b"])
+    start = time.perf_counter()
+    plan = make_plan(model.specs, Rules.default(sp=True), MeshSpec(fsdp=-1, tp=8), world=16384)
+    est = per_rank_memory(plan, model, micro_batch=1, seq_len=8192, precision="bf16", device="cuda")
+    elapsed = time.perf_counter() - start
+    assert elapsed < 1.0, elapsed
+    assert plan.mesh.fsdp == 2048
+    n = sum(p.spec.numel for p in plan.params.values())
+    assert 4.0e11 < n < 4.1e11, n  # 405B
+    # fp32 params, grads, exp_avg, exp_avg_sq: 16 bytes per parameter over every rank.
+    state = est["params"] + est["grads"] + est["optimizer"]
+    assert state == pytest.approx(16 * n / 16384, rel=0.02), state  # ~0.40 GB
+    # Activations, first principles: per layer per token ~ (34 D + 5 a S / t) bytes
+    # (Korthikanti) with tp + sp all divided by t; flash drops the 5 a S term. Here
+    # (bf16 seq_sp norms, fp32 norm inputs) per layer on one rank:
+    D, F, t, S = 16384, 53248, 8, 8192
+    res = S // t * D  # sequence-parallel residual elements
+    hd = D // 128
+    per_layer = 2 * (res * (4 + 2) + S // t * 4 + S * D * 2) + 2 * S * hd * (2 * 128 + 2 * 8) // t \
+        + 4 * S * 128 // t + 4 * 2 * S * F // t
+    assert est["activations_per_layer"] == per_layer
+    # ~1.25 GB per layer: Korthikanti's 34 s h / t bytes (0.57 GB) plus what this runtime
+    # keeps beyond Megatron: the sp all-gathered norm outputs at full sequence (2 x 2 s h /
+    # t x t = 0.54 GB; Megatron keeps them sharded) and fp32 norm inputs; ~157 GB for 126
+    # layers, so 405B at seq 8192 needs checkpointing on an 80 GB device.
+    assert 34 * S * D / t < 0.9 * per_layer and 1.1e9 < per_layer < 1.4e9
+    full = per_rank_memory(plan, model, micro_batch=1, seq_len=8192, precision="bf16",
+                           activation_checkpointing="full", device="cuda")
+    assert full["activations_per_layer"] == 2 * res  # the layer input only
+    assert full["peak"] < 80e9 < est["peak"]
