@@ -1,0 +1,216 @@
+"""`step_collectives` (parallel/comms.py, a table of what the runtime issues) against the
+collectives of real steps, recorded on the fake process group by test_collectives's
+`_Recorder`: for every layout that test exercises, and for GPT-2, the estimate must equal
+the recording (same (phase, op, axis) keys, equal count and bytes). Also: the estimate
+at llama3-405b scale is fast and has the magnitudes first principles give."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import Counter
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from meshtrain.models import build
+from meshtrain.models.gpt2 import GPT2Config
+from meshtrain.models.llama import PRESETS, LlamaConfig
+from meshtrain.parallel.comms import PHASES, step_collectives
+from meshtrain.parallel.init import init_params
+from meshtrain.parallel.mesh import MeshSpec
+from meshtrain.parallel.plan import make_plan
+from meshtrain.parallel.rules import Rules
+from meshtrain.train.optim import AdamW
+from meshtrain.train.step import TrainState, make_train_step
+from test_collectives import CFG, Msg, _Recorder, run_step
+
+SHORT = {v: k for k, v in PHASES.items()}
+GPT2_CFG = GPT2Config(dim=48, n_layers=2, n_heads=6, ffn_dim=100, vocab_size=130, max_seq_len=16)
+
+
+def totals(msgs) -> dict[tuple, tuple[int, int]]:
+    out: dict[tuple, list[int]] = {}
+    for m in msgs:
+        t = out.setdefault((m.phase, m.op, m.axis), [0, 0])
+        t[0] += 1
+        t[1] += m.nbytes
+    return {k: tuple(v) for k, v in out.items()}
+
+
+def estimate(model, layout, *, sp, batch, seq, micro=1, world=2, precision="fp32", compiled=False):
+    plan = make_plan(model.specs, Rules.default(sp=sp), MeshSpec(**layout), world=world)
+    got = step_collectives(plan, model, micro_batch_rows=batch, seq_len=seq, micro_steps=micro,
+                           precision=precision, compiled=compiled)
+    keys = [(SHORT[e["phase"]], e["op"], e["axis"]) for e in got]
+    assert len(set(keys)) == len(keys), "entries are not aggregated per (axis, op, phase)"
+    return {k: (e["count"], e["bytes"]) for k, e in zip(keys, got)}
+
+
+def assert_same(est: dict, rec: dict) -> None:
+    lines = [f"  {k}: estimate {est.get(k)}, recorded {rec.get(k)}"
+             for k in sorted(set(est) | set(rec)) if est.get(k) != rec.get(k)]
+    assert not lines, "estimate differs from the recorded step:\n" + "\n".join(lines)
+
+
+def run_model_step(model, layout, *, sp, batch, seq, micro=1, world=2, precision="fp32") -> list[Msg]:
+    """run_step for any ModelDef (test_collectives's is fixed to its Llama config)."""
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    try:
+        plan = make_plan(model.specs, Rules.default(sp=sp), MeshSpec(**layout), world=world)
+        mesh = plan.mesh.build()
+        groups = {dist.group.WORLD.group_name: "world"} if mesh.ndim > 1 else {}
+        groups.update({mesh.get_group(i).group_name: a for i, a in enumerate(mesh.mesh_dim_names)})
+        step = make_train_step(model, plan, mesh, optimizer=AdamW(lr=3e-4), precision=precision)
+        state = TrainState.create(init_params(plan, mesh, seed=0))
+        t = torch.randint(0, model.cfg.vocab_size, (micro, batch, seq + 1), generator=torch.Generator().manual_seed(0))
+        recorder = _Recorder(groups)
+        with recorder:
+            step(state, {"tokens": t[..., :-1], "targets": t[..., 1:]})
+        return recorder.msgs
+    finally:
+        dist.destroy_process_group()
+
+
+# id, layout, sp, tied, batch, seq, micro, world, precision: every case of test_collectives
+CASES = [
+    ("fsdp2", dict(fsdp=2), False, False, 4, 7, 1, 2, "fp32"),
+    ("fsdp2-tied", dict(fsdp=2), False, True, 4, 7, 1, 2, "fp32"),
+    ("tp2", dict(tp=2), False, False, 3, 7, 1, 2, "fp32"),
+    ("tp2-tied", dict(tp=2), False, True, 3, 7, 1, 2, "fp32"),
+    ("tp2-sp", dict(tp=2), True, False, 3, 10, 1, 2, "fp32"),
+    ("tp2-sp-tied-uneven-seq", dict(tp=2), True, True, 3, 9, 1, 2, "fp32"),
+    ("fsdp2-tied-micro2", dict(fsdp=2), False, True, 4, 5, 2, 2, "fp32"),
+    ("fsdp2-tied-bf16", dict(fsdp=2), False, True, 2, 6, 1, 2, "bf16"),
+    ("tp2-sp-tied-bf16", dict(tp=2), True, True, 2, 6, 1, 2, "bf16"),
+    ("dp2-tied", dict(dp=2), False, True, 4, 5, 1, 2, "fp32"),
+    ("hsdp", dict(dp=2, fsdp=2), False, False, 4, 5, 1, 4, "fp32"),
+    ("fsdp2xtp2", dict(fsdp=2, tp=2), False, False, 4, 5, 1, 4, "fp32"),
+    ("fsdp2xtp2-sp-tied", dict(fsdp=2, tp=2), True, True, 4, 6, 1, 4, "fp32"),
+]
+_RECORDED: dict[str, dict] = {}
+
+
+def recorded(case) -> dict:
+    cid, layout, sp, tied, B, S, m, world, precision = case
+    if cid not in _RECORDED:
+        obs = run_step(layout, sp=sp, tied=tied, batch=B, seq=S, micro=m, world=world, precision=precision)
+        _RECORDED[cid] = totals(obs.msgs)
+    return _RECORDED[cid]
+
+
+def llama(tied: bool):
+    return build("llama", LlamaConfig(**{**CFG.__dict__, "tie_embeddings": tied}))
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_estimate_equals_recorded_step(case):
+    _, layout, sp, tied, B, S, m, world, precision = case
+    est = estimate(llama(tied), layout, sp=sp, batch=B, seq=S, micro=m, world=world, precision=precision)
+    assert_same(est, recorded(case))
+
+
+GPT2_CASES = [
+    ("gpt2-fsdp2", dict(fsdp=2), False, 4, 7, 2),
+    ("gpt2-dp2", dict(dp=2), False, 4, 5, 2),
+    ("gpt2-tp2", dict(tp=2), False, 3, 7, 2),
+    ("gpt2-tp2-sp-uneven", dict(tp=2), True, 3, 9, 2),
+    ("gpt2-fsdp2xtp2", dict(fsdp=2, tp=2), False, 4, 5, 4),
+]
+
+
+@pytest.mark.parametrize("case", GPT2_CASES, ids=[c[0] for c in GPT2_CASES])
+def test_gpt2_estimate_equals_recorded_step(case):
+    _, layout, sp, B, S, world = case
+    model = build("gpt2", GPT2_CFG)
+    rec = totals(run_model_step(model, layout, sp=sp, batch=B, seq=S, world=world))
+    assert_same(estimate(model, layout, sp=sp, batch=B, seq=S, world=world), rec)
+
+
+@pytest.mark.parametrize("i", [0, 5, 12], ids=[CASES[i][0] for i in (0, 5, 12)])
+def test_comparison_can_fail(i):
+    """One message more, fewer or resized in the recording, of every kind, fails; so does
+    the estimate for a different mode, precision, micro-step count or layout."""
+    case = CASES[i]
+    _, layout, sp, tied, B, S, m, world, precision = case
+    model, rec = llama(tied), recorded(case)
+    est = estimate(model, layout, sp=sp, batch=B, seq=S, micro=m, world=world, precision=precision)
+    assert_same(est, rec)
+    for key, (n, nbytes) in rec.items():
+        one = nbytes // n
+        for bad in ((n + 1, nbytes + one), (n - 1, nbytes - one), (n, nbytes + 4)):
+            with pytest.raises(AssertionError):
+                assert_same(est, {**rec, key: bad} if bad[0] else {k: v for k, v in rec.items() if k != key})
+    # Each change alters the step where it applies (fsdp gathers, tp activations).
+    variants = [dict(micro=m + 1), dict(precision="bf16" if precision == "fp32" else "fp32")]
+    if "fsdp" in layout:
+        variants.append(dict(compiled=True))
+    if "tp" in layout:
+        variants += [dict(sp=not sp), dict(batch=2 * B), dict(seq=S + 2)]
+    for change in variants:
+        kw = dict(sp=sp, batch=B, seq=S, micro=m, world=world, precision=precision)
+        kw.update(change)
+        with pytest.raises(AssertionError):
+            assert_same(estimate(model, layout, **kw), rec)
+
+
+def test_llama3_405b_at_16384_ranks():
+    """fsdp 2048 x tp 8 with SP: fast, and the closed forms of docs/parallelism.md at scale.
+
+    From first principles, per micro-step: every parameter is gathered over fsdp once in
+    forward as its tp-local piece (norms whole, everything else / tp), so the forward
+    all-gathers move c x (parameter elements / tp, norms counted whole) bytes; eager
+    backward gathers all but the untied lookup table again, so gathers total about twice
+    the tp-local parameter bytes (c = 4: ~2 x 4 x 405e9 / 8 ~ 0.4 TB). Each use's gradient
+    is reduce-scattered once in fp32 (the same tp-local size x 4). The 2L + 1 SP boundaries
+    each reduce-scatter and all-gather one fsdp rank's (B / fsdp) x S x d activations in
+    forward and in backward; the 2L + 1 norm gradients are all-reduced over tp as their
+    fsdp shard (d / fsdp elements, fp32)."""
+    cfg = PRESETS["llama3-405b"]
+    model = build("llama", cfg)
+    world, tp, B, S = 16384, 8, 2048, 8192
+    plan = make_plan(model.specs, Rules.default(sp=True), MeshSpec(fsdp=-1, tp=tp), world=world)
+    fsdp = plan.mesh.fsdp
+    assert fsdp == 2048
+    t0 = time.perf_counter()
+    entries = step_collectives(plan, model, micro_batch_rows=B, seq_len=S, micro_steps=1, precision="fp32")
+    elapsed = time.perf_counter() - t0
+    assert elapsed < 2.0, f"estimate took {elapsed:.2f} s"
+    est = {(SHORT[e["phase"]], e["op"], e["axis"]): (e["count"], e["bytes"]) for e in entries}
+
+    L, d, V = cfg.n_layers, cfg.dim, cfg.vocab_size
+    hd, kv, f = cfg.head_dim, cfg.n_kv_heads, cfg.ffn_dim
+    block = 2 * d + (2 * d * d + 2 * kv * hd * d + 3 * f * d) // tp  # tp-local block elements
+    U = L * block + d + 2 * V * d // tp  # tok_emb and output: vocab split over tp
+    total_params = sum(p.spec.numel for p in plan.params.values())
+    assert 400e9 < total_params < 410e9
+    n, k = 9 * L + 3, 2 * L + 1
+    A = 4 * (B // fsdp) * S * d
+    want = {
+        ("fwd", "all_gather", "fsdp"): (n, 4 * U),
+        ("bwd", "all_gather", "fsdp"): (n - 1, 4 * (U - V * d // tp)),
+        ("bwd", "reduce_scatter_sum", "fsdp"): (n, 4 * U),
+        ("fwd", "all_reduce_sum", "fsdp"): (1, 4),
+        ("fwd", "reduce_scatter_sum", "tp"): (k, k * A),
+        ("fwd", "all_gather", "tp"): (k, k * A),
+        ("bwd", "reduce_scatter_sum", "tp"): (k, k * A),
+        ("bwd", "all_gather", "tp"): (k, k * A),
+        ("bwd", "all_reduce_sum", "tp"): (k, k * 4 * d // fsdp),
+        ("fwd", "all_reduce_max", "tp"): (1, 4 * (B // fsdp) * S),
+        ("fwd", "all_reduce_sum", "tp"): (1, 2 * 4 * (B // fsdp) * S),
+        ("opt", "all_reduce_sum", "world"): (1, 4),
+    }
+    assert_same(est, want)
+    gathers = est[("fwd", "all_gather", "fsdp")][1] + est[("bwd", "all_gather", "fsdp")][1]
+    ratio = gathers / (4 * total_params / tp)
+    assert 1.95 < ratio < 2.05, ratio  # ~2x the tp-local fp32 parameter bytes
+    assert math.isclose(est[("bwd", "reduce_scatter_sum", "fsdp")][1], 4 * total_params / tp, rel_tol=0.01)
+    bf16 = step_collectives(plan, model, micro_batch_rows=B, seq_len=S, micro_steps=4, precision="bf16",
+                            compiled=True)
+    got = Counter({(SHORT[e["phase"]], e["op"], e["axis"]): e["bytes"] for e in bf16})
+    assert got[("fwd", "all_gather", "fsdp")] == 4 * 2 * U  # 4 micro-steps, gathered in bf16
+    assert ("bwd", "all_gather", "fsdp") not in got  # compiled: gathered weights kept
+    assert got[("bwd", "reduce_scatter_sum", "fsdp")] == 4 * 4 * U  # reduced in fp32
+    assert got[("opt", "all_reduce_sum", "world")] == 4  # once per step
