@@ -3,6 +3,7 @@
     meshtrain fit --config configs/tiny.yaml [--train.steps 20 --parallel.tp 2 ...]
     meshtrain fit --config configs/tiny.yaml --print_config
     meshtrain preprocess --input docs.jsonl --output-prefix data/docs --tokenizer bytes --append-eod
+    meshtrain plan --config configs/llama3-405b.yaml --world 16384 --gpu h100 --json plan.json
     meshtrain export --checkpoint runs/tiny --out runs/tiny/hf [--dtype bf16|fp32]
     meshtrain generate --checkpoint runs/tiny --prompt "Four score" --max-new-tokens 40 --temperature 0
 
@@ -32,6 +33,16 @@ def build_parser():
                                      "then dotted flags, in the order given.")
     fit.add_argument("--config", action=ActionConfigFile, help="A YAML file with the keys below.")
     fit.add_class_arguments(RunConfig, as_group=False)
+    plan = ArgumentParser(description="Dry-run a layout at any scale: mesh and nodes, sharding table, per-rank "
+                                      "memory and collectives per step, from the config alone (no GPU, no "
+                                      "process group).")
+    plan.add_argument("--config", action=ActionConfigFile, help="A YAML file with the keys below.")
+    plan.add_argument("--world", type=int, default=None,
+                      help="Ranks to plan for (default: the product of the fixed parallel.* sizes, or one node).")
+    plan.add_argument("--gpu", default=None, choices=["h100", "h200", "a100"],
+                      help="Check the peak memory against this device's capacity.")
+    plan.add_argument("--json", default=None, help="Also write the plan as JSON to this file.")
+    plan.add_class_arguments(RunConfig, as_group=False)
     preprocess = ArgumentParser(description="Tokenize a JSON-lines file into a Megatron-LM indexed dataset "
                                             "(<prefix>.bin and <prefix>.idx).")
     preprocess.add_argument("--input", required=True, help="A .jsonl file: one JSON object per line.")
@@ -64,6 +75,7 @@ def build_parser():
     generate.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available).")
     subcommands = parser.add_subcommands(dest="command")
     subcommands.add_subcommand("fit", fit, help="Train a model (one process, self-launched ranks, or under torchrun).")
+    subcommands.add_subcommand("plan", plan, help="Dry-run a layout: sharding, memory and collectives per rank.")
     subcommands.add_subcommand("preprocess", preprocess, help="Tokenize text into a Megatron-LM indexed dataset.")
     subcommands.add_subcommand("export", export, help="Export a checkpoint to Hugging Face safetensors.")
     subcommands.add_subcommand("generate", generate, help="Generate text from a checkpoint or a Hugging Face model.")
@@ -92,6 +104,8 @@ def main(argv: list[str] | None = None) -> int:
             from .train.fit import fit
 
             fit(_run_config(args.fit))
+        elif args.command == "plan":
+            _plan(args.plan)
         elif args.command == "preprocess":
             _preprocess(args.preprocess)
         elif args.command == "export":
@@ -116,6 +130,32 @@ def main(argv: list[str] | None = None) -> int:
     except RankFailed as e:
         print(f"meshtrain: {e}\n{e.report['traceback']}", file=sys.stderr)
         return 1
+
+
+def _plan(a) -> None:
+    import json
+    import time
+
+    from rich.console import Console
+
+    from .parallel.dryrun import dry_run
+
+    start = time.perf_counter()
+    values = a.clone()
+    for key in ("world", "gpu", "json"):
+        delattr(values, key)
+    run = dry_run(_run_config(values).validate(), a.world, a.gpu)
+    console = Console(highlight=False)
+    if not console.is_terminal:  # files and pipes: wide enough that no name is cut
+        console = Console(highlight=False, width=160)
+    for renderable in run.renderables():
+        if not (isinstance(renderable, str) and renderable.startswith("[red]error")):
+            console.print(renderable)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(run.to_dict(), f, indent=1)
+    console.print(f"planned in {time.perf_counter() - start:.1f} s" + (f"; JSON in {a.json}" if a.json else ""))
+    run.check()  # a layout over the GPU's memory: exit 2 after showing why
 
 
 def _export(a) -> None:

@@ -1,0 +1,109 @@
+"""`meshtrain plan`: the dry run at any scale through the CLI and the Python API, golden
+plans for the GPU presets, node placement, and layouts that cannot run.
+
+The memory and collective numbers themselves are validated against real steps in
+tests/test_memory_estimate.py and tests/test_comms_estimate.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from meshtrain.config import RunConfig
+from meshtrain.errors import ConfigError
+from meshtrain.parallel.dryrun import GPU_MEMORY, dry_run
+from test_cli import ROOT, run_cli
+
+GOLDEN = Path(__file__).parent / "golden"
+REGEN = os.environ.get("MESHTRAIN_REGEN_GOLDEN") == "1"
+# The presets at their recipe scale: 8B on 8 nodes, 70B on 64, 405B on 2048 nodes (16384 GPUs).
+PRESETS = {"llama3-8b": 64, "llama3-70b": 512, "llama3-405b": 16384}
+
+
+def preset(name: str, **train) -> RunConfig:
+    cfg = RunConfig.from_dict(yaml.safe_load((ROOT / "configs" / f"{name}.yaml").read_text()))
+    if train:
+        import dataclasses
+
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, **train))
+    return cfg.validate()
+
+
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_golden_plans_of_the_presets(name):
+    got = dry_run(preset(name), PRESETS[name]).to_dict()
+    path = GOLDEN / f"dryrun_{name}_{PRESETS[name]}.json"
+    if REGEN:
+        path.write_text(json.dumps(got, indent=1) + "\n")
+    assert got == json.loads(path.read_text()), f"plan changed; regenerate with MESHTRAIN_REGEN_GOLDEN=1 ({path})"
+
+
+def test_405b_at_16384_ranks_through_the_cli_in_under_60_s(tmp_path):
+    out = tmp_path / "plan.json"
+    start = time.perf_counter()
+    proc = run_cli("plan", "--config", str(ROOT / "configs" / "llama3-405b.yaml"), "--world", "16384",
+                   "--json", str(out))
+    seconds = time.perf_counter() - start
+    assert proc.returncode == 0, proc.stderr
+    assert seconds < 60, seconds
+    plan = json.loads(out.read_text())
+    assert {"world", "mesh", "per_rank_bytes", "collectives", "params"} <= set(plan)
+    assert plan["world"] == 16384 and plan["mesh"] == {"fsdp": 2048, "tp": 8}
+    assert set(plan["per_rank_bytes"]) == {"params", "grads", "optimizer", "activations", "peak"}
+    assert {"axis", "op", "phase", "count", "bytes"} == set(plan["collectives"][0])
+    assert {"name", "shape", "placements", "local_shape"} <= set(plan["params"][0])
+    assert plan == dry_run(preset("llama3-405b"), 16384).to_dict()  # the CLI prints the Python API's numbers
+    for words in ("fsdp", "2048 nodes", "layers.*.attn.wq", "peak", "reduce_scatter_sum"):
+        assert words in proc.stdout, words
+
+
+def test_state_bytes_follow_from_the_parameter_count():
+    """params + grads + optimizer = 16 bytes per parameter, spread over the ranks that
+    shard it (fsdp x tp, norms over fsdp only), to within the norms' share."""
+    cfg = preset("llama3-405b")
+    run = dry_run(cfg, 16384)
+    n = sum(s.numel for s in cfg.model_def().specs.values())
+    state = sum(run.memory[k] for k in ("params", "grads", "optimizer"))
+    assert state == pytest.approx(16 * n / 16384, rel=0.01)
+
+
+def test_which_ranks_share_a_node():
+    run = dry_run(preset("llama3-70b"), 512)
+    assert run.axis_nodes == {"fsdp": 64, "tp": 1} and not run.warnings
+    cfg = preset("llama3-70b")
+    import dataclasses
+
+    wide = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, nproc_per_node=4)).validate()
+    run = dry_run(wide, 512)
+    assert run.axis_nodes["tp"] == 2
+    assert any("parallel.tp=8 spans 2 nodes" in w for w in run.warnings)
+
+
+def test_over_the_gpu_memory_names_layouts_that_fit():
+    cfg = preset("llama3-8b", micro_batch=4, global_batch=256, compile=False)
+    run = dry_run(cfg, 64, "h100")
+    assert run.memory["peak"] > GPU_MEMORY["h100"]
+    assert run.error and "exceeds the h100" in run.error and "--train.micro_batch 1" in run.error
+    with pytest.raises(ConfigError):
+        run.check()
+    proc = run_cli("plan", "--config", str(ROOT / "configs" / "llama3-8b.yaml"), "--world", "64", "--gpu", "h100",
+                   "--train.micro_batch", "4", "--train.global_batch", "256", "--train.compile", "false")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and "--train.micro_batch" in proc.stderr
+    assert "memory per rank" in proc.stdout  # the plan is shown before the error
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--parallel.tp", "3"], ["parallel.tp=3", "choose parallel.tp among"]),
+    (["--world", "12"], ["--world 12", "multiple of 8"]),
+    (["--world", "24"], ["parallel.fsdp", "global_batch"]),
+])
+def test_layouts_that_cannot_work_exit_2_with_the_valid_choices(args, words):
+    proc = run_cli("plan", "--config", str(ROOT / "configs" / "llama3-8b.yaml"), *args)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert all(w in proc.stderr for w in words), proc.stderr
