@@ -34,10 +34,15 @@ def preset(name: str, **train) -> RunConfig:
     return cfg.validate()
 
 
-@pytest.mark.parametrize("name", list(PRESETS))
-def test_golden_plans_of_the_presets(name):
-    got = dry_run(preset(name), PRESETS[name]).to_dict()
-    path = GOLDEN / f"dryrun_{name}_{PRESETS[name]}.json"
+# And every preset at 16384 ranks, with a global batch that 16384 / tp data-parallel ranks divide.
+AT_16384 = {"llama3-8b": 16384, "llama3-70b": 2048, "llama3-405b": 2048}
+
+
+@pytest.mark.parametrize("name, world", [*PRESETS.items(), *((n, 16384) for n in AT_16384 if PRESETS[n] != 16384)])
+def test_golden_plans_of_the_presets(name, world):
+    cfg = preset(name) if world == PRESETS[name] else preset(name, global_batch=AT_16384[name])
+    got = dry_run(cfg, world).to_dict()
+    path = GOLDEN / f"dryrun_{name}_{world}.json"
     if REGEN:
         path.write_text(json.dumps(got, indent=1) + "\n")
     assert got == json.loads(path.read_text()), f"plan changed; regenerate with MESHTRAIN_REGEN_GOLDEN=1 ({path})"
