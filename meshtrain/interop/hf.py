@@ -715,7 +715,7 @@ def load_hf_params(hf_dir: str | os.PathLike, arch: str, family_cfg, plan=None, 
     cfg = _family_cfg(arch, family_cfg)
     hf_dir = Path(hf_dir)
     if check_config and (hf_dir / "config.json").is_file():
-        _check_same_model(hf_dir, arch, cfg)
+        check_same_model(hf_dir, arch, cfg)
     layout = hf_layout(arch, cfg)
     with _WeightFiles(hf_dir) as files:
         where = files.match(layout, arch, cfg.tie_embeddings)
@@ -730,7 +730,7 @@ def load_hf_params(hf_dir: str | os.PathLike, arch: str, family_cfg, plan=None, 
         return _load_planned(files, where, layout, specs, plan, mesh, device)
 
 
-def _check_same_model(hf_dir: Path, arch: str, cfg) -> None:
+def check_same_model(hf_dir: Path, arch: str, cfg) -> None:
     theirs = read_hf_config(hf_dir)
     ours = _model_fields(arch, cfg)
     for key, value in theirs.items():

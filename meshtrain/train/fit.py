@@ -91,13 +91,13 @@ def _open_data(cfg: RunConfig):
 
 def _check_init_from(cfg: RunConfig) -> None:
     """model.init_from must hold weights of the model the config describes."""
-    from ..interop.hf import _check_same_model
+    from ..interop.hf import check_same_model
 
     path = Path(cfg.model.init_from)
     if not (path / "config.json").is_file():
         raise ConfigError(f"model.init_from={cfg.model.init_from!r} is not a Hugging Face model directory (no "
                           "config.json): give a directory written by save_pretrained or meshtrain export")
-    _check_same_model(path, cfg.model.arch, cfg.family_config())
+    check_same_model(path, cfg.model.arch, cfg.family_config())
 
 
 def _resume_path(cfg: RunConfig, repair: bool = False) -> Path | None:
