@@ -1,0 +1,12 @@
+"""Pipeline-stage compiler, pure half: partition, schedule IR, checker and simulator.
+
+Everything here is data (no process groups): print it, check it, simulate it. The
+executor runs exactly this IR.
+"""
+
+from .partition import Stage, partition
+from .schedule import Action, Schedule, build, gpipe, interleaved_1f1b, one_f_one_b, zb_h1
+from .simulate import Result, ScheduleError, check, simulate
+
+__all__ = ["Action", "Result", "Schedule", "ScheduleError", "Stage", "build", "check", "gpipe",
+           "interleaved_1f1b", "one_f_one_b", "partition", "simulate", "zb_h1"]
