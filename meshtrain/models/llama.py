@@ -96,15 +96,26 @@ def param_specs(cfg: LlamaConfig) -> dict[str, ParamSpec]:
 def forward(cfg: LlamaConfig, params: Mapping[str, torch.Tensor], tokens: torch.Tensor,
             ctx: ModelContext) -> torch.Tensor:
     """Logits (batch, seq, vocab) for `tokens` (batch, seq)."""
+    return forward_stage(cfg, params, tokens, ctx, (0, cfg.n_layers), first=True, last=True)
+
+
+def forward_stage(cfg: LlamaConfig, params: Mapping[str, torch.Tensor], x: torch.Tensor, ctx: ModelContext,
+                  layers: tuple[int, int], first: bool, last: bool) -> torch.Tensor:
+    """One pipeline stage: layers [start, stop), after the embedding when `first` (x is
+    then the tokens, else the residual stream (batch, seq, dim)), ending with the head
+    when `last` (logits, else the residual stream). `params` needs only the stage's own."""
     p = ctx.bind(params)
-    seq_len = tokens.shape[1]
-    tokens = ctx.constrain(tokens, ("batch", "seq"))
-    x = ctx.constrain(ctx.embedding(tokens, p["tok_emb"]), ("batch", "seq_sp", None))
+    seq_len = x.shape[1]
+    if first:
+        tokens = ctx.constrain(x, ("batch", "seq"))
+        x = ctx.constrain(ctx.embedding(tokens, p["tok_emb"]), ("batch", "seq_sp", None))
     cos, sin = rope_cos_sin(seq_len, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
     cos, sin = (ctx.constrain(t.to(x.dtype), ("seq", None)) for t in (cos, sin))
-    for i in range(cfg.n_layers):
+    for i in range(*layers):
         x = x + _attention(cfg, p, f"layers.{i}.", x, cos, sin, ctx)
         x = x + _mlp(p, f"layers.{i}.", x, cfg.norm_eps, ctx)
+    if not last:
+        return x
     x = ctx.constrain(rms_norm(x, p["norm"], cfg.norm_eps), ("batch", "seq", None))
     logits = F.linear(x, p["tok_emb" if cfg.tie_embeddings else "output"])
     return ctx.constrain(logits, ("batch", "seq", "vocab"))
