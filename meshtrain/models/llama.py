@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from .context import ModelContext
-from .layers import KVCache, apply_rope, cached_attention, rms_norm, rope_cos_sin, rope_frequencies
+from .layers import KVCache, apply_rope, cached_attention, rms_norm, rope_cos_sin, rope_frequencies, rope_table
 from .spec import ParamSpec
 
 
@@ -161,11 +161,8 @@ def decode(cfg: LlamaConfig, params: Mapping[str, torch.Tensor], tokens: torch.T
     p = params
     t = tokens.shape[1]
     x = F.embedding(tokens, p["tok_emb"])
-    inv_freq = rope_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling).to(tokens.device)
-    positions = torch.arange(start_pos, start_pos + t, dtype=torch.float32, device=tokens.device)
-    angles = torch.outer(positions, inv_freq)
-    angles = torch.cat([angles, angles], dim=-1)
-    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+    inv_freq = rope_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)  # CPU, as rope_table's positions
+    cos, sin = (r[start_pos:].to(x.device, x.dtype) for r in rope_table(start_pos + t, inv_freq))
     hd = cfg.head_dim
     for i in range(cfg.n_layers):
         prefix = f"layers.{i}."
