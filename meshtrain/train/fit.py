@@ -65,7 +65,12 @@ def fit(cfg: RunConfig) -> list[dict]:
                                 **({"device_id": device} if cuda else {}))
         created_group = True
     try:
-        return _Run(cfg, ranks, model, plan, device).train()
+        history = _Run(cfg, ranks, model, plan, device).train()
+        if created_group:
+            # No rank tears its connections down while a peer still uses them: a gloo
+            # rank torn down early intermittently aborted its peer at exit.
+            dist.barrier()
+        return history
     finally:
         if created_group:
             dist.destroy_process_group()
