@@ -31,9 +31,9 @@ LAYOUTS = {
 }
 
 
-def batches(micro_steps: int):
+def batches(micro_steps: int, steps: int = STEPS):
     g = torch.Generator().manual_seed(1234)
-    for _ in range(STEPS):
+    for _ in range(steps):
         t = torch.randint(0, CFG.vocab_size, (BATCH, SEQ + 1), generator=g)
         t = t.reshape(micro_steps, BATCH // micro_steps, SEQ + 1)
         yield {"tokens": t[..., :-1], "targets": t[..., 1:]}

@@ -1,6 +1,8 @@
-"""The pipeline executor on CPU gloo ranks against one process: the same loss per step
-(rtol 1e-5) and the same parameters after training (atol 1e-5), fp32, for each schedule,
-pp 2 and pp 4, and an uneven split (5 layers on 2 stages)."""
+"""The pipeline executor on CPU gloo ranks against one process: the same loss and gradient
+norm per step (rtol 1e-5), the same parameters after training (atol 1e-5) and the same
+evaluation loss, fp32, for every schedule (GPipe, 1F1B, interleaved, zero-bubble H1) on pp 2 and pp 4, an uneven split (5 layers on
+2 stages), tied embeddings across stages, and pp composed with fsdp and tp (+sp) on a
+world of 4. The cases of one world size run in one launch of ranks, one after another."""
 
 from __future__ import annotations
 
@@ -10,88 +12,124 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from meshtrain import MeshSpec, Rules, TrainState, build, init_params, make_plan, make_train_step
 from meshtrain.errors import ConfigError
-from meshtrain.models import build
 from meshtrain.models.spec import init_slice
-from meshtrain.pipeline.execute import make_pipeline_step
+from meshtrain.pipeline.execute import make_pipeline_eval, make_pipeline_step, stage_param_names
 from meshtrain.pipeline.partition import partition
 from meshtrain.pipeline.schedule import build as build_schedule
 from meshtrain.testing import run_ranks
 from meshtrain.train.optim import AdamW
 from meshtrain.train.schedule import LRSchedule
-from meshtrain.train.step import TrainState, make_train_step
-from test_equivalence import CFG, SEQ
+from meshtrain.train.step import make_eval_step
+from test_equivalence import CFG, SEQ, batches
 
 STEPS, BATCH = 4, 8
 LLAMA4 = dataclasses.replace(CFG, n_layers=4)
+TIED4 = dataclasses.replace(CFG, n_layers=4, tie_embeddings=True)
 
-
-def _batches(cfg, micro_steps):
-    g = torch.Generator().manual_seed(1234)
-    for _ in range(STEPS):
-        t = torch.randint(0, cfg.vocab_size, (BATCH, SEQ + 1), generator=g)
-        t = t.reshape(micro_steps, BATCH // micro_steps, SEQ + 1)
-        yield {"tokens": t[..., :-1], "targets": t[..., 1:]}
-
-
-def _options():
-    return dict(optimizer=AdamW(lr=3e-4, weight_decay=0.1), grad_clip=1.0)
+# name: (config, schedule, mesh sizes, virtual stages per rank, micro-steps, explicit layout, sp)
+CASES = {
+    2: {
+        "gpipe_pp2": (CFG, "gpipe", {"pp": 2}, 1, 4, None, False),
+        "1f1b_pp2": (CFG, "1f1b", {"pp": 2}, 1, 4, None, False),
+        "zb_pp2": (CFG, "zb", {"pp": 2}, 1, 4, None, False),
+        "interleaved_pp2_v2": (LLAMA4, "interleaved", {"pp": 2}, 2, 4, None, False),
+        "1f1b_pp2_uneven_5_layers": (dataclasses.replace(CFG, n_layers=5), "1f1b", {"pp": 2}, 1, 4, [3, 2], False),
+        "zb_pp2_tied": (TIED4, "zb", {"pp": 2}, 1, 4, None, False),
+        "interleaved_pp2_v2_tied": (TIED4, "interleaved", {"pp": 2}, 2, 2, None, False),
+    },
+    4: {
+        "gpipe_pp4": (LLAMA4, "gpipe", {"pp": 4}, 1, 4, None, False),
+        "1f1b_pp4": (LLAMA4, "1f1b", {"pp": 4}, 1, 8, None, False),
+        "zb_pp4": (LLAMA4, "zb", {"pp": 4}, 1, 8, None, False),
+        "interleaved_pp4_v2": (dataclasses.replace(CFG, n_layers=8), "interleaved", {"pp": 4}, 2, 4, None, False),
+        "1f1b_pp2_fsdp2": (LLAMA4, "1f1b", {"pp": 2, "fsdp": 2}, 1, 4, None, False),
+        "zb_pp2_tp2_sp": (LLAMA4, "zb", {"pp": 2, "tp": 2}, 1, 4, None, True),
+        "interleaved_pp2_dp2_tied": (TIED4, "interleaved", {"pp": 2, "dp": 2}, 2, 2, None, False),
+    },
+}
 
 
 def _lr():
     return LRSchedule(lr=3e-4, min_lr=3e-5, warmup_steps=2, total_steps=STEPS)
 
 
+def _optimizer():
+    return AdamW(lr=3e-4, weight_decay=0.1)
+
+
 def single(cfg, micro_steps):
     model = build("llama", cfg)
     params = {n: init_slice(s, n, seed=0).requires_grad_() for n, s in model.specs.items()}
-    step = make_train_step(model, schedule=_lr(), **_options())
+    step = make_train_step(model, optimizer=_optimizer(), schedule=_lr(), grad_clip=1.0)
     state = TrainState.create(params)
-    return [step(state, b)["loss"] for b in _batches(cfg, micro_steps)], {n: p.detach() for n, p in params.items()}
+    evaluate = make_eval_step(model)
+    val = evaluate(params, next(batches(micro_steps, 1)))
+    losses = [_loss_and_norm(step(state, b)) for b in batches(micro_steps, STEPS)]
+    return losses, {n: p.detach() for n, p in params.items()}, val
 
 
-def _pipelined(cfg, name, pp, v, micro_steps, layout):
+def _loss_and_norm(metrics):
+    return metrics["loss"], metrics["grad_norm"]
+
+
+def _full(p):
+    return p.full_tensor() if hasattr(p, "full_tensor") else p
+
+
+def _pipelined(names):
     torch.set_num_threads(1)
-    model = build("llama", cfg)
-    stages = partition(model, pp, v, layout, seq_len=SEQ, micro_batch=BATCH // micro_steps)
-    rank = dist.get_rank()
-    mine = [n for st in stages if st.rank == rank for n in st.params]
-    params = {n: init_slice(model.specs[n], n, seed=0).requires_grad_() for n in mine}
-    step = make_pipeline_step(model, stages, build_schedule(name, pp, micro_steps, v), lr_schedule=_lr(),
-                              **_options())
-    state = TrainState.create(params)
-    losses = [step(state, b)["loss"] for b in _batches(cfg, micro_steps)]
-    return losses, {n: p.detach() for n, p in params.items()}
+    out = {}
+    for name in names:
+        cfg, sched, sizes, v, micro_steps, layout, sp = CASES[dist.get_world_size()][name]
+        model = build("llama", cfg)
+        plan = make_plan(model.specs, Rules.default(sp=sp), MeshSpec(**sizes), world=dist.get_world_size())
+        mesh = plan.mesh.build()
+        pp = sizes["pp"]
+        stages = partition(model, pp, v, layout, seq_len=SEQ, micro_batch=BATCH // micro_steps)
+        mine = stage_param_names(stages, mesh.get_local_rank("pp"))
+        if len(mesh.mesh_dim_names) > 1:
+            sub = dataclasses.replace(plan, params={n: plan.params[n] for n in mine})
+            from meshtrain.parallel.plan import without_pp
 
-
-CASES = {  # name: (config, schedule, pp, virtual stages per rank, micro-steps, explicit layout)
-    "gpipe_pp2": (CFG, "gpipe", 2, 1, 4, None),
-    "1f1b_pp2": (CFG, "1f1b", 2, 1, 4, None),
-    "interleaved_pp2_v2": (LLAMA4, "interleaved", 2, 2, 4, None),
-    "1f1b_pp2_uneven_5_layers": (dataclasses.replace(CFG, n_layers=5), "1f1b", 2, 1, 4, [3, 2]),
-    "1f1b_pp4": (LLAMA4, "1f1b", 4, 1, 8, None),
-    "gpipe_pp4": (LLAMA4, "gpipe", 4, 1, 4, None),
-}
+            params = init_params(without_pp(sub), mesh[tuple(a for a in mesh.mesh_dim_names if a != "pp")], seed=0)
+        else:
+            params = {n: init_slice(model.specs[n], n, seed=0).requires_grad_() for n in mine}
+        evaluate = make_pipeline_eval(model, stages, pp, micro_steps, plan, mesh)
+        val = evaluate(params, next(batches(micro_steps, 1)))
+        step = make_pipeline_step(model, stages, build_schedule(sched, pp, micro_steps, v), plan, mesh,
+                                  optimizer=_optimizer(), lr_schedule=_lr(), grad_clip=1.0)
+        state = TrainState.create(params)
+        losses = [_loss_and_norm(step(state, b)) for b in batches(micro_steps, STEPS)]
+        out[name] = losses, {n: _full(p).detach().clone() for n, p in params.items()}, val
+    return out
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", list(CASES))
-def test_pipeline_equals_one_process(case):
-    cfg, name, pp, v, micro_steps, layout = CASES[case]
-    ref_losses, ref_params = single(cfg, micro_steps)
-    results = run_ranks(_pipelined, pp, cfg, name, pp, v, micro_steps, layout)
-    for losses, _ in results:
-        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
-    gathered = {n: p for _, params in results for n, p in params.items()}
-    assert sorted(gathered) == sorted(ref_params)  # every parameter lives on exactly one rank
-    for n, p in gathered.items():
-        torch.testing.assert_close(p, ref_params[n], rtol=0, atol=1e-5, msg=n)
-    assert not torch.equal(ref_params["layers.0.attn.wq"], init_slice(build("llama", cfg).specs["layers.0.attn.wq"],
-                                                                      "layers.0.attn.wq", seed=0))
+@pytest.mark.parametrize("world", [2, 4])
+def test_pipeline_equals_one_process(world):
+    results = run_ranks(_pipelined, world, list(CASES[world]))
+    for name, (cfg, *_, micro_steps, _layout, _sp) in CASES[world].items():
+        ref_losses, ref_params, ref_val = single(cfg, micro_steps)
+        held = {}
+        for rank_out in results:
+            losses, params, val = rank_out[name]
+            torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0,
+                                       msg=lambda m: f"{name}: {m}")
+            assert val == pytest.approx(ref_val, rel=1e-6), name
+            for n, p in params.items():
+                held.setdefault(n, p)
+                torch.testing.assert_close(p, held[n], rtol=0, atol=0, msg=lambda m: f"{name} copies of {n}: {m}")
+        assert sorted(held) == sorted(ref_params), name  # every parameter lives on some rank
+        for n, p in held.items():
+            torch.testing.assert_close(p, ref_params[n], rtol=0, atol=1e-5, msg=lambda m: f"{name} {n}: {m}")
+        init = init_slice(build("llama", cfg).specs["layers.0.attn.wq"], "layers.0.attn.wq", seed=0)
+        assert not torch.equal(ref_params["layers.0.attn.wq"], init)
 
 
-def test_zero_bubble_is_not_executed_yet():
+def test_pipeline_step_needs_a_pp_layout():
     model = build("llama", CFG)
     stages = partition(model, 2, seq_len=SEQ, micro_batch=2)
-    with pytest.raises(ConfigError, match="zero bubble"):
-        make_pipeline_step(model, stages, build_schedule("zbh1", 2, 4))
+    with pytest.raises(ConfigError, match="parallel.pp=2"):
+        make_pipeline_step(model, stages, build_schedule("1f1b", 2, 4), None, None)

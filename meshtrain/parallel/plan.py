@@ -193,3 +193,12 @@ def _check_divisible(name: str, spec: ParamSpec, d: int, axes: tuple[str, ...], 
             f"choose {sizes} divides {target}, or shard this dim on fewer mesh axes"
         raise ConfigError(f"parameter {name} dim {d} ({logical}: {what}) cannot be split {ways} ways "
                           f"over {split}: {fix}")
+
+
+def without_pp(plan: Plan) -> Plan:
+    """The plan of one pipeline stage group: the same rules on the mesh without its pp axis
+    (what each pp rank's sub-mesh holds; parameters keep their placements on the rest)."""
+    import dataclasses
+
+    mesh = dataclasses.replace(plan.mesh, pp=1)
+    return make_plan({n: p.spec for n, p in plan.params.items()}, plan.rules, mesh, mesh.world)

@@ -1,112 +1,251 @@
 """Run a pipeline Schedule: each pp rank walks its own action list with real tensors.
 
-First cut: pipeline parallelism alone (every rank of the world is one pp rank, plain
-tensors, the model's LocalContext), Llama, untied embeddings, full backward (B; the
-zero-bubble split BI/BW is not executed yet). Composition with FSDP and TP is the next
-step. The semantics are the IR's (schedule.py): sends are posted without waiting
-(isend), recvs block, and between two ranks sends and recvs match in posting order.
+The world is the mesh pp x (dp, fsdp, tp): every pp rank is a group of ranks that runs its
+stages with the same ShardedContext a non-pipelined step uses, on the sub-mesh of the other
+axes (pp alone: plain tensors and the LocalContext). Between stages, each rank exchanges
+its own shard of the activation (the residual stream in its ("batch", "seq_sp", None)
+layout) with the rank of the neighbouring stage that has the same coordinates on the other
+axes, so point-to-point traffic is one shard per rank, never a gathered tensor.
+
+The semantics are the IR's (schedule.py): sends are posted without waiting (isend), recvs
+block, and between two ranks sends and recvs match in posting order.
+
+Backward: B runs the stage's full backward. The zero-bubble split runs BI as the input
+gradient only, keeping the gradients that flow into the weight-consuming nodes, and BW as
+the weight gradients from those (torch.distributed.pipelining's graph split); on the first
+stage, whose input needs no gradient, BI runs the whole backward and BW has nothing left.
 
 Loss and gradients are those of the non-pipelined step: every micro-batch's loss sum is
-divided by the number of target tokens of the whole global batch, so gradients
-accumulate over micro-batches exactly as `make_train_step` accumulates them; the
-gradient norm is one all-reduce over the pp ranks (each parameter lives on one rank).
+divided by the number of target tokens of the whole global batch, so gradients accumulate
+over micro-batches exactly as `make_train_step` accumulates them. The gradient norm is one
+all-reduce over the world (each parameter lives on one pp rank). A tied embedding is held
+by the first and the last stage's ranks: their two gradient contributions are exchanged
+and summed (in the same order on both, so the copies stay bit-identical), both apply the
+same update, and the norm counts it once.
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Callable
 
 import torch
 import torch.distributed as dist
+from torch._prims_common import make_contiguous_strides_for
+from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from ..errors import ConfigError
 from ..models import ModelDef
 from ..models.context import LocalContext
-from ..train.optim import AdamW, adamw_update, grad_norm_squared_local
+from ..parallel.context import ShardedContext
+from ..parallel.plan import without_pp
+from ..train.optim import AdamW, adamw_update, grad_norm_squared_local, local, replica_count
 from ..train.schedule import LRSchedule
 from ..train.step import PRECISIONS, TrainState
 from .partition import Stage
-from .schedule import B, F, RECV_B, RECV_F, SEND_B, SEND_F, Schedule
+from .schedule import B, BI, BW, F, RECV_B, RECV_F, SEND_B, SEND_F, Schedule, with_comm
+
+RESIDUAL = ("batch", "seq_sp", None)  # the layout activations cross stage boundaries in
+_TIED_TAG = 7  # the tied-embedding gradient exchange, apart from the schedule's traffic
 
 
-def make_pipeline_step(model: ModelDef, stages: list[Stage], schedule: Schedule, *, optimizer: AdamW = AdamW(),
-                       lr_schedule: LRSchedule | None = None, precision: str = "fp32",
-                       grad_clip: float | None = 1.0) -> Callable[[TrainState, dict], dict]:
-    """`step(state, batch) -> metrics` for this rank (dist rank = pp rank). state.params
-    holds this rank's stages' parameters only; batch as for make_train_step (full
+def stage_param_names(stages: list[Stage], pp_rank: int) -> list[str]:
+    """The parameters pp rank `pp_rank` holds: its stages' own, plus a tied table it shares."""
+    names = []
+    for st in stages:
+        if st.rank == pp_rank:
+            names += [n for n in st.params + st.shared if n not in names]
+    return names
+
+
+class _Pipe:
+    """This rank's place in the pipeline: its context, pp peers and the boundary layout."""
+
+    def __init__(self, model: ModelDef, stages: list[Stage], pp: int, plan, device_mesh, precision: str):
+        if precision not in PRECISIONS:
+            raise ConfigError(f"train.precision={precision!r}: choose one of {', '.join(PRECISIONS)}")
+        if model.family.__name__.rsplit(".", 1)[-1] != "llama":
+            raise ConfigError("parallel.pp > 1 runs Llama models: set model.arch llama, or parallel.pp 1")
+        self.model, self.stages, self.pp = model, stages, pp
+        if plan is None or device_mesh is None or plan.mesh.pp != pp or pp < 2:
+            raise ConfigError(f"a pipeline step needs the plan and device mesh of a layout with parallel.pp={pp} "
+                              ">= 2 (parallel.pp 1 runs make_train_step)")
+        dtype = PRECISIONS[precision]
+        self.rank, self.group = device_mesh.get_local_rank("pp"), device_mesh.get_group("pp")
+        rest = tuple(a for a in device_mesh.mesh_dim_names if a != "pp")
+        if rest:
+            self.mesh, self.plan = device_mesh[rest], without_pp(plan)
+            self.ctx = ShardedContext(self.plan, self.mesh, dtype)
+        else:  # pp alone: plain tensors
+            self.mesh, self.plan, self.ctx = None, None, LocalContext(dtype)
+        self.dtype = dtype or torch.float32
+
+    def peer(self, pp_rank: int) -> int:
+        """The global rank of pp rank `pp_rank` at this rank's coordinates on the other axes."""
+        return dist.get_global_rank(self.group, pp_rank)
+
+    def forward(self, stage: Stage, params, x):
+        cfg = self.model.cfg
+        out = self.model.family.forward_stage(cfg, params, x, self.ctx, stage.layers, stage.has_embedding,
+                                              stage.has_head)
+        return out if stage.has_head else self.ctx.constrain(out, RESIDUAL)
+
+    def scope(self):
+        return getattr(self.ctx, "regather_in_backward", contextlib.nullcontext)()
+
+    # ---- the stage boundary: (rows, seq, dim) activations and their gradients
+    def boundary(self, rows: int, seq: int):
+        shape = (rows, seq, self.model.cfg.dim)
+        if self.mesh is None:
+            return shape, None
+        placements = self.plan.activation(RESIDUAL).placements
+        local_shape, _ = compute_local_shape_and_global_offset(shape, self.mesh, placements)
+        return tuple(local_shape), (shape, placements)
+
+    def wrap(self, buf: torch.Tensor, spec) -> torch.Tensor:
+        if spec is None:
+            return buf
+        shape, placements = spec
+        return DTensor.from_local(buf, self.mesh, placements, run_check=False, shape=torch.Size(shape),
+                                  stride=make_contiguous_strides_for(shape))
+
+
+def forward_only(pp: int, v: int, m: int) -> Schedule:
+    """Forwards only (evaluation): every rank runs its stages on micro-batch 0, 1, ..."""
+    return with_comm(pp, v, m, "forward", [[(F, s, i) for i in range(m) for s in range(r, pp * v, pp)]
+                                           for r in range(pp)])
+
+
+def _run(pipe: _Pipe, actions, params: dict, tokens, targets, n_tokens: int, *, train: bool) -> torch.Tensor:
+    """Walk this rank's actions; returns the loss (this rank's share: zero off the last stage)."""
+    stages, last = pipe.stages, len(pipe.stages) - 1
+    rows, seq = tokens[0].shape
+    local_shape, spec = pipe.boundary(rows, seq)
+    inputs, outputs, out_grads, in_grads, split, pending = {}, {}, {}, {}, {}, []
+    loss = torch.zeros((), dtype=torch.float32, device=tokens[0].device)
+
+    def weights(stage: Stage):
+        return [params[n] for n in stage.params + stage.shared]
+
+    for a in actions:
+        s, j, key = a.stage, a.micro, (a.stage, a.micro)
+        if a.kind in (RECV_F, RECV_B):
+            buf = torch.empty(local_shape, dtype=pipe.dtype, device=tokens[0].device)
+            dist.recv(buf, src=pipe.peer(a.peer))
+            if a.kind == RECV_F:  # the plain buffer is the leaf whose .grad goes back
+                inputs[key] = buf.requires_grad_(train)
+            else:
+                out_grads[key] = pipe.wrap(buf, spec)
+        elif a.kind in (SEND_F, SEND_B):
+            value = outputs[key] if a.kind == SEND_F else in_grads.pop(key)
+            value = local(value.detach()).contiguous()
+            pending.append((dist.isend(value, dst=pipe.peer(a.peer)), value))
+        elif a.kind == F:
+            with pipe.scope():
+                out = pipe.forward(stages[s], params, tokens[j] if s == 0 else pipe.wrap(inputs[key], spec))
+                if s == last:
+                    out = pipe.ctx.cross_entropy_sum(out, targets[j]) / n_tokens
+                    loss += local(out.detach())
+            if train or s != last:
+                outputs[key] = out
+            if not train:
+                inputs.pop(key, None)
+        elif a.kind == B:
+            out = outputs.pop(key)
+            out.backward(None if s == last else out_grads.pop(key))
+            if s > 0:
+                in_grads[key] = inputs.pop(key).grad
+        elif a.kind == BI:
+            out = outputs.pop(key)
+            grad = None if s == last else [out_grads.pop(key)]
+            if s == 0:  # no input gradient to hurry: the whole backward now, BW has nothing left
+                out.backward(grad[0] if grad else None)
+            else:
+                x = inputs.pop(key)
+                _, split[key] = stage_backward_input([out], grad, [x], iter(weights(stages[s])))
+                in_grads[key] = x.grad
+        elif a.kind == BW:
+            if s > 0:
+                stage_backward_weight(iter(weights(stages[s])), split.pop(key))
+        if a.kind == SEND_F and not train:
+            outputs.pop(key)
+    for work, _ in pending:
+        work.wait()
+    return loss
+
+
+def make_pipeline_step(model: ModelDef, stages: list[Stage], schedule: Schedule, plan, device_mesh, *,
+                       optimizer: AdamW = AdamW(), lr_schedule: LRSchedule | None = None,
+                       precision: str = "fp32", grad_clip: float | None = 1.0) -> Callable[[TrainState, dict], dict]:
+    """`step(state, batch) -> metrics` for this rank; `plan` and `device_mesh` are the whole
+    layout's, pp included. state.params holds `stage_param_names(stages, pp_rank)` (DTensors on the
+    non-pp sub-mesh when there is one); batch as for make_train_step (full
     (micro_steps, batch, seq) tensors on every rank)."""
-    if model.family.__name__.rsplit(".", 1)[-1] != "llama" or model.cfg.tie_embeddings:
-        raise ConfigError("parallel.pp > 1 runs untied Llama models for now: set model.tie_embeddings false")
-    if any(a.kind not in (F, B, SEND_F, RECV_F, SEND_B, RECV_B) for acts in schedule.ranks for a in acts):
-        raise ConfigError(f"parallel.pp_schedule={schedule.name}: split backward (zero bubble) is not executed yet; "
-                          "choose gpipe, 1f1b or interleaved")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    if world != schedule.pp:
-        raise ConfigError(f"parallel.pp={schedule.pp} must equal the world size ({world}) for now: "
-                          "pipeline parallelism does not compose with other axes yet")
-    cfg, family = model.cfg, model.family
-    ctx = LocalContext(PRECISIONS[precision])
-    last = len(stages) - 1
+    pipe = _Pipe(model, stages, schedule.pp, plan, device_mesh, precision)
     lr_schedule = lr_schedule or LRSchedule(lr=optimizer.lr, kind="constant")
-    actions = schedule.ranks[rank]
-
-    def stage_forward(stage: Stage, params, x):
-        return family.forward_stage(cfg, params, x, ctx, stage.layers, stage.has_embedding, stage.has_head)
+    actions = schedule.ranks[pipe.rank]
+    data_ranks = pipe.plan.mesh.dp * pipe.plan.mesh.fsdp if pipe.plan is not None else 1
+    tied = [n for st in stages if st.rank == pipe.rank for n in st.shared]  # held here, owned on rank 0
+    tied_peer = pipe.peer(stages[-1].rank if pipe.rank == 0 else 0)
+    tied_here = [n for n in stages[-1].shared if pipe.rank in (0, stages[-1].rank)]
 
     def step(state: TrainState, batch: dict) -> dict:
         tokens, targets = batch["tokens"], batch["targets"]
+        if len(tokens) != schedule.m:
+            raise ConfigError(f"pipeline schedule {schedule.name} is built for {schedule.m} micro-batches per step "
+                              f"but the batch has {len(tokens)}")
+        if tokens[0].shape[0] % data_ranks:
+            raise ConfigError(f"batch: {tokens[0].shape[0]} sequences per micro-step cannot be split evenly over "
+                              f"{data_ranks} data-parallel ranks (dp x fsdp); use a multiple of {data_ranks}")
         n_tokens = batch.get("num_targets") or int(sum((t >= 0).sum() for t in targets))
-        rows, seq = tokens[0].shape
-        inputs, outputs, out_grads, in_grads, pending = {}, {}, {}, {}, []
-        loss = torch.zeros((), dtype=torch.float32)
-        for a in actions:
-            s, j, key = a.stage, a.micro, (a.stage, a.micro)
-            if a.kind == RECV_F:
-                buf = torch.empty(rows, seq, cfg.dim, dtype=ctx.compute_dtype or torch.float32)
-                dist.recv(buf, src=a.peer)
-                inputs[key] = buf.requires_grad_()
-            elif a.kind == F:
-                out = stage_forward(stages[s], state.params, tokens[j] if s == 0 else inputs[key])
-                if s == last:
-                    out = ctx.cross_entropy_sum(out, targets[j]) / n_tokens
-                    loss += out.detach()
-                outputs[key] = out
-            elif a.kind == SEND_F:
-                value = outputs[key].detach().contiguous()
-                pending.append((dist.isend(value, dst=a.peer), value))
-            elif a.kind == RECV_B:
-                buf = torch.empty(rows, seq, cfg.dim, dtype=ctx.compute_dtype or torch.float32)
-                dist.recv(buf, src=a.peer)
-                out_grads[key] = buf
-            elif a.kind == B:
-                out = outputs.pop(key)
-                out.backward(None if s == last else out_grads.pop(key))
-                if s > 0:
-                    in_grads[key] = inputs.pop(key).grad
-            elif a.kind == SEND_B:
-                value = in_grads.pop(key).contiguous()
-                pending.append((dist.isend(value, dst=a.peer), value))
-        for work, _ in pending:
-            work.wait()
+        loss = _run(pipe, actions, state.params, tokens, targets, n_tokens, train=True)
         names = list(state.params)
-        params = [state.params[n].data for n in names]
-        grads = [state.params[n].grad for n in names]
+        for n in tied_here:  # both copies get the sum of both contributions, in one order
+            g = local(state.params[n].grad)
+            other = torch.empty_like(g)
+            work = dist.isend(g.contiguous(), dst=tied_peer, tag=_TIED_TAG)
+            dist.recv(other, src=tied_peer, tag=_TIED_TAG)
+            work.wait()
+            g.copy_(g + other if pipe.rank == 0 else other + g)
+        params = [local(state.params[n]).data for n in names]
+        grads = [local(state.params[n].grad) for n in names]
+        replicas = [float("inf") if n in tied else replica_count(state.params[n]) for n in names]
         with torch.no_grad():
-            norm_sq = grad_norm_squared_local(grads, [1.0] * len(grads))
+            norm_sq = grad_norm_squared_local(grads, replicas)
             dist.all_reduce(norm_sq)
             norm = norm_sq.sqrt()
             if grad_clip is not None:
                 torch._foreach_mul_(grads, torch.clamp(grad_clip / (norm + 1e-6), max=1.0))
             lr = lr_schedule(state.step)
             state.step += 1
-            adamw_update(params, grads, [state.optimizer["exp_avg"][n] for n in names],
-                         [state.optimizer["exp_avg_sq"][n] for n in names],
+            adamw_update(params, grads, [local(state.optimizer["exp_avg"][n]) for n in names],
+                         [local(state.optimizer["exp_avg_sq"][n]) for n in names],
                          [optimizer.decays(n, state.params[n].ndim) for n in names],
                          torch.tensor(lr, dtype=torch.float32), torch.tensor(float(state.step)),
                          optimizer.betas, optimizer.eps, optimizer.weight_decay)
-            dist.all_reduce(loss)  # only the last stage's rank holds a non-zero loss
+            dist.all_reduce(loss, group=pipe.group)  # only the last stage's rank holds a non-zero loss
         for n in names:
             state.params[n].grad = None
         return {"loss": float(loss), "grad_norm": float(norm), "lr": lr}
 
     return step
+
+
+def make_pipeline_eval(model: ModelDef, stages: list[Stage], pp: int, micro_steps: int, plan, device_mesh, *,
+                       precision: str = "fp32") -> Callable[[dict, dict], float]:
+    """`evaluate(params, batch) -> mean loss per target token`, forwards only, the same on
+    every rank."""
+    pipe = _Pipe(model, stages, pp, plan, device_mesh, precision)
+    actions = forward_only(pp, len(stages) // pp, micro_steps).ranks[pipe.rank]
+
+    @torch.no_grad()
+    def evaluate(params: dict, batch: dict) -> float:
+        tokens, targets = batch["tokens"], batch["targets"]
+        n_tokens = batch.get("num_targets") or int(sum((t >= 0).sum() for t in targets))
+        loss = _run(pipe, actions, params, tokens, targets, n_tokens, train=False)
+        dist.all_reduce(loss, group=pipe.group)
+        return float(loss)
+
+    return evaluate
