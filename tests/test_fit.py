@@ -33,8 +33,8 @@ from meshtrain.train.step import TrainState
 from test_cli import ROOT, SMALL, TINY, _env, _small_cfg, read_metrics, run_cli
 
 TINY4 = ROOT / "configs" / "tiny-4proc.yaml"
-# 4 steps; 4 kv heads so that tp 4 is a valid layout to resume in.
-STEPS4 = ["--train.steps", "4", "--model.n_kv_heads", "4"]
+# 4 steps; 4 kv heads so that tp 4 is a valid layout to resume in, 2 layers for 2 stages.
+STEPS4 = ["--train.steps", "4", "--model.n_kv_heads", "4", "--model.n_layers", "2"]
 
 
 def losses(run_dir: Path) -> torch.Tensor:
@@ -81,6 +81,9 @@ RESHARD = {  # layout to resume in: (processes, parallel.* overrides)
     "dp2_fsdp2": (4, ["--parallel.dp", "2", "--parallel.fsdp", "2", "--parallel.tp", "1", "--parallel.sp", "false"]),
     "dp2_on_2": (2, ["--parallel.dp", "2", "--parallel.fsdp", "1", "--parallel.tp", "1", "--parallel.sp", "false"]),
     "one_process": (1, ["--parallel.fsdp", "1", "--parallel.tp", "1", "--parallel.sp", "false"]),
+    "pp2_zb_tp2_sp": (4, ["--parallel.pp", "2", "--parallel.pp_schedule", "zb", "--parallel.fsdp", "1"]),
+    "pp2_gpipe_on_2": (2, ["--parallel.pp", "2", "--parallel.pp_schedule", "gpipe", "--parallel.fsdp", "1",
+                           "--parallel.tp", "1", "--parallel.sp", "false"]),
 }
 
 
@@ -106,6 +109,35 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_pipeline_fit_through_the_cli_matches_one_process(tmp_path):
+    """pp 2 x fsdp 2 on 4 self-launched ranks (1F1B, 4 micro-batches of 2 split over 2
+    fsdp ranks): the loss curve and the validation loss of one process, and an export
+    (through the final checkpoint, since no rank holds every stage) with its weights."""
+    from safetensors.torch import load_file
+
+    run_dir = tmp_path / "pp2"
+    proc = run_cli("fit", "--config", str(TINY), *SMALL, *STEPS4, "--parallel.nproc_per_node", "4",
+                   "--parallel.pp", "2", "--parallel.fsdp", "2", "--train.global_batch", "16",
+                   "--train.micro_batch", "2", "--train.eval_every", "2", "--checkpoint.export", "true",
+                   "--run_dir", str(run_dir), env={"MESHTRAIN_DIST_TIMEOUT": "120"}, timeout=400)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert json.loads((run_dir / "plan.json").read_text())["mesh"] == {"pp": 2, "fsdp": 2}
+    reference = tmp_path / "one"
+    ref = run_cli("fit", "--config", str(TINY), *SMALL, *STEPS4, "--train.global_batch", "16",
+                  "--train.micro_batch", "2", "--train.eval_every", "2", "--checkpoint.export", "true",
+                  "--run_dir", str(reference))
+    assert ref.returncode == 0, ref.stdout + ref.stderr
+    torch.testing.assert_close(losses(run_dir), losses(reference), rtol=1e-5, atol=0)
+    val = [r["val_loss"] for r in read_metrics(run_dir) if "val_loss" in r]
+    ref_val = [r["val_loss"] for r in read_metrics(reference) if "val_loss" in r]
+    assert len(val) == 2 and val == pytest.approx(ref_val, rel=1e-5)
+    ours, theirs = load_file(run_dir / "export" / "model.safetensors"), load_file(reference / "export" / "model.safetensors")
+    assert sorted(ours) == sorted(theirs)
+    for name in ours:
+        torch.testing.assert_close(ours[name], theirs[name], rtol=0, atol=1e-5, msg=name)
 
 
 @pytest.mark.slow

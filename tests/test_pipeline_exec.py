@@ -15,7 +15,7 @@ import torch.distributed as dist
 from meshtrain import MeshSpec, Rules, TrainState, build, init_params, make_plan, make_train_step
 from meshtrain.errors import ConfigError
 from meshtrain.models.spec import init_slice
-from meshtrain.pipeline.execute import make_pipeline_eval, make_pipeline_step, stage_param_names
+from meshtrain.pipeline.execute import local_stage_layout, make_pipeline_eval, make_pipeline_step
 from meshtrain.pipeline.partition import partition
 from meshtrain.pipeline.schedule import build as build_schedule
 from meshtrain.testing import run_ranks
@@ -88,12 +88,9 @@ def _pipelined(names):
         mesh = plan.mesh.build()
         pp = sizes["pp"]
         stages = partition(model, pp, v, layout, seq_len=SEQ, micro_batch=BATCH // micro_steps)
-        mine = stage_param_names(stages, mesh.get_local_rank("pp"))
-        if len(mesh.mesh_dim_names) > 1:
-            sub = dataclasses.replace(plan, params={n: plan.params[n] for n in mine})
-            from meshtrain.parallel.plan import without_pp
-
-            params = init_params(without_pp(sub), mesh[tuple(a for a in mesh.mesh_dim_names if a != "pp")], seed=0)
+        mine, sub_plan, sub_mesh = local_stage_layout(plan, mesh, stages)
+        if sub_plan is not None:
+            params = init_params(sub_plan, sub_mesh, seed=0, names=mine)
         else:
             params = {n: init_slice(model.specs[n], n, seed=0).requires_grad_() for n in mine}
         evaluate = make_pipeline_eval(model, stages, pp, micro_steps, plan, mesh)

@@ -16,6 +16,7 @@ from typing import Any, Mapping
 from ..errors import ConfigError
 
 PRECISIONS = ("fp32", "bf16")
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb")
 BYTES_VOCAB = 258  # the bytes tokenizer: 256 byte values, BOS and EOS
 NOT_YET = "is not implemented yet"
 
@@ -71,7 +72,13 @@ class ParallelConfig:
     ep: int = 1
     """Expert parallelism (mixture-of-experts). Only 1: not implemented yet."""
     pp: int = 1
-    """Pipeline parallelism. Only 1: not implemented yet."""
+    """Pipeline parallelism: the layers split into pp x pp_virtual stages over pp groups of ranks (outermost mesh axis). The micro-batches of a step (global_batch / (micro_batch x dp x fsdp)) flow through the stages; Llama only, eager (train.compile false)."""
+    pp_schedule: str = "1f1b"
+    """Pipeline schedule: gpipe | 1f1b | interleaved (needs pp_virtual >= 2 and a micro-batch count divisible by pp) | zb (zero-bubble ZB-H1: backward split into input and weight gradients)."""
+    pp_virtual: int = 1
+    """Stages per pp rank (interleaved schedule: rank r holds stages r, r + pp, ...)."""
+    pp_layout: list[int] | None = None
+    """Layers per stage, e.g. [3, 2] for 5 layers on 2 stages; null: balanced by a cost model (FLOPs of layers, embedding and head/loss)."""
 
 
 @dataclass
@@ -226,6 +233,8 @@ class RunConfig:
         dp = p.dp * (1 if p.fsdp == -1 else p.fsdp)
         if t.global_batch % (t.micro_batch * dp):
             raise ConfigError(_batch_message(t, p.dp, p.fsdp, dp))
+        if p.pp > 1:
+            _validate_pipeline(self)
         # Any other layout problem the planner can see before the world size is known.
         from ..parallel.plan import make_plan
 
@@ -275,7 +284,10 @@ class RunConfig:
         t = self.train
         if t.global_batch % (t.micro_batch * dp_size):
             raise ConfigError(_batch_message(t, self.parallel.dp, dp_size // max(self.parallel.dp, 1), dp_size))
-        return t.global_batch // (t.micro_batch * dp_size)
+        m = t.global_batch // (t.micro_batch * dp_size)
+        if self.parallel.pp > 1:
+            _check_micro_batches(self.parallel, m)
+        return m
 
 
 _SECTIONS = {"model": ModelConfig, "parallel": ParallelConfig, "train": TrainConfig, "data": DataConfig,
@@ -373,12 +385,20 @@ def _validate_model(m: ModelConfig) -> None:
 def _validate_parallel(p: ParallelConfig) -> None:
     _check_int(p.nproc_per_node, "parallel.nproc_per_node", minimum=1)
     _check_bool(p.sp, "parallel.sp")
-    for axis, what in (("cp", "context parallelism"), ("ep", "expert parallelism"),
-                       ("pp", "pipeline parallelism")):
+    for axis, what in (("cp", "context parallelism"), ("ep", "expert parallelism")):
         n = getattr(p, axis)
         _check_int(n, f"parallel.{axis}")
         if n != 1:
             raise ConfigError(f"parallel.{axis}={n}: {what} {NOT_YET}; set parallel.{axis} to 1")
+    _check_int(p.pp, "parallel.pp", minimum=1)
+    _check_int(p.pp_virtual, "parallel.pp_virtual", minimum=1)
+    _choice(p.pp_schedule, "parallel.pp_schedule", PP_SCHEDULES)
+    if p.pp_layout is not None:
+        if not isinstance(p.pp_layout, list) or not p.pp_layout:
+            raise ConfigError(f"parallel.pp_layout={p.pp_layout!r}: give a list of layers per stage, e.g. [3, 2], "
+                              "or null to balance by cost")
+        for i, k in enumerate(p.pp_layout):
+            _check_int(k, f"parallel.pp_layout[{i}]", minimum=1)
     fill = []
     for axis in ("dp", "fsdp", "tp"):
         n = getattr(p, axis)
@@ -390,6 +410,39 @@ def _validate_parallel(p: ParallelConfig) -> None:
     if len(fill) > 1:
         raise ConfigError(f"parallel: only one axis may be -1 (it takes the remaining ranks), got "
                           f"{', '.join(f'parallel.{a}=-1' for a in fill)}; give all but one a fixed size")
+
+
+def _validate_pipeline(cfg: "RunConfig") -> None:
+    """Pipeline rules that need the model and the batch: stages fit the layers, the
+    schedule fits the micro-batch count (with fsdp=-1 the count is rechecked once the
+    world size is known)."""
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    if m.arch != "llama":
+        raise ConfigError(f"parallel.pp={p.pp}: pipeline stages are built for model.arch llama, not {m.arch}; "
+                          "set parallel.pp 1")
+    if t.compile:
+        raise ConfigError(f"parallel.pp={p.pp} with train.compile true: the pipeline executor runs eager; set "
+                          "train.compile false")
+    if p.pp_virtual > 1 and p.pp_schedule != "interleaved":
+        raise ConfigError(f"parallel.pp_virtual={p.pp_virtual} needs parallel.pp_schedule interleaved "
+                          f"({p.pp_schedule} runs one stage per rank); set pp_virtual 1 or pp_schedule interleaved")
+    if p.pp_schedule == "interleaved" and p.pp_virtual < 2:
+        raise ConfigError("parallel.pp_schedule=interleaved needs parallel.pp_virtual >= 2 stages per rank; "
+                          "set pp_virtual 2 (or use pp_schedule 1f1b)")
+    dp = p.dp * (1 if p.fsdp == -1 else p.fsdp)
+    if t.global_batch % (t.micro_batch * dp) == 0:
+        _check_micro_batches(p, t.global_batch // (t.micro_batch * dp))
+    from ..pipeline.partition import partition
+
+    partition(cfg.model_def(), p.pp, p.pp_virtual, p.pp_layout, seq_len=t.seq_len, micro_batch=t.micro_batch)
+
+
+def _check_micro_batches(p: ParallelConfig, m: int) -> None:
+    """The micro-batch count m = global_batch / (micro_batch x dp x fsdp) against the schedule."""
+    if p.pp_schedule == "interleaved" and m % p.pp:
+        raise ConfigError(f"parallel.pp_schedule=interleaved needs the micro-batch count (train.global_batch / "
+                          f"(train.micro_batch x dp x fsdp) = {m}) to be a multiple of parallel.pp={p.pp}: change "
+                          "global_batch or micro_batch so that it is")
 
 
 def _validate_train(t: TrainConfig) -> None:

@@ -698,7 +698,8 @@ def _fsync_dir(path: Path) -> None:
 
 
 def load_hf_params(hf_dir: str | os.PathLike, arch: str, family_cfg, plan=None, mesh=None,
-                   device: str | torch.device = "cpu", *, check_config: bool = True) -> dict[str, torch.Tensor]:
+                   device: str | torch.device = "cpu", *, check_config: bool = True,
+                   names=None) -> dict[str, torch.Tensor]:
     """Our parameters from a Hugging Face directory of safetensors weights.
 
     Every tensor the model needs must be present with its shape (else a one-line
@@ -710,7 +711,8 @@ def load_hf_params(hf_dir: str | os.PathLike, arch: str, family_cfg, plan=None, 
     DeviceMesh; built from plan.mesh when None): fp32 DTensors laid out by the plan, as
     init_params makes them (requires_grad=True), each rank reading only the elements of
     its own local shard with `get_slice` (for GPT-2's fused c_attn and transposed Conv1D
-    weights, the matching rows and columns of the file's tensor).
+    weights, the matching rows and columns of the file's tensor). `names`: load only these
+    parameters (a pipeline stage's), still checking that the file has all of them.
     """
     cfg = _family_cfg(arch, family_cfg)
     hf_dir = Path(hf_dir)
@@ -720,14 +722,16 @@ def load_hf_params(hf_dir: str | os.PathLike, arch: str, family_cfg, plan=None, 
     with _WeightFiles(hf_dir) as files:
         where = files.match(layout, arch, cfg.tie_embeddings)
         specs = _specs(arch, cfg)
+        wanted = set(specs if names is None else names)
         if plan is None:
             out = {}
             for t in layout:
                 for piece in t.pieces:
-                    full = tuple(slice(0, n) for n in piece.shape)
-                    out[piece.ours] = files.read(where[t.name], piece, full).to(device)
-            return {name: out[name] for name in specs}
-        return _load_planned(files, where, layout, specs, plan, mesh, device)
+                    if piece.ours in wanted:
+                        full = tuple(slice(0, n) for n in piece.shape)
+                        out[piece.ours] = files.read(where[t.name], piece, full).to(device)
+            return {name: out[name] for name in specs if name in wanted}
+        return _load_planned(files, where, layout, specs, plan, mesh, device, wanted)
 
 
 def check_same_model(hf_dir: Path, arch: str, cfg) -> None:
@@ -842,7 +846,7 @@ class _WeightFiles:
         return block.permute(piece.inverse_perm).to(torch.float32).contiguous()
 
 
-def _load_planned(files: _WeightFiles, where, layout, specs, plan, mesh, device) -> dict[str, torch.Tensor]:
+def _load_planned(files: _WeightFiles, where, layout, specs, plan, mesh, device, wanted) -> dict[str, torch.Tensor]:
     from torch._prims_common import make_contiguous_strides_for
     from torch.distributed.tensor import DTensor
 
@@ -855,6 +859,8 @@ def _load_planned(files: _WeightFiles, where, layout, specs, plan, mesh, device)
     piece_of = {p.ours: (t.name, p) for t in layout for p in t.pieces}
     out = {}
     for name, pp in plan.params.items():
+        if name not in wanted:
+            continue
         spec = pp.spec
         hf_name, piece = piece_of[name]
         runs = [_runs(_local_indices(n, d, mesh, pp.placements)) for d, n in enumerate(spec.shape)]

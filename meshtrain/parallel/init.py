@@ -13,11 +13,15 @@ from ..models.spec import init_slice
 from .plan import Plan
 
 
-def init_params(plan: Plan, mesh: DeviceMesh, seed: int = 0, device: str | torch.device = "cpu") -> dict[str, DTensor]:
+def init_params(plan: Plan, mesh: DeviceMesh, seed: int = 0, device: str | torch.device = "cpu",
+                names=None) -> dict[str, DTensor]:
     """DTensor parameters whose gathered values are the same for every layout (they depend
-    on seed, name and shape only). On the meta device nothing is computed."""
+    on seed, name and shape only). On the meta device nothing is computed. `names`: only
+    these (a pipeline stage's), else all the plan's."""
     params = {}
     for name, p in plan.params.items():
+        if names is not None and name not in names:
+            continue
         spec = p.spec
         if any(isinstance(x, _StridedShard) for x in p.placements):
             # A strided shard is not one contiguous slice: build the full value, keep ours.

@@ -60,6 +60,17 @@ def stage_param_names(stages: list[Stage], pp_rank: int) -> list[str]:
     return names
 
 
+def local_stage_layout(plan, device_mesh, stages: list[Stage]):
+    """This rank's part of a pipelined layout: (the parameter names it holds, the plan of
+    the non-pp axes, the sub-mesh of those axes); the last two are None with pp alone
+    (the stages then run on plain tensors)."""
+    names = stage_param_names(stages, device_mesh.get_local_rank("pp"))
+    rest = tuple(a for a in device_mesh.mesh_dim_names if a != "pp")
+    if not rest:
+        return names, None, None
+    return names, without_pp(plan), device_mesh[rest]
+
+
 class _Pipe:
     """This rank's place in the pipeline: its context, pp peers and the boundary layout."""
 
@@ -74,12 +85,8 @@ class _Pipe:
                               ">= 2 (parallel.pp 1 runs make_train_step)")
         dtype = PRECISIONS[precision]
         self.rank, self.group = device_mesh.get_local_rank("pp"), device_mesh.get_group("pp")
-        rest = tuple(a for a in device_mesh.mesh_dim_names if a != "pp")
-        if rest:
-            self.mesh, self.plan = device_mesh[rest], without_pp(plan)
-            self.ctx = ShardedContext(self.plan, self.mesh, dtype)
-        else:  # pp alone: plain tensors
-            self.mesh, self.plan, self.ctx = None, None, LocalContext(dtype)
+        _, self.plan, self.mesh = local_stage_layout(plan, device_mesh, stages)
+        self.ctx = LocalContext(dtype) if self.mesh is None else ShardedContext(self.plan, self.mesh, dtype)
         self.dtype = dtype or torch.float32
 
     def peer(self, pp_rank: int) -> int:

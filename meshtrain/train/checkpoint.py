@@ -265,10 +265,12 @@ def _cleanup(root: Path) -> None:
 # --------------------------------------------------------------------------- load
 
 
-def load(path: str | os.PathLike, state: TrainState) -> dict:
+def load(path: str | os.PathLike, state: TrainState, model_names=None) -> dict:
     """Load the checkpoint at `path` into state.params and state.optimizer in place (any
     layout, or plain tensors in one process), set state.step, restore this rank's RNG
-    states when the world size is the one it was saved with, and return meta.json's dict."""
+    states when the world size is the one it was saved with, and return meta.json's dict.
+    `model_names`: every parameter name of the model, when state.params holds only some
+    of them (a pipeline stage's); the checkpoint must hold no other."""
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"checkpoint {path} does not exist: pass a step_XXXXXXXX directory written "
@@ -282,7 +284,7 @@ def load(path: str | os.PathLike, state: TrainState) -> dict:
                               "load another checkpoint (latest(root)) or delete this one")
     reader = _SafeReader(path)
     metadata = reader.read_metadata()
-    _check_layout(path, metadata, state)
+    _check_layout(path, metadata, state, set(state.params if model_names is None else model_names))
     try:
         with _quiet_dcp(), torch.no_grad():
             dcp.load(_tensors(state), storage_reader=_SafeReader(path))
@@ -354,9 +356,9 @@ class _SafeReader(dcp.FileSystemReader):
         return metadata
 
 
-def _check_layout(path: Path, metadata, state) -> None:
-    """Names and global shapes in the checkpoint against the state's; the first
-    difference is a CheckpointError."""
+def _check_layout(path: Path, metadata, state, model_names: set) -> None:
+    """Names and global shapes in the checkpoint against the state's, and no name the
+    model lacks; the first difference is a CheckpointError."""
     saved: dict[tuple, tuple] = {}
     planner_data = getattr(metadata, "planner_data", None) or {}
     for fqn, md in metadata.state_dict_metadata.items():
@@ -377,7 +379,7 @@ def _check_layout(path: Path, metadata, state) -> None:
                 raise CheckpointError(f"checkpoint {path}: {what} {name} has shape {saved[key]} in the "
                                       f"checkpoint but {shape} in the model: {fix}")
         for key, shape in saved.items():
-            if key[:len(prefix)] == prefix and key[-1] not in tensors:
+            if key[:len(prefix)] == prefix and key[-1] not in model_names:
                 raise CheckpointError(f"checkpoint {path}: {what} {key[-1]} (shape {shape}) is in the checkpoint "
                                       f"but not in the model: {fix}")
 

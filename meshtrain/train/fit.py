@@ -139,7 +139,9 @@ class _Run:
         init_from = cfg.model.init_from if self.resume is None else None  # a checkpoint wins
         if init_from:
             _check_init_from(cfg)
-        if ranks.world == 1:
+        if plan.mesh.pp > 1:
+            params = self._build_pipeline(init_from)
+        elif ranks.world == 1:
             self.mesh = None
             if init_from:
                 from ..interop.hf import load_hf_params
@@ -151,6 +153,7 @@ class _Run:
                           for n, s in model.specs.items()}
             self.step_fn = make_train_step(model, **_step_options(cfg))
             self.eval_fn = make_eval_step(model, **options)
+            self.rows = _RowSlice(plan, None, self.micro_rows, t.seq_len)
         else:
             from ..parallel.init import init_params
 
@@ -163,9 +166,40 @@ class _Run:
                 params = init_params(plan, self.mesh, cfg.seed, device=device)
             self.step_fn = make_train_step(model, plan, self.mesh, **_step_options(cfg))
             self.eval_fn = make_eval_step(model, plan, self.mesh, **options)
+            self.rows = _RowSlice(plan, self.mesh, self.micro_rows, t.seq_len)
         self.state = TrainState.create(params)
         self.consumed = 0  # global training samples consumed: the data position
-        self.rows = _RowSlice(plan, self.mesh, self.micro_rows, t.seq_len)
+
+    def _build_pipeline(self, init_from: str | None) -> dict:
+        """parallel.pp > 1: this rank's stages, their parameters (sharded on the non-pp
+        sub-mesh, if any), the schedule's step and the forward-only evaluation."""
+        from ..parallel.init import init_params
+        from ..pipeline import execute, partition
+        from ..pipeline.schedule import build as build_schedule
+
+        cfg, model, plan, device, t, p = self.cfg, self.model, self.plan, self.device, self.cfg.train, self.cfg.parallel
+        self.mesh = plan.mesh.build(device.type)
+        stages = partition(model, plan.mesh.pp, p.pp_virtual, p.pp_layout, seq_len=t.seq_len, micro_batch=t.micro_batch)
+        names, sub_plan, sub_mesh = execute.local_stage_layout(plan, self.mesh, stages)
+        if init_from:
+            from ..interop.hf import load_hf_params
+
+            params = load_hf_params(init_from, cfg.model.arch, cfg.family_config(), sub_plan, sub_mesh, device,
+                                    names=names)
+        elif sub_plan is not None:
+            params = init_params(sub_plan, sub_mesh, cfg.seed, device=device, names=names)
+        else:
+            params = {n: init_slice(model.specs[n], n, cfg.seed, device=device) for n in names}
+        params = {n: x.requires_grad_() for n, x in params.items()}
+        options = _step_options(cfg)
+        schedule = build_schedule(p.pp_schedule, plan.mesh.pp, self.accumulation, p.pp_virtual)
+        self.step_fn = execute.make_pipeline_step(model, stages, schedule, plan, self.mesh,
+                                                  optimizer=options["optimizer"], lr_schedule=options["schedule"],
+                                                  precision=t.precision, grad_clip=options["grad_clip"])
+        self.eval_fn = execute.make_pipeline_eval(model, stages, plan.mesh.pp, self.accumulation, plan, self.mesh,
+                                                  precision=t.precision)
+        self.rows = _RowSlice(sub_plan, sub_mesh, self.micro_rows, t.seq_len)
+        return params
 
     # --- the loop ----------------------------------------------------------------------
 
@@ -247,7 +281,7 @@ class _Run:
         notes, first_error = [], None
         for path in candidates:
             try:
-                meta = checkpoint.load(path, self.state)
+                meta = checkpoint.load(path, self.state, self.model.specs)
             except checkpoint.CheckpointError as e:
                 first_error = first_error or e
                 notes.append(f"skipping {path.name}: {e}")
@@ -293,7 +327,16 @@ class _Run:
             dist.barrier()
         dtype = "fp32" if cfg.train.precision == "fp32" else "bf16"
         tokenizer = cfg.data.tokenizer
-        save_hf(self.state.params, cfg.model.arch, cfg.family_config(), fresh, dtype=dtype, tokenizer=tokenizer)
+        if self.plan.mesh.pp > 1:  # no rank holds every stage: export from this step's checkpoint
+            from ..interop.hf import export_checkpoint
+
+            ckpt = checkpoint.latest(self.run_dir / "checkpoints")
+            if ckpt != checkpoint.step_dir(self.run_dir / "checkpoints", self.state.step):
+                ckpt = self._save()
+            if self.ranks.rank == 0:
+                export_checkpoint(ckpt, fresh, dtype=dtype)
+        else:
+            save_hf(self.state.params, cfg.model.arch, cfg.family_config(), fresh, dtype=dtype, tokenizer=tokenizer)
         if self.ranks.rank == 0:
             if out.exists():
                 out.rename(old)
