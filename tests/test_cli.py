@@ -196,8 +196,21 @@ def test_print_config_is_the_contract_yaml():
     assert printed["train"]["steps"] == 20 and printed["model"]["dim"] == 256
 
 
-@pytest.mark.parametrize("args, key", [(["--parallel.tp", "3"], "parallel.tp"),
-                                       (["--train.precision", "fp16"], "train.precision")])
+PP2 = ["--parallel.pp", "2", "--parallel.nproc_per_node", "2"]
+
+
+@pytest.mark.parametrize("args, key", [
+    (["--parallel.tp", "3"], "parallel.tp"),
+    (["--train.precision", "fp16"], "train.precision"),
+    (["--parallel.pp", "8", "--parallel.nproc_per_node", "8"], "parallel.pp=8"),  # 8 stages, 4 layers
+    ([*PP2, "--parallel.pp_layout", "[3, 2]"], "parallel.pp_layout"),  # sums to 5, not 4
+    ([*PP2, "--parallel.pp_virtual", "2"], "parallel.pp_virtual"),  # needs interleaved
+    ([*PP2, "--parallel.pp_schedule", "interleaved", "--parallel.pp_virtual", "2", "--train.global_batch", "12"],
+     "parallel.pp_schedule=interleaved"),  # 3 micro-batches on 2 ranks
+    ([*PP2, "--parallel.pp_schedule", "zb1"], "parallel.pp_schedule"),
+    ([*PP2, "--train.compile", "true"], "train.compile"),
+    ([*PP2, "--model.arch", "gpt2", "--model.n_kv_heads", "null", "--model.rope_theta", "null"], "model.arch"),
+])
 def test_bad_values_exit_2_without_a_traceback(args, key):
     proc = run_cli("fit", "--config", str(TINY), *args)
     assert proc.returncode == 2, proc.stdout + proc.stderr
@@ -211,7 +224,7 @@ def test_root_cli_py_and_console_script_run_the_same_main():
     script = Path(sys.executable).parent / "meshtrain"
     if not script.exists():
         pytest.skip("console script not installed (pip install -e .)")
-    proc = subprocess.run([str(script), "fit", "--config", str(TINY), "--parallel.pp", "2"], cwd=ROOT,
+    proc = subprocess.run([str(script), "fit", "--config", str(TINY), "--parallel.pp", "8"], cwd=ROOT,
                           env=_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "parallel.pp" in proc.stderr and "Traceback" not in proc.stderr
 

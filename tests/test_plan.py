@@ -414,7 +414,7 @@ CONFIG_ERRORS = {
          "tp x fsdp divides model.ffn_dim=98", "fewer mesh axes"]),
     "axis_product_not_world": (
         lambda: MeshSpec(fsdp=4, tp=2).resolve(16),
-        ["fsdp=4 x tp=2", "multiply to 8", "world size is 16", "make them multiply to 16 or set one axis to -1"]),
+        ["fsdp=4 x tp=2", "multiply to 8", "world size is 16", "make them multiply to 16, set one axis to -1"]),
     "axis_product_not_world_make_plan": (
         lambda: make_plan(llama.param_specs(LlamaConfig(**SMALL)), Rules.default(), MeshSpec(fsdp=4, tp=2), world=4),
         ["fsdp=4 x tp=2", "multiply to 8", "world size is 4"]),

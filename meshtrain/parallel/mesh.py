@@ -45,12 +45,14 @@ class MeshSpec:
                 fixed = " x ".join(f"{a}={n}" for a, n in sizes.items() if n > 1) or "all 1"
                 raise ConfigError(f"parallel.{fill[0]}=-1 cannot fill world size {world}: the fixed axes "
                                   f"{fixed} multiply to {known}, which does not divide {world}; change "
-                                  f"the sizes so that their product divides {world}")
+                                  f"the sizes so that their product divides {world}, or start more processes "
+                                  "(parallel.nproc_per_node, or the launcher's)")
             sizes[fill[0]] = world // known
         elif known != world:
             described = " x ".join(f"{a}={n}" for a, n in sizes.items() if n > 1) or "all 1"
             raise ConfigError(f"parallel: axis sizes {described} multiply to {known}, but the world size is "
-                              f"{world}; make them multiply to {world} or set one axis to -1")
+                              f"{world}; make them multiply to {world}, set one axis to -1, or start that many processes "
+                              "(parallel.nproc_per_node, or the launcher's)")
         resolved = MeshSpec(**sizes, ep=self.ep)
         if self.ep > 1 and (resolved.fsdp * resolved.cp) % self.ep:
             raise ConfigError(f"parallel.ep={self.ep} must divide fsdp x cp = {resolved.fsdp} x {resolved.cp} = "
