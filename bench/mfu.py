@@ -336,7 +336,8 @@ def profile(impl, batches, device, n_steps=2) -> dict:
     for e in prof.key_averages():
         if device.type != "cuda" or getattr(e, "device_type", None) != torch.autograd.DeviceType.CUDA:
             continue
-        if getattr(e, "is_user_annotation", False) or "#" in e.key:  # ranges (Optimizer.step#...), not kernels
+        # Ranges on the device timeline (Optimizer.step#AdamW.step, ProfilerStep#n) are not kernels.
+        if getattr(e, "is_user_annotation", False) or e.key.startswith(("Optimizer.", "ProfilerStep")):
             continue
         us = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0.0)
         kernels.append((us / n_steps / 1e3, e.count // n_steps, e.key[:90]))

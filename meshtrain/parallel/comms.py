@@ -218,23 +218,34 @@ def _gpt2_block(w: _Walker, cfg, p: str):
     w.use(p + "mlp.b_down", [x], saves=0)
 
 
-def _head(w: _Walker, cfg, gpt2: bool):
+def _embed(w: _Walker, cfg, gpt2: bool, tied_head: bool):
+    """The token (and GPT-2 position) lookups. tied_head: the same rank's head uses the
+    table too; a tied table is then gathered once and kept (reused), and its one gradient
+    sums both uses."""
     B, S, d = w.B, w.S, cfg.dim
     x, h, tokens = w.act(RESIDUAL), w.act(BLOCK_IN), w.act(TOKENS)
-    out = "tok_emb" if cfg.tie_embeddings else "output"
-    # A tied table is gathered once and kept (reused); its one gradient sums both uses.
-    w.use("tok_emb", [tokens, h] if cfg.tie_embeddings else [tokens], saves=int(cfg.tie_embeddings))
+    w.use("tok_emb", [tokens, h] if tied_head else [tokens], saves=int(tied_head))
     w.embedding("tok_emb", TOKENS, RESIDUAL, (B, S, d))
     if gpt2:  # positions: (seq,) ids, (seq_sp, None) rows; the broadcast add sums their gradient over batch
         w.use("pos_emb", [w.act(("seq",))], saves=0)
         batch_dims = {i for i, p in enumerate(x) if p == ("S", 0)}
         w.embedding("pos_emb", ("seq",), ("seq_sp", None), (S, d), grad_partial=batch_dims)
+
+
+def _head(w: _Walker, cfg, gpt2: bool, table_used: bool):
+    """Final norm, output projection and loss. table_used: a tied table was already looked
+    up on this rank (by `_embed`), so it is not gathered again."""
+    B, S, d = w.B, w.S, cfg.dim
+    x, h = w.act(RESIDUAL), w.act(BLOCK_IN)
+    out = "tok_emb" if cfg.tie_embeddings else "output"
     w.use("norm", [x])
     if gpt2:
         w.use("norm_bias", [x], saves=0)
     w.constrain((B, S, d), x, h, w.grad_in(h, [out]))
     if not cfg.tie_embeddings:
         w.use("output", [h])
+    elif not table_used:  # a pipeline's last stage: its own replica of the tied table
+        w.use("tok_emb", [h])
     logits = w.act(("batch", "seq", "vocab"))
     w.constrain((B, S, cfg.vocab_size), w.linear(h, out), logits, logits)
     w.loss(logits)
@@ -244,10 +255,14 @@ FAMILIES = {"llama": _llama_block, "gpt2": _gpt2_block}
 
 
 def step_collectives(plan: Plan, model: ModelDef, *, micro_batch_rows: int, seq_len: int, micro_steps: int,
-                     precision: str = "fp32", compiled: bool = False) -> list[dict]:
+                     precision: str = "fp32", compiled: bool = False, layers: int | None = None,
+                     embedding: bool = True, head: bool = True) -> list[dict]:
     """The collectives of one optimizer step: dicts {axis, op, phase, count, bytes}, one per
     (axis, op, phase); bytes are the total per rank over the step. `micro_batch_rows` is
-    the sequences of one micro-step over all data-parallel ranks (micro_batch x dp x fsdp)."""
+    the sequences of one micro-step over all data-parallel ranks (micro_batch x dp x fsdp).
+    A pipeline rank (plan: the stage plan without pp) runs `layers` layers and the
+    embedding and head only where it holds them; its point-to-point traffic is counted by
+    meshtrain/pipeline/estimate.py."""
     family = model.family.__name__.rsplit(".", 1)[-1]
     if family not in FAMILIES:
         raise ConfigError(f"collective estimate: no table for model family {family!r}")
@@ -260,9 +275,13 @@ def step_collectives(plan: Plan, model: ModelDef, *, micro_batch_rows: int, seq_
     c = 2 if precision == "bf16" else None  # None: parameters' own dtype
     block, rest = (_Walker(plan, micro_batch_rows, seq_len, c, eager=not compiled) for _ in range(2))
     FAMILIES[family](block, model.cfg, "layers.0.")
-    _head(rest, model.cfg, gpt2=family == "gpt2")
+    gpt2, tied = family == "gpt2", model.cfg.tie_embeddings
+    if embedding:
+        _embed(rest, model.cfg, gpt2, tied_head=tied and head)
+    if head:
+        _head(rest, model.cfg, gpt2, table_used=embedding)
     total: dict[tuple, list[int]] = defaultdict(lambda: [0, 0])
-    for part, times in ((block, model.cfg.n_layers), (rest, 1)):
+    for part, times in ((block, model.cfg.n_layers if layers is None else layers), (rest, 1)):
         for key, (n, nbytes) in part.out.items():
             total[key][0] += n * times * micro_steps
             total[key][1] += nbytes * times * micro_steps

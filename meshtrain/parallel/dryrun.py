@@ -36,6 +36,7 @@ class DryRun:
     gpu: str | None = None
     warnings: list[str] = field(default_factory=list)
     error: str | None = None  # why the layout cannot run (peak memory over the GPU's), with layouts that fit
+    pipeline: object | None = None  # PipelineEstimate when parallel.pp > 1: memory and collectives are its most loaded rank's
 
     def check(self) -> "DryRun":
         if self.error:
@@ -58,6 +59,7 @@ class DryRun:
                         "local_shape": list(p.local_shape)} for p in self.plan.params.values()],
             "warnings": self.warnings,
             "error": self.error,
+            "pipeline": self.pipeline.to_dict() if self.pipeline is not None else None,
         }
 
     def render(self, width: int = 140) -> str:
@@ -94,11 +96,42 @@ class DryRun:
             comms.add_column(col, justify="right" if col in ("count", "bytes") else "left")
         for c in self.collectives:
             comms.add_row(c["axis"], c["op"], c["phase"], f"{c['count']:,}", human_bytes(c["bytes"]))
-        out = [head, plan_table(self.plan), activation_table(self.plan), memory, comms]
+        out = [head, plan_table(self.plan), activation_table(self.plan)]
+        if self.pipeline is not None:
+            memory.title = f"memory of the most loaded rank (pp rank {self.memory['pp_rank']})"
+            comms.title = f"collectives per step (bytes per rank; pp rank {self.pipeline.busiest['pp_rank']}, the busiest)"
+            out += _pipeline_renderables(self.pipeline)
+        out += [memory, comms]
         out += [f"[yellow]warning: {w}[/]" for w in self.warnings]
         if self.error:
             out.append(f"[red]error: {self.error}[/]")
         return out
+
+
+def _pipeline_renderables(est) -> list:
+    from rich.table import Table
+
+    s, t = est.schedule, est.timing
+    stages = Table(title=f"pipeline: {s.pp} ranks x {s.v} stage(s) each, schedule {s.name}, {s.m} micro-batches")
+    for col in ("stage", "pp rank", "layers", "holds", "GFLOP / micro-batch"):
+        stages.add_column(col, justify="right" if col in ("stage", "pp rank", "GFLOP / micro-batch") else "left")
+    for st in est.stages:
+        holds = [k for k, on in (("embedding", st.has_embedding), ("head+loss", st.has_head)) if on]
+        holds += [f"shares {n}" for n in st.shared]
+        stages.add_row(str(st.index), str(st.rank), f"{st.layers[0]}..{st.layers[1] - 1}", ", ".join(holds),
+                       f"{st.flops / 1e9:,.1f}")
+    ranks = Table(title="per pp rank (simulated with FLOP-proportional stage costs)")
+    for col in ("pp rank", "layers", "peak in flight", "peak memory", "bytes moved"):
+        ranks.add_column(col, justify="right")
+    from .plan_table import human_bytes
+
+    for r in est.ranks:
+        ranks.add_row(str(r["pp_rank"]), str(r["layers"]), str(t.peak_in_flight[r["pp_rank"]]),
+                      human_bytes(r["memory"]["peak"]), human_bytes(sum(c["bytes"] for c in r["collectives"])))
+    lines = [f"timeline (compute actions per rank in order; F forward, B backward, I/W its input/weight halves; "
+             f"stage.micro): simulated bubble {t.bubble:.1%}"]
+    lines += est.to_dict()["timeline"]
+    return [stages, ranks, "\n".join(lines)]
 
 
 def _stride(mesh, axis: str) -> int:
@@ -140,13 +173,24 @@ def dry_run(cfg, world: int | None = None, gpu: str | None = None, *, suggest: b
     dp_size = plan.mesh.dp * plan.mesh.fsdp
     micro_steps = cfg.accumulation_steps(dp_size)
     compiled = bool(t.compile)
-    memory = per_rank_memory(plan, model, micro_batch=t.micro_batch, seq_len=t.seq_len, precision=t.precision,
-                             activation_checkpointing=t.activation_checkpointing, compiled=compiled,
-                             device="cuda")  # a plan is for GPUs: fused attention kernels
-    collectives = step_collectives(plan, model, micro_batch_rows=t.micro_batch * dp_size, seq_len=t.seq_len,
-                                   micro_steps=micro_steps, precision=t.precision, compiled=compiled)
+    if plan.mesh.pp > 1:  # ranks differ by stage: report the most loaded
+        from ..pipeline.estimate import pipeline_estimate
+
+        pipeline = pipeline_estimate(plan, model, schedule=p.pp_schedule, virtual=p.pp_virtual, layout=p.pp_layout,
+                                     micro_batch=t.micro_batch, seq_len=t.seq_len, micro_steps=micro_steps,
+                                     precision=t.precision, compiled=compiled,
+                                     activation_checkpointing=t.activation_checkpointing)
+        memory = {**pipeline.most_loaded["memory"], "pp_rank": pipeline.most_loaded["pp_rank"]}
+        collectives = pipeline.busiest["collectives"]
+    else:
+        pipeline = None
+        memory = per_rank_memory(plan, model, micro_batch=t.micro_batch, seq_len=t.seq_len, precision=t.precision,
+                                 activation_checkpointing=t.activation_checkpointing, compiled=compiled,
+                                 device="cuda")  # a plan is for GPUs: fused attention kernels
+        collectives = step_collectives(plan, model, micro_batch_rows=t.micro_batch * dp_size, seq_len=t.seq_len,
+                                       micro_steps=micro_steps, precision=t.precision, compiled=compiled)
     axis_nodes = {a: _nodes_spanned(plan.mesh, a, gpus_per_node) for a in plan.mesh.axes}
-    run = DryRun(world, gpus_per_node, plan, memory, collectives, axis_nodes, gpu)
+    run = DryRun(world, gpus_per_node, plan, memory, collectives, axis_nodes, gpu, pipeline=pipeline)
     for axis in ("tp", "cp"):
         if axis_nodes.get(axis, 1) > 1:
             run.warnings.append(f"parallel.{axis}={plan.mesh.size(axis)} spans {axis_nodes[axis]} nodes: its "

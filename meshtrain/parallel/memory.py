@@ -131,12 +131,17 @@ def _attention_saved(plan, B, S, Hq, Hkv, hd, c, kernel: str) -> int:
 
 def per_rank_memory(plan: Plan, model, *, micro_batch: int, seq_len: int, precision: str = "fp32",
                     activation_checkpointing: str = "none", compiled: bool = False,
-                    device: str = "cpu", attention: str | None = None) -> dict:
+                    device: str = "cpu", attention: str | None = None, names=None, layers: int | None = None,
+                    embedding: bool = True, head: bool = True, in_flight: int = 1) -> dict:
     """Bytes on the most loaded rank for one training step (see the module docstring for
     what is counted). micro_batch: sequences per data-parallel rank per micro-step.
     device: "cpu" | "cuda" picks the attention kernel unless `attention` ("flash" |
     "math") names it. Returns params, grads, optimizer, activations (kept for backward,
-    including saved weights), peak, and a breakdown."""
+    including saved weights), peak, and a breakdown.
+
+    A pipeline rank (plan: the stage plan without pp) holds only `names`, runs `layers`
+    layers per micro-batch, the embedding and the head/loss only where it holds them, and
+    keeps the activations of `in_flight` micro-batches at once (the schedule's peak)."""
     if precision not in _DTYPE_BYTES:
         raise ValueError(f"precision={precision!r}: choose fp32 or bf16")
     if activation_checkpointing not in ("none", "full", "selective"):
@@ -184,16 +189,22 @@ def per_rank_memory(plan: Plan, model, *, micro_batch: int, seq_len: int, precis
         once += 2 * c * _local(plan, (S, hd), ("seq", None))
     else:
         once += INT64 * _local(plan, (S,), ("seq",))
-    if any(a for a in plan.params["tok_emb"].layout.dim_axes[0] if a not in GATHERED_AXES):
+    if embedding and any(a for a in plan.params["tok_emb"].layout.dim_axes[0] if a not in GATHERED_AXES):
         once += tokens * (INT64 + BOOL)  # vocab-parallel lookup: clamped ids, in-slice mask
-    once += _norm(plan, B, S, D, c) + c * x_full
     logits = _local(plan, (B, S, V), ("batch", "seq", "vocab"))
-    loss = 2 * FP32 * logits + tokens * (INT64 + BOOL + 2 * FP32 + BOOL)
+    loss = 0
+    if head:
+        once += _norm(plan, B, S, D, c) + c * x_full
+        loss = 2 * FP32 * logits + tokens * (INT64 + BOOL + 2 * FP32 + BOOL)
+    names = set(plan.params if names is None else names)
+    layers = cfg.n_layers if layers is None else layers
 
     # Weights autograd keeps, and the transient of gathering them.
     saved_weights = gathered_weights = 0
     layer_weights: dict[str, int] = {}
     for name in plan.params:
+        if name not in names:
+            continue
         gathered, n = _is_gathered(plan, name), _compute_numel(plan, name)
         new_copy = gathered or c != FP32  # otherwise the parameter itself is used
         if new_copy:
@@ -207,17 +218,17 @@ def per_rank_memory(plan: Plan, model, *, micro_batch: int, seq_len: int, precis
             saved_weights += n * c
 
     activations_per_layer = layer
-    activations = cfg.n_layers * layer + once + loss + saved_weights + gathered_weights
-    params = plan.param_bytes_per_rank
-    grads = sum(math.prod(p.local_shape) * FP32 for p in plan.params.values())
+    activations = in_flight * (layers * layer + once + loss) + saved_weights + gathered_weights
+    params = sum(p.bytes_per_rank for n, p in plan.params.items() if n in names)
+    grads = sum(math.prod(p.local_shape) * FP32 for n, p in plan.params.items() if n in names)
     optimizer = 2 * grads
-    loss_logits = logits * (c + (FP32 if c != FP32 else 0))
+    loss_logits = logits * (c + (FP32 if c != FP32 else 0)) if head else 0
     transient = max(max(layer_weights.values(), default=0), loss_logits)
     peak = params + grads + optimizer + activations + recompute + transient
     return {
         "params": params, "grads": grads, "optimizer": optimizer, "activations": activations,
         "peak": peak,
-        "activations_per_layer": activations_per_layer, "activations_layers": cfg.n_layers * layer,
+        "activations_per_layer": activations_per_layer, "activations_layers": in_flight * layers * layer,
         "activations_once": once, "loss_saved": loss, "saved_weights": saved_weights,
         "gathered_weights": gathered_weights, "recompute": recompute, "transient": transient,
         "transient_layer_weights": max(layer_weights.values(), default=0), "logits": loss_logits,

@@ -1,0 +1,128 @@
+"""What a pipelined layout costs on each pp rank, from the plan alone (`meshtrain plan`).
+
+Ranks of different pipeline stages hold different parameters and run different layers,
+so memory and collectives are estimated per pp rank and the most loaded one is reported:
+
+- memory: `per_rank_memory` on the stage plan (the mesh without pp) with the rank's
+  parameters, the layers of its largest stage, the embedding / head only where it holds
+  them, and as many micro-batches' activations as the schedule keeps in flight on that
+  rank at its peak (the simulator's count; for interleaved schedules an in-flight
+  micro-batch is counted at the rank's largest stage).
+- collectives: `step_collectives` on the stage plan for the rank's layers, plus the
+  point-to-point traffic on pp: per micro-batch, per stage boundary the rank touches, one
+  activation forward and one gradient backward, each this rank's shard of the
+  (batch, seq, dim) residual stream in the compute dtype; a tied embedding's gradient
+  exchange between the first and last stage's ranks; the grad-norm all-reduce over the
+  whole world and the loss's over pp.
+- timing: the schedule simulated with per-stage costs proportional to the partition's
+  FLOPs (forward 1/3, backward 2/3, communication free): step time in units of the mean
+  stage's forward, bubble fraction, and peak in-flight micro-batches per rank.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ..parallel.comms import step_collectives
+from ..parallel.memory import per_rank_memory
+from ..parallel.plan import Plan, without_pp
+from .partition import Stage, partition
+from .schedule import Schedule, build
+from .simulate import Result, simulate, stage_costs_from_partition
+
+RESIDUAL = ("batch", "seq_sp", None)
+
+
+@dataclass
+class PipelineEstimate:
+    stages: list[Stage]
+    schedule: Schedule
+    timing: Result
+    ranks: list[dict]  # per pp rank: pp_rank, stages, layers, memory, collectives
+
+    @property
+    def most_loaded(self) -> dict:
+        """The pp rank with the highest peak memory."""
+        return max(self.ranks, key=lambda r: r["memory"]["peak"])
+
+    @property
+    def busiest(self) -> dict:
+        """The pp rank that moves the most bytes per step."""
+        return max(self.ranks, key=lambda r: sum(c["bytes"] for c in r["collectives"]))
+
+    def to_dict(self) -> dict:
+        s = self.schedule
+        return {
+            "schedule": s.name, "pp": s.pp, "virtual": s.v, "micro_batches": s.m,
+            "stages": [{"index": st.index, "pp_rank": st.rank, "layers": list(st.layers),
+                        "embedding": st.has_embedding, "head": st.has_head, "params": len(st.params),
+                        "shared": list(st.shared), "gflops": st.flops / 1e9} for st in self.stages],
+            "bubble": self.timing.bubble, "step_time": self.timing.step_time,
+            "peak_in_flight": list(self.timing.peak_in_flight),
+            "per_rank": [{"pp_rank": r["pp_rank"], "stages": r["stages"], "layers": r["layers"],
+                          "peak_bytes": int(r["memory"]["peak"]), "activations_bytes": int(r["memory"]["activations"]),
+                          "collective_bytes": sum(c["bytes"] for c in r["collectives"])} for r in self.ranks],
+            "timeline": timeline_lines(s),
+        }
+
+
+def timeline_lines(schedule: Schedule, max_actions: int = 48) -> list[str]:
+    """Each rank's compute actions in order (F/B/I/W stage.micro), cut after max_actions."""
+    out = []
+    for line in schedule.timeline().splitlines():
+        head, _, acts = line.partition(": ")
+        toks = acts.split()
+        more = f" ... (+{len(toks) - max_actions} more)" if len(toks) > max_actions else ""
+        out.append(f"{head}: {' '.join(toks[:max_actions])}{more}")
+    return out
+
+
+def pipeline_estimate(plan: Plan, model, *, schedule: str, virtual: int, layout: list[int] | None,
+                      micro_batch: int, seq_len: int, micro_steps: int, precision: str = "fp32",
+                      compiled: bool = False, activation_checkpointing: str = "none",
+                      device: str = "cuda") -> PipelineEstimate:
+    pp = plan.mesh.pp
+    stages = partition(model, pp, virtual, layout, seq_len=seq_len, micro_batch=micro_batch)
+    sched = build(schedule, pp, micro_steps, virtual)
+    timing = simulate(sched, stage_costs=stage_costs_from_partition(stages))
+    sub = without_pp(plan)
+    data = sub.mesh.dp * sub.mesh.fsdp
+    c = 2 if precision == "bf16" else 4
+    boundary = c * math.prod(sub.activation(RESIDUAL).local_shape((micro_batch * data, seq_len, model.cfg.dim),
+                                                                  sub.mesh))
+    tied_bytes = math.prod(sub.params["tok_emb"].local_shape) * 4 if model.cfg.tie_embeddings else 0
+    last = len(stages) - 1
+    ranks = []
+    for r in range(pp):
+        mine = [st for st in stages if st.rank == r]
+        names = [n for st in mine for n in st.params + st.shared]
+        first, has_head = any(st.has_embedding for st in mine), any(st.has_head for st in mine)
+        memory = per_rank_memory(sub, model, micro_batch=micro_batch, seq_len=seq_len, precision=precision,
+                                 activation_checkpointing=activation_checkpointing, compiled=compiled,
+                                 device=device, names=names, layers=max(st.n_layers for st in mine),
+                                 embedding=first, head=has_head, in_flight=max(1, timing.peak_in_flight[r]))
+        collectives = [e for e in step_collectives(sub, model, micro_batch_rows=micro_batch * data, seq_len=seq_len,
+                                                   micro_steps=micro_steps, precision=precision, compiled=compiled,
+                                                   layers=sum(st.n_layers for st in mine), embedding=first,
+                                                   head=has_head)
+                       if not (e["phase"] == "optimizer" and e["op"] == "all_reduce_sum")]
+        # Per micro-batch: an activation out of every stage but the last, a gradient back
+        # out of every stage but the first.
+        fwd_send = sum(st.index < last for st in mine) * micro_steps
+        fwd_recv = sum(st.index > 0 for st in mine) * micro_steps
+        p2p = [("send", "forward", fwd_send), ("recv", "forward", fwd_recv),
+               ("send", "backward", fwd_recv), ("recv", "backward", fwd_send)]
+        collectives += [{"axis": "pp", "op": op, "phase": phase, "count": n, "bytes": n * boundary}
+                        for op, phase, n in p2p if n]
+        if tied_bytes and (first or has_head) and pp > 1:
+            collectives += [{"axis": "pp", "op": op, "phase": "optimizer", "count": 1, "bytes": tied_bytes}
+                            for op in ("send", "recv")]
+        world_axis = "world" if len(plan.mesh.axes) > 1 else "pp"
+        collectives += [{"axis": world_axis, "op": "all_reduce_sum", "phase": "optimizer", "count": 1, "bytes": 4},
+                        {"axis": "pp", "op": "all_reduce_sum", "phase": "optimizer", "count": 1, "bytes": 4}]
+        order = ("forward", "backward", "optimizer")
+        collectives.sort(key=lambda e: (order.index(e["phase"]), e["axis"] == "world", e["axis"], e["op"]))
+        ranks.append({"pp_rank": r, "stages": [st.index for st in mine],
+                      "layers": sum(st.n_layers for st in mine), "memory": memory, "collectives": collectives})
+    return PipelineEstimate(stages, sched, timing, ranks)
