@@ -209,7 +209,6 @@ PP2 = ["--parallel.pp", "2", "--parallel.nproc_per_node", "2"]
      "parallel.pp_schedule=interleaved"),  # 3 micro-batches on 2 ranks
     ([*PP2, "--parallel.pp_schedule", "zb1"], "parallel.pp_schedule"),
     ([*PP2, "--train.compile", "true"], "train.compile"),
-    ([*PP2, "--model.arch", "gpt2", "--model.n_kv_heads", "null", "--model.rope_theta", "null"], "model.arch"),
 ])
 def test_bad_values_exit_2_without_a_traceback(args, key):
     proc = run_cli("fit", "--config", str(TINY), *args)

@@ -1,8 +1,9 @@
 """The pipeline executor on CPU gloo ranks against one process: the same loss and gradient
 norm per step (rtol 1e-5), the same parameters after training (atol 1e-5) and the same
-evaluation loss, fp32, for every schedule (GPipe, 1F1B, interleaved, zero-bubble H1) on pp 2 and pp 4, an uneven split (5 layers on
-2 stages), tied embeddings across stages, and pp composed with fsdp and tp (+sp) on a
-world of 4. The cases of one world size run in one launch of ranks, one after another."""
+evaluation loss, fp32, for every schedule (GPipe, 1F1B, interleaved, zero-bubble H1) on
+pp 2 and pp 4, an uneven split (5 layers on 2 stages), tied embeddings across stages,
+GPT-2 (learned positions, tied), and pp composed with dp, fsdp and tp (+sp) on a world
+of 4. The cases of one world size run in one launch of ranks, one after another."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import torch.distributed as dist
 
 from meshtrain import MeshSpec, Rules, TrainState, build, init_params, make_plan, make_train_step
 from meshtrain.errors import ConfigError
+from meshtrain.models import gpt2
 from meshtrain.models.spec import init_slice
 from meshtrain.pipeline.execute import local_stage_layout, make_pipeline_eval, make_pipeline_step
 from meshtrain.pipeline.partition import partition
@@ -27,6 +29,12 @@ from test_equivalence import CFG, SEQ, batches
 STEPS, BATCH = 4, 8
 LLAMA4 = dataclasses.replace(CFG, n_layers=4)
 TIED4 = dataclasses.replace(CFG, n_layers=4, tie_embeddings=True)
+GPT2_TIED = gpt2.GPT2Config(dim=48, n_layers=3, n_heads=6, ffn_dim=100, vocab_size=130, max_seq_len=32,
+                            tie_embeddings=True)
+
+
+def _arch(cfg) -> str:
+    return "gpt2" if isinstance(cfg, gpt2.GPT2Config) else "llama"
 
 # name: (config, schedule, mesh sizes, virtual stages per rank, micro-steps, explicit layout, sp)
 CASES = {
@@ -38,6 +46,7 @@ CASES = {
         "1f1b_pp2_uneven_5_layers": (dataclasses.replace(CFG, n_layers=5), "1f1b", {"pp": 2}, 1, 4, [3, 2], False),
         "zb_pp2_tied": (TIED4, "zb", {"pp": 2}, 1, 4, None, False),
         "interleaved_pp2_v2_tied": (TIED4, "interleaved", {"pp": 2}, 2, 2, None, False),
+        "1f1b_pp2_gpt2_tied_uneven": (GPT2_TIED, "1f1b", {"pp": 2}, 1, 4, None, False),
     },
     4: {
         "gpipe_pp4": (LLAMA4, "gpipe", {"pp": 4}, 1, 4, None, False),
@@ -47,6 +56,7 @@ CASES = {
         "1f1b_pp2_fsdp2": (LLAMA4, "1f1b", {"pp": 2, "fsdp": 2}, 1, 4, None, False),
         "zb_pp2_tp2_sp": (LLAMA4, "zb", {"pp": 2, "tp": 2}, 1, 4, None, True),
         "interleaved_pp2_dp2_tied": (TIED4, "interleaved", {"pp": 2, "dp": 2}, 2, 2, None, False),
+        "zb_pp2_tp2_sp_gpt2_tied": (GPT2_TIED, "zb", {"pp": 2, "tp": 2}, 1, 4, None, True),
     },
 }
 
@@ -60,7 +70,7 @@ def _optimizer():
 
 
 def single(cfg, micro_steps):
-    model = build("llama", cfg)
+    model = build(_arch(cfg), cfg)
     params = {n: init_slice(s, n, seed=0).requires_grad_() for n, s in model.specs.items()}
     step = make_train_step(model, optimizer=_optimizer(), schedule=_lr(), grad_clip=1.0)
     state = TrainState.create(params)
@@ -83,7 +93,7 @@ def _pipelined(names):
     out = {}
     for name in names:
         cfg, sched, sizes, v, micro_steps, layout, sp = CASES[dist.get_world_size()][name]
-        model = build("llama", cfg)
+        model = build(_arch(cfg), cfg)
         plan = make_plan(model.specs, Rules.default(sp=sp), MeshSpec(**sizes), world=dist.get_world_size())
         mesh = plan.mesh.build()
         pp = sizes["pp"]
@@ -121,7 +131,7 @@ def test_pipeline_equals_one_process(world):
         assert sorted(held) == sorted(ref_params), name  # every parameter lives on some rank
         for n, p in held.items():
             torch.testing.assert_close(p, ref_params[n], rtol=0, atol=1e-5, msg=lambda m: f"{name} {n}: {m}")
-        init = init_slice(build("llama", cfg).specs["layers.0.attn.wq"], "layers.0.attn.wq", seed=0)
+        init = init_slice(build(_arch(cfg), cfg).specs["layers.0.attn.wq"], "layers.0.attn.wq", seed=0)
         assert not torch.equal(ref_params["layers.0.attn.wq"], init)
 
 

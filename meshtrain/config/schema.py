@@ -72,7 +72,7 @@ class ParallelConfig:
     ep: int = 1
     """Expert parallelism (mixture-of-experts). Only 1: not implemented yet."""
     pp: int = 1
-    """Pipeline parallelism: the layers split into pp x pp_virtual stages over pp groups of ranks (outermost mesh axis). The micro-batches of a step (global_batch / (micro_batch x dp x fsdp)) flow through the stages; Llama only, eager (train.compile false)."""
+    """Pipeline parallelism: the layers split into pp x pp_virtual stages over pp groups of ranks (outermost mesh axis). The micro-batches of a step (global_batch / (micro_batch x dp x fsdp)) flow through the stages; eager (train.compile false)."""
     pp_schedule: str = "1f1b"
     """Pipeline schedule: gpipe | 1f1b | interleaved (needs pp_virtual >= 2 and a micro-batch count divisible by pp) | zb (zero-bubble ZB-H1: backward split into input and weight gradients)."""
     pp_virtual: int = 1
@@ -417,9 +417,6 @@ def _validate_pipeline(cfg: "RunConfig") -> None:
     schedule fits the micro-batch count (with fsdp=-1 the count is rechecked once the
     world size is known)."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
-    if m.arch != "llama":
-        raise ConfigError(f"parallel.pp={p.pp}: pipeline stages are built for model.arch llama, not {m.arch}; "
-                          "set parallel.pp 1")
     if t.compile:
         raise ConfigError(f"parallel.pp={p.pp} with train.compile true: the pipeline executor runs eager; set "
                           "train.compile false")

@@ -97,7 +97,16 @@ def param_specs(cfg: GPT2Config) -> dict[str, ParamSpec]:
 def forward(cfg: GPT2Config, params: Mapping[str, torch.Tensor], tokens: torch.Tensor,
             ctx: ModelContext) -> torch.Tensor:
     """Logits (batch, seq, vocab) for `tokens` (batch, seq)."""
-    seq_len = tokens.shape[1]
+    return forward_stage(cfg, params, tokens, ctx, (0, cfg.n_layers), first=True, last=True)
+
+
+def forward_stage(cfg: GPT2Config, params: Mapping[str, torch.Tensor], x: torch.Tensor, ctx: ModelContext,
+                  layers: tuple[int, int], first: bool, last: bool) -> torch.Tensor:
+    """One pipeline stage: layers [start, stop), after the token and position embeddings
+    when `first` (x is then the tokens, else the residual stream (batch, seq, dim)),
+    ending with the final norm and the head when `last` (logits, else the residual
+    stream). `params` needs only the stage's own."""
+    seq_len = x.shape[1]
     if seq_len > cfg.max_seq_len:
         from ..errors import ConfigError
 
@@ -105,14 +114,17 @@ def forward(cfg: GPT2Config, params: Mapping[str, torch.Tensor], tokens: torch.T
                           "(GPT-2 learns one embedding per position): use shorter sequences or a "
                           "larger max_seq_len")
     p = ctx.bind(params)
-    tokens = ctx.constrain(tokens, ("batch", "seq"))
-    x = ctx.constrain(ctx.embedding(tokens, p["tok_emb"]), ("batch", "seq_sp", None))
-    positions = ctx.constrain(torch.arange(seq_len, device=tokens.device), ("seq",))
-    pos = ctx.constrain(ctx.embedding(positions, p["pos_emb"]), ("seq_sp", None))
-    x = x + pos
-    for i in range(cfg.n_layers):
+    if first:
+        tokens = ctx.constrain(x, ("batch", "seq"))
+        x = ctx.constrain(ctx.embedding(tokens, p["tok_emb"]), ("batch", "seq_sp", None))
+        positions = ctx.constrain(torch.arange(seq_len, device=tokens.device), ("seq",))
+        pos = ctx.constrain(ctx.embedding(positions, p["pos_emb"]), ("seq_sp", None))
+        x = x + pos
+    for i in range(*layers):
         x = x + _attention(cfg, p, f"layers.{i}.", x, ctx)
         x = x + _mlp(cfg, p, f"layers.{i}.", x, ctx)
+    if not last:
+        return x
     x = ctx.constrain(layer_norm(x, p["norm"], p["norm_bias"], cfg.norm_eps), ("batch", "seq", None))
     logits = F.linear(x, p["tok_emb" if cfg.tie_embeddings else "output"])
     return ctx.constrain(logits, ("batch", "seq", "vocab"))

@@ -77,8 +77,6 @@ class _Pipe:
     def __init__(self, model: ModelDef, stages: list[Stage], pp: int, plan, device_mesh, precision: str):
         if precision not in PRECISIONS:
             raise ConfigError(f"train.precision={precision!r}: choose one of {', '.join(PRECISIONS)}")
-        if model.family.__name__.rsplit(".", 1)[-1] != "llama":
-            raise ConfigError("parallel.pp > 1 runs Llama models: set model.arch llama, or parallel.pp 1")
         self.model, self.stages, self.pp = model, stages, pp
         if plan is None or device_mesh is None or plan.mesh.pp != pp or pp < 2:
             raise ConfigError(f"a pipeline step needs the plan and device mesh of a layout with parallel.pp={pp} "
