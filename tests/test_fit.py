@@ -114,15 +114,17 @@ def _free_port() -> int:
 @pytest.mark.slow
 def test_pipeline_fit_through_the_cli_matches_one_process(tmp_path):
     """pp 2 x fsdp 2 on 4 self-launched ranks (1F1B, 4 micro-batches of 2 split over 2
-    fsdp ranks): the loss curve and the validation loss of one process, and an export
-    (through the final checkpoint, since no rank holds every stage) with its weights."""
+    fsdp ranks): the loss curve and the validation loss of one process, an export
+    (through the final checkpoint, since no rank holds every stage) with its weights, and
+    its step-2 checkpoint resumed by one process continuing the same curve."""
     from safetensors.torch import load_file
 
     run_dir = tmp_path / "pp2"
     proc = run_cli("fit", "--config", str(TINY), *SMALL, *STEPS4, "--parallel.nproc_per_node", "4",
                    "--parallel.pp", "2", "--parallel.fsdp", "2", "--train.global_batch", "16",
                    "--train.micro_batch", "2", "--train.eval_every", "2", "--checkpoint.export", "true",
-                   "--run_dir", str(run_dir), env={"MESHTRAIN_DIST_TIMEOUT": "120"}, timeout=400)
+                   "--checkpoint.every", "2", "--run_dir", str(run_dir), env={"MESHTRAIN_DIST_TIMEOUT": "120"},
+                   timeout=400)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert json.loads((run_dir / "plan.json").read_text())["mesh"] == {"pp": 2, "fsdp": 2}
     reference = tmp_path / "one"
@@ -138,6 +140,12 @@ def test_pipeline_fit_through_the_cli_matches_one_process(tmp_path):
     assert sorted(ours) == sorted(theirs)
     for name in ours:
         torch.testing.assert_close(ours[name], theirs[name], rtol=0, atol=1e-5, msg=name)
+    resumed = tmp_path / "resumed"
+    shutil.copytree(run_dir / "checkpoints" / "step_00000002", resumed / "checkpoints" / "step_00000002")
+    proc = run_cli("fit", "--config", str(TINY), *SMALL, *STEPS4, "--train.global_batch", "16",
+                   "--train.micro_batch", "2", "--run_dir", str(resumed))
+    assert proc.returncode == 0 and "resumed from" in proc.stdout, proc.stdout + proc.stderr
+    torch.testing.assert_close(losses(resumed), losses(run_dir)[2:], rtol=1e-5, atol=0)
 
 
 @pytest.mark.slow
