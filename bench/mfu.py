@@ -11,9 +11,15 @@ batches, in one process on one device:
                 (--no-compile: eager)
   hf-eager      transformers.LlamaForCausalLM of the same config (meshtrain.interop.hf's
                 config and name mapping), fp32 parameters, forward under
-                torch.autocast(bf16), attn_implementation="sdpa", mean cross-entropy on
-                fp32 logits, torch.nn.utils.clip_grad_norm_(1.0, foreach=True),
-                torch.optim.AdamW(fused=True on CUDA, foreach on CPU; decay on >= 2-D only)
+                torch.autocast(bf16), mean cross-entropy on fp32 logits,
+                torch.nn.utils.clip_grad_norm_(1.0, foreach=True),
+                torch.optim.AdamW(fused=True on CUDA, foreach on CPU; decay on >= 2-D only).
+                Attention (--hf-attn): "sdpa-causal" (default), a function registered through
+                transformers' AttentionInterface that calls F.scaled_dot_product_attention
+                (is_causal=True, enable_gqa, no mask tensor), as ours does; or "sdpa", the
+                stock one, which under torch.compile (transformers 5.17, torch 2.11) ran
+                the same cuDNN attention kernels ~2.8x slower on an H100 (consistent with a
+                materialised causal mask; docs/performance.md)
   hf-compiled   the same, the loss function (forward + cross-entropy) in torch.compile
                 (optimizer and clipping stay as they are: fused AdamW is one kernel already)
 
@@ -34,7 +40,7 @@ square, as Megatron/TorchTitan count it); peak: meshtrain.train.metrics.device_p
 
     python bench/mfu.py                       # llama3-1b shape (configs/llama3-1b.yaml), 2 x 4096, bf16, CUDA
     python bench/mfu.py --no-compile --batch 1 --json out.json
-    python bench/mfu.py --tiny --json out.json   # seconds on a CPU (fp32, ours eager): for CI
+    python bench/mfu.py --tiny --json out.json   # seconds on a CPU (fp32 there, ours eager): for CI
 """
 
 from __future__ import annotations
@@ -56,8 +62,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from meshtrain import AdamW, TrainState, build, make_train_step  # noqa: E402
 from meshtrain.interop.hf import hf_layout, to_hf_config  # noqa: E402
-from meshtrain.models import layers, llama  # noqa: E402
-from meshtrain.models.context import LocalContext  # noqa: E402
+from meshtrain.models import llama  # noqa: E402
 from meshtrain.models.spec import init_slice  # noqa: E402
 from meshtrain.train.metrics import device_peak_tflops, flops_per_token  # noqa: E402
 
@@ -77,7 +82,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     p.add_argument("--tiny", action="store_true",
-                   help="small config for CI: CPU unless --device, fp32, ours eager unless --compile")
+                   help="small config for CI (seconds on a CPU; ours eager unless --compile)")
     m = p.add_argument_group("model and batch (defaults: configs/llama3-1b.yaml; --tiny: a small one)")
     for flag, typ in (("dim", int), ("layers", int), ("heads", int), ("kv-heads", int), ("ffn", int),
                       ("vocab", int), ("rope-theta", float)):
@@ -87,7 +92,7 @@ def parse_args(argv=None):
     m.add_argument("--seq", type=int, default=None)
     m.add_argument("--micro", type=int, default=None, help="micro-steps per step (gradient accumulation)")
     r = p.add_argument_group("run")
-    r.add_argument("--device", default="auto", help="auto: cuda if available, else cpu (--tiny: cpu)")
+    r.add_argument("--device", default="auto", help="auto: cuda if available, else cpu")
     r.add_argument("--precision", choices=("bf16", "fp32"), default=None,
                    help="default bf16 on CUDA, fp32 on CPU")
     c = r.add_mutually_exclusive_group()
@@ -95,6 +100,9 @@ def parse_args(argv=None):
     c.add_argument("--no-compile", dest="compile", action="store_false", help="ours eager")
     r.add_argument("--ref", choices=("eager", "compiled", "both", "none"), default=None,
                    help="which Hugging Face references run (default: both on CUDA, eager on CPU)")
+    r.add_argument("--hf-attn", choices=("sdpa", "sdpa-causal"), default="sdpa-causal",
+                   help="transformers' attention: sdpa-causal (registered here: no mask tensor, is_causal=True, "
+                        "as ours) or the stock sdpa")
     r.add_argument("--warmup", type=int, default=None, help="untimed steps (compile + checks)")
     r.add_argument("--steps", type=int, default=None, help="timed steps per round")
     r.add_argument("--rounds", type=int, default=None, help="measurement rounds (median reported)")
@@ -107,7 +115,7 @@ def parse_args(argv=None):
         if getattr(args, k) is None:
             setattr(args, k, v)
     if args.device == "auto":
-        args.device = "cpu" if args.tiny or not torch.cuda.is_available() else "cuda"
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
     dev = torch.device(args.device)
     if args.precision is None:
         args.precision = "bf16" if dev.type == "cuda" else "fp32"
@@ -141,42 +149,6 @@ def make_batches(cfg, args, device, n: int = 4, seed: int = 1234) -> list[dict]:
     return out
 
 
-def rope_workaround(device: torch.device, dtype) -> str | None:
-    """meshtrain's llama.forward takes its RoPE cos/sin from layers.rope_cos_sin, which
-    builds them on the CPU (torch.arange with no device) and never moves them: on a
-    non-CPU device the single-device forward fails with a device mismatch. Probe a
-    1-layer forward; if it fails so, patch llama.rope_cos_sin (this process only) to
-    return the same tables on `device`. Returns the error it worked around, or None."""
-    if device.type == "cpu":
-        return None
-    cfg = llama.LlamaConfig(dim=32, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=64, vocab_size=64, max_seq_len=8)
-    model = build("llama", cfg)
-    params = {n: init_slice(s, n, seed=0, device=device) for n, s in model.specs.items()}
-    tokens = torch.zeros(1, 8, dtype=torch.long, device=device)
-    try:
-        model.forward(params, tokens, LocalContext(dtype))
-        return None
-    except RuntimeError as e:
-        if "device" not in str(e):
-            raise
-        error = f"{type(e).__name__}: {e}"
-    cache: dict = {}
-    original = layers.rope_cos_sin
-
-    @torch._dynamo.assume_constant_result
-    def rope_cos_sin(seq_len, head_dim, theta, scaling=None):
-        key = (seq_len, head_dim, theta, repr(scaling))
-        if key not in cache:
-            cache[key] = tuple(t.to(device) for t in layers.rope_table(
-                seq_len, layers.rope_frequencies(head_dim, theta, scaling)))
-        return cache[key]
-
-    llama.rope_cos_sin = rope_cos_sin
-    model.forward(params, tokens, LocalContext(dtype))  # now it must work
-    assert original is layers.rope_cos_sin
-    return error
-
-
 class Impl:
     """One implementation: step(batch) -> {"loss", "grad_norm"}; params() in meshtrain names."""
 
@@ -193,11 +165,30 @@ def build_ours(args, model, init, device) -> Impl:
     return Impl(name, lambda b: step(state, b), lambda: state.params, lambda: None)
 
 
+def _register_causal_sdpa() -> str:
+    """An attention implementation for transformers' AttentionInterface: no mask built,
+    F.scaled_dot_product_attention(is_causal=True, enable_gqa=True), as meshtrain's. Stock
+    "sdpa" does the same when eager, but under torch.compile transformers may build the
+    causal mask as a tensor and pass it to SDPA (no causal block skipping). Every sequence
+    here is full length with no padding, so the two compute the same attention."""
+    import transformers
+    from transformers.masking_utils import AttentionMaskInterface
+
+    def causal_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+        out = F.scaled_dot_product_attention(query, key, value, dropout_p=dropout, scale=scaling, is_causal=True,
+                                             enable_gqa=key.shape[1] != query.shape[1])
+        return out.transpose(1, 2).contiguous(), None
+
+    transformers.AttentionInterface.register("sdpa_causal", causal_sdpa)
+    AttentionMaskInterface.register("sdpa_causal", lambda *args, **kwargs: None)
+    return "sdpa_causal"
+
+
 def build_hf(args, cfg, init, device, compiled: bool) -> Impl:
     import transformers
 
     hf_cfg = transformers.LlamaConfig.from_dict(to_hf_config("llama", cfg, dtype="fp32"))
-    hf_cfg._attn_implementation = "sdpa"
+    hf_cfg._attn_implementation = _register_causal_sdpa() if args.hf_attn == "sdpa-causal" else "sdpa"
     hf_cfg.use_cache = False
     with torch.device(device):
         module = transformers.LlamaForCausalLM(hf_cfg)
@@ -377,6 +368,7 @@ def main(argv=None) -> int:
     peak = args.peak_tflops or device_peak_tflops(device, args.precision)
     dev_name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
     env = {"torch": torch.__version__, "python": platform.python_version(), "device": dev_name,
+           "hf_attn": args.hf_attn,
            "cuda": torch.version.cuda if device.type == "cuda" else None}
     try:
         import transformers
@@ -390,14 +382,10 @@ def main(argv=None) -> int:
     print(f"model: dim {cfg.dim}, {cfg.n_layers} layers, {cfg.n_heads} heads / {cfg.n_kv_heads} kv, ffn {cfg.ffn_dim}, "
           f"vocab {cfg.vocab_size}, {'tied' if cfg.tie_embeddings else 'untied'}, rope theta {cfg.rope_theta:g}; "
           f"{n_params / 1e6:.1f}M params; {args.micro} x {args.batch} x {args.seq} = {tokens_per_step} tokens/step; "
-          f"{args.precision}; {fpt / 1e9:.3f} GFLOP/token")
+          f"{args.precision}; {fpt / 1e9:.3f} GFLOP/token; transformers attention: {args.hf_attn}")
     print(f"device: {dev_name}, torch {env['torch']}, transformers {env['transformers']}; peak "
           f"{peak if peak else 'unknown'} TFLOP/s ({args.precision}, dense)", flush=True)
 
-    workaround = rope_workaround(device, torch.bfloat16 if args.precision == "bf16" else None)
-    if workaround:
-        print(f"NOTE: meshtrain's llama.forward fails on {device.type} ({workaround.splitlines()[0]}); "
-              "patched llama.rope_cos_sin in this process to build the RoPE table on the device", flush=True)
     batches = make_batches(cfg, args, device)
     rtol = LOSS_RTOL[args.precision]
     plan = []
@@ -501,7 +489,7 @@ def main(argv=None) -> int:
             "tokens_per_s": ours["tokens_per_s"], "mfu": ours["mfu"], "reference_tokens_per_s": ref_tps,
             "ratio": ratio, "reference": best_ref, "ours": ours_name, "tflops": ours["tflops"],
             "peak_tflops": peak, "flops_per_token": fpt, "compile_s": ours["compile_s"],
-            "peak_memory_gib": ours["peak_memory_gib"], "env": env, "rope_workaround": workaround,
+            "peak_memory_gib": ours["peak_memory_gib"], "env": env,
             "init_s": init_s, "skipped": skipped,
             "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "json"}
             | {"params": n_params, "tokens_per_step": tokens_per_step},

@@ -416,7 +416,7 @@ def _validate_pipeline(cfg: "RunConfig") -> None:
     """Pipeline rules that need the model and the batch: stages fit the layers, the
     schedule fits the micro-batch count (with fsdp=-1 the count is rechecked once the
     world size is known)."""
-    m, p, t = cfg.model, cfg.parallel, cfg.train
+    p, t = cfg.parallel, cfg.train
     if t.compile:
         raise ConfigError(f"parallel.pp={p.pp} with train.compile true: the pipeline executor runs eager; set "
                           "train.compile false")

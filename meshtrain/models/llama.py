@@ -109,7 +109,9 @@ def forward_stage(cfg: LlamaConfig, params: Mapping[str, torch.Tensor], x: torch
     if first:
         tokens = ctx.constrain(x, ("batch", "seq"))
         x = ctx.constrain(ctx.embedding(tokens, p["tok_emb"]), ("batch", "seq_sp", None))
-    cos, sin = rope_cos_sin(seq_len, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+    # On the activations' device: a plain tensor on the CPU would meet CUDA q/k under the
+    # LocalContext (the ShardedContext moves constants to the mesh's device itself).
+    cos, sin = rope_cos_sin(seq_len, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, x.device)
     cos, sin = (ctx.constrain(t.to(x.dtype), ("seq", None)) for t in (cos, sin))
     for i in range(*layers):
         x = x + _attention(cfg, p, f"layers.{i}.", x, cos, sin, ctx)

@@ -27,6 +27,7 @@ same update, and the norm counts it once.
 from __future__ import annotations
 
 import contextlib
+import time
 from typing import Callable
 
 import torch
@@ -123,8 +124,11 @@ def forward_only(pp: int, v: int, m: int) -> Schedule:
                                            for r in range(pp)])
 
 
-def _run(pipe: _Pipe, actions, params: dict, tokens, targets, n_tokens: int, *, train: bool) -> torch.Tensor:
-    """Walk this rank's actions; returns the loss (this rank's share: zero off the last stage)."""
+def _run(pipe: _Pipe, actions, params: dict, tokens, targets, n_tokens: int, *, train: bool,
+         timings: list | None = None) -> torch.Tensor:
+    """Walk this rank's actions; returns the loss (this rank's share: zero off the last stage).
+    `timings`: append (kind, stage, seconds) for every compute action (host time: exact on
+    CPU, launch time only on an asynchronous device)."""
     stages, last = pipe.stages, len(pipe.stages) - 1
     rows, seq = tokens[0].shape
     local_shape, spec = pipe.boundary(rows, seq)
@@ -136,6 +140,7 @@ def _run(pipe: _Pipe, actions, params: dict, tokens, targets, n_tokens: int, *, 
 
     for a in actions:
         s, j, key = a.stage, a.micro, (a.stage, a.micro)
+        start = time.perf_counter() if timings is not None else 0.0
         if a.kind in (RECV_F, RECV_B):
             buf = torch.empty(local_shape, dtype=pipe.dtype, device=tokens[0].device)
             dist.recv(buf, src=pipe.peer(a.peer))
@@ -176,6 +181,8 @@ def _run(pipe: _Pipe, actions, params: dict, tokens, targets, n_tokens: int, *, 
                 stage_backward_weight(iter(weights(stages[s])), split.pop(key))
         if a.kind == SEND_F and not train:
             outputs.pop(key)
+        if timings is not None and a.kind in (F, B, BI, BW):
+            timings.append((a.kind, s, time.perf_counter() - start))
     for work, _ in pending:
         work.wait()
     return loss
@@ -183,9 +190,12 @@ def _run(pipe: _Pipe, actions, params: dict, tokens, targets, n_tokens: int, *, 
 
 def make_pipeline_step(model: ModelDef, stages: list[Stage], schedule: Schedule, plan, device_mesh, *,
                        optimizer: AdamW = AdamW(), lr_schedule: LRSchedule | None = None,
-                       precision: str = "fp32", grad_clip: float | None = 1.0) -> Callable[[TrainState, dict], dict]:
+                       precision: str = "fp32", grad_clip: float | None = 1.0,
+                       record_timings: bool = False) -> Callable[[TrainState, dict], dict]:
     """`step(state, batch) -> metrics` for this rank; `plan` and `device_mesh` are the whole
-    layout's, pp included. state.params holds `stage_param_names(stages, pp_rank)` (DTensors on the
+    layout's, pp included. record_timings: metrics["timings"] lists (kind, stage, seconds)
+    of this rank's compute actions, then ("update", -1, seconds) for the gradient
+    exchange, norm and optimizer step (for the bench; host time). state.params holds `stage_param_names(stages, pp_rank)` (DTensors on the
     non-pp sub-mesh when there is one); batch as for make_train_step (full
     (micro_steps, batch, seq) tensors on every rank)."""
     pipe = _Pipe(model, stages, schedule.pp, plan, device_mesh, precision)
@@ -205,7 +215,9 @@ def make_pipeline_step(model: ModelDef, stages: list[Stage], schedule: Schedule,
             raise ConfigError(f"batch: {tokens[0].shape[0]} sequences per micro-step cannot be split evenly over "
                               f"{data_ranks} data-parallel ranks (dp x fsdp); use a multiple of {data_ranks}")
         n_tokens = batch.get("num_targets") or int(sum((t >= 0).sum() for t in targets))
-        loss = _run(pipe, actions, state.params, tokens, targets, n_tokens, train=True)
+        timings = [] if record_timings else None
+        loss = _run(pipe, actions, state.params, tokens, targets, n_tokens, train=True, timings=timings)
+        update_start = time.perf_counter()
         names = list(state.params)
         for n in tied_here:  # both copies get the sum of both contributions, in one order
             g = local(state.params[n].grad)
@@ -233,7 +245,10 @@ def make_pipeline_step(model: ModelDef, stages: list[Stage], schedule: Schedule,
             dist.all_reduce(loss, group=pipe.group)  # only the last stage's rank holds a non-zero loss
         for n in names:
             state.params[n].grad = None
-        return {"loss": float(loss), "grad_norm": float(norm), "lr": lr}
+        metrics = {"loss": float(loss), "grad_norm": float(norm), "lr": lr}
+        if record_timings:
+            metrics["timings"] = timings + [("update", -1, time.perf_counter() - update_start)]
+        return metrics
 
     return step
 
