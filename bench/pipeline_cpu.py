@@ -12,8 +12,8 @@ For each schedule the ranks record the host time of every compute action (F, B, 
 while they run. The simulator (meshtrain/pipeline/simulate.py) then runs the schedule's
 IR with those per-stage costs (communication free) and predicts the step time and the
 bubble, to which the measured time of the step's end (tied-gradient exchange, norm,
-optimizer) is added; the measured bubble is 1 - the busiest rank's compute time / the
-step time without that end.
+optimizer) is added. Both bubbles are the idle share of 2 ranks x the step time without
+that end: measured, 1 - (both ranks' compute time) / (2 x that time).
 Every schedule must reproduce one process's losses (rtol 1e-5) before its time counts.
 Reported: median step time over --steps timed steps (after --warmup), the ratio to the
 prediction, both bubbles, the closed form, and the speed-up over one process.
@@ -157,7 +157,9 @@ def main() -> int:
         for _, losses, _ in results:  # the pipeline must train the same model before its time counts
             torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
         measured = statistics.median(max(r[0][i] for r in results) for i in range(steps))
-        busy = statistics.median(max(sum(t for k, _, t in r[2][i] if k != "update") for r in results)
+        # Compute time of the two ranks together, per timed step (the simulator's bubble is
+        # the idle share of pp x step time, summed over ranks).
+        busy = statistics.median(sum(sum(t for k, _, t in r[2][i] if k != "update") for r in results)
                                  for i in range(steps))
         update = statistics.median(t for r in results for acts in r[2] for k, _, t in acts if k == "update")
         costs = _stage_costs(results, len(stages))
@@ -167,7 +169,7 @@ def main() -> int:
         closed = (2 - 1) / (m + 2 - 1) / v if name != "zb" else None
         row = {"schedule": name, "virtual": v, "step_s": measured, "predicted_s": predicted.step_time,
                "update_s": update, "ratio_to_prediction": measured / predicted.step_time,
-               "bubble": 1 - busy / (measured - update),
+               "bubble": 1 - busy / (2 * (measured - update)),
                "predicted_bubble": predicted.bubble, "closed_form_bubble": closed, "speedup": ref / measured,
                "stage_costs_s": costs}
         rows.append(row)

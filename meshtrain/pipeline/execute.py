@@ -13,7 +13,8 @@ block, and between two ranks sends and recvs match in posting order.
 Backward: B runs the stage's full backward. The zero-bubble split runs BI as the input
 gradient only, keeping the gradients that flow into the weight-consuming nodes, and BW as
 the weight gradients from those (torch.distributed.pipelining's graph split); on the first
-stage, whose input needs no gradient, BI runs the whole backward and BW has nothing left.
+stage, whose input (token ids) needs no gradient, the whole backward is weight work: BI
+does nothing and BW runs it, where the schedule put it to fill a bubble.
 
 Loss and gradients are those of the non-pipelined step: every micro-batch's loss sum is
 divided by the number of target tokens of the whole global batch, so gradients accumulate
@@ -170,14 +171,17 @@ def _run(pipe: _Pipe, actions, params: dict, tokens, targets, n_tokens: int, *, 
         elif a.kind == BI:
             out = outputs.pop(key)
             grad = None if s == last else [out_grads.pop(key)]
-            if s == 0:  # no input gradient to hurry: the whole backward now, BW has nothing left
-                out.backward(grad[0] if grad else None)
+            if s == 0:  # no input gradient: the whole backward is weight work, deferred to BW
+                split[key] = (out, grad)
             else:
                 x = inputs.pop(key)
                 _, split[key] = stage_backward_input([out], grad, [x], iter(weights(stages[s])))
                 in_grads[key] = x.grad
         elif a.kind == BW:
-            if s > 0:
+            if s == 0:
+                out, grad = split.pop(key)
+                out.backward(grad[0] if grad else None)
+            else:
                 stage_backward_weight(iter(weights(stages[s])), split.pop(key))
         if a.kind == SEND_F and not train:
             outputs.pop(key)
