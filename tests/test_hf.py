@@ -163,6 +163,19 @@ def test_gpt2_export_loads_in_transformers(tmp_path, tied):
     assert diff < ATOL, f"tied={tied}: max |logit difference| {diff}"
 
 
+@pytest.mark.parametrize("arch, cfg", [("llama", LLAMA), ("gpt2", GPT2)])
+def test_import_of_one_pipeline_stages_parameters(tmp_path, arch, cfg):
+    """`names`: a pipeline rank reads only its stages' tensors (GPT-2's fused c_attn split
+    included), with the values of a full import."""
+    params = _params(arch, cfg)
+    save_hf(params, arch, cfg, tmp_path, dtype="fp32")
+    names = ["layers.1.attn.wk", "layers.1.mlp.w_down", "norm", "tok_emb"]
+    got = load_hf_params(tmp_path, arch, cfg, names=names)
+    assert sorted(got) == sorted(names)
+    for n in names:
+        assert torch.equal(got[n], params[n]), n
+
+
 def test_gpt2_import_from_transformers_incl_base_model_names(tmp_path):
     transformers = _transformers()
     torch.manual_seed(0)

@@ -3,7 +3,8 @@ norm per step (rtol 1e-5), the same parameters after training (atol 1e-5) and th
 evaluation loss, fp32, for every schedule (GPipe, 1F1B, interleaved, zero-bubble H1) on
 pp 2 and pp 4, an uneven split (5 layers on 2 stages), tied embeddings across stages,
 GPT-2 (learned positions, tied), and pp composed with dp, fsdp and tp (+sp) on a world
-of 4. The cases of one world size run in one launch of ranks, one after another."""
+of 4; one bf16 case against one bf16 process. The cases of one world size run in one
+launch of ranks, one after another."""
 
 from __future__ import annotations
 
@@ -47,6 +48,7 @@ CASES = {
         "zb_pp2_tied": (TIED4, "zb", {"pp": 2}, 1, 4, None, False),
         "interleaved_pp2_v2_tied": (TIED4, "interleaved", {"pp": 2}, 2, 2, None, False),
         "1f1b_pp2_gpt2_tied_uneven": (GPT2_TIED, "1f1b", {"pp": 2}, 1, 4, None, False),
+        "zb_pp2_bf16": (CFG, "zb", {"pp": 2}, 1, 4, None, False),
     },
     4: {
         "gpipe_pp4": (LLAMA4, "gpipe", {"pp": 4}, 1, 4, None, False),
@@ -61,6 +63,13 @@ CASES = {
 }
 
 
+BF16 = {"zb_pp2_bf16"}  # bf16 compute (fp32 master weights), against one process in bf16
+
+
+def _precision(name: str) -> str:
+    return "bf16" if name in BF16 else "fp32"
+
+
 def _lr():
     return LRSchedule(lr=3e-4, min_lr=3e-5, warmup_steps=2, total_steps=STEPS)
 
@@ -69,12 +78,12 @@ def _optimizer():
     return AdamW(lr=3e-4, weight_decay=0.1)
 
 
-def single(cfg, micro_steps):
+def single(cfg, micro_steps, precision="fp32"):
     model = build(_arch(cfg), cfg)
     params = {n: init_slice(s, n, seed=0).requires_grad_() for n, s in model.specs.items()}
-    step = make_train_step(model, optimizer=_optimizer(), schedule=_lr(), grad_clip=1.0)
+    step = make_train_step(model, optimizer=_optimizer(), schedule=_lr(), grad_clip=1.0, precision=precision)
     state = TrainState.create(params)
-    evaluate = make_eval_step(model)
+    evaluate = make_eval_step(model, precision=precision)
     val = evaluate(params, next(batches(micro_steps, 1)))
     losses = [_loss_and_norm(step(state, b)) for b in batches(micro_steps, STEPS)]
     return losses, {n: p.detach() for n, p in params.items()}, val
@@ -103,9 +112,10 @@ def _pipelined(names):
             params = init_params(sub_plan, sub_mesh, seed=0, names=mine)
         else:
             params = {n: init_slice(model.specs[n], n, seed=0).requires_grad_() for n in mine}
-        evaluate = make_pipeline_eval(model, stages, pp, micro_steps, plan, mesh)
+        evaluate = make_pipeline_eval(model, stages, pp, micro_steps, plan, mesh, precision=_precision(name))
         val = evaluate(params, next(batches(micro_steps, 1)))
         step = make_pipeline_step(model, stages, build_schedule(sched, pp, micro_steps, v), plan, mesh,
+                                  precision=_precision(name),
                                   optimizer=_optimizer(), lr_schedule=_lr(), grad_clip=1.0)
         state = TrainState.create(params)
         losses = [_loss_and_norm(step(state, b)) for b in batches(micro_steps, STEPS)]
@@ -118,7 +128,7 @@ def _pipelined(names):
 def test_pipeline_equals_one_process(world):
     results = run_ranks(_pipelined, world, list(CASES[world]))
     for name, (cfg, *_, micro_steps, _layout, _sp) in CASES[world].items():
-        ref_losses, ref_params, ref_val = single(cfg, micro_steps)
+        ref_losses, ref_params, ref_val = single(cfg, micro_steps, _precision(name))
         held = {}
         for rank_out in results:
             losses, params, val = rank_out[name]
@@ -128,6 +138,10 @@ def test_pipeline_equals_one_process(world):
             for n, p in params.items():
                 held.setdefault(n, p)
                 torch.testing.assert_close(p, held[n], rtol=0, atol=0, msg=lambda m: f"{name} copies of {n}: {m}")
+        if name in BF16:  # bf16 really ran: far closer to one bf16 process than to one fp32 process
+            fp32_losses = torch.tensor(single(cfg, micro_steps)[0])
+            ours = torch.tensor(results[0][name][0])
+            assert (ours - torch.tensor(ref_losses)).abs().max() * 10 < (fp32_losses - torch.tensor(ref_losses)).abs().max()
         assert sorted(held) == sorted(ref_params), name  # every parameter lives on some rank
         for n, p in held.items():
             torch.testing.assert_close(p, ref_params[n], rtol=0, atol=1e-5, msg=lambda m: f"{name} {n}: {m}")

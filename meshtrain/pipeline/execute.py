@@ -47,7 +47,7 @@ from ..train.optim import AdamW, adamw_update, grad_norm_squared_local, local, r
 from ..train.schedule import LRSchedule
 from ..train.step import PRECISIONS, TrainState
 from .partition import Stage
-from .schedule import B, BI, BW, F, RECV_B, RECV_F, SEND_B, SEND_F, Schedule, with_comm
+from .schedule import B, BI, BW, F, RECV_B, RECV_F, SEND_B, SEND_F, Schedule, forward_only
 
 RESIDUAL = ("batch", "seq_sp", None)  # the layout activations cross stage boundaries in
 _TIED_TAG = 7  # the tied-embedding gradient exchange, apart from the schedule's traffic
@@ -117,12 +117,6 @@ class _Pipe:
         shape, placements = spec
         return DTensor.from_local(buf, self.mesh, placements, run_check=False, shape=torch.Size(shape),
                                   stride=make_contiguous_strides_for(shape))
-
-
-def forward_only(pp: int, v: int, m: int) -> Schedule:
-    """Forwards only (evaluation): every rank runs its stages on micro-batch 0, 1, ..."""
-    return with_comm(pp, v, m, "forward", [[(F, s, i) for i in range(m) for s in range(r, pp * v, pp)]
-                                           for r in range(pp)])
 
 
 def _run(pipe: _Pipe, actions, params: dict, tokens, targets, n_tokens: int, *, train: bool,

@@ -222,6 +222,13 @@ def interleaved_1f1b(pp: int, v: int, m: int) -> Schedule:
     return with_comm(pp, v, m, "interleaved", compute)
 
 
+def forward_only(pp: int, v: int, m: int) -> Schedule:
+    """Forwards only, for evaluation (not a training schedule: `check` wants backwards):
+    every rank runs its stages in order on micro-batch 0, 1, ..."""
+    return with_comm(pp, v, m, "forward", [[(F, s, i) for i in range(m) for s in range(r, pp * v, pp)]
+                                           for r in range(pp)])
+
+
 def build(name: str, pp: int, m: int, v: int = 1) -> Schedule:
     """The schedule `parallel.pp_schedule` names."""
     if name == "gpipe":
