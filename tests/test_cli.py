@@ -129,7 +129,7 @@ def test_help_shows_the_field_docstrings(capsys):
     (["--train.activation_checkpointing", "full"], "train.activation_checkpointing", "not implemented yet"),
     (["--parallel.cp", "2"], "parallel.cp", "not implemented yet"),
     (["--parallel.ep", "2"], "parallel.ep", "not implemented yet"),
-    (["--parallel.pp", "2"], "parallel.pp", "not implemented yet"),
+    (["--parallel.pp", "2"], "parallel.fsdp=-1", "parallel.nproc_per_node"),  # 2 stages need 2 processes
     (["--model.init_from", ""], "model.init_from", "Hugging Face"),
     (["--checkpoint.resume", "runs/x/step_10"], "checkpoint.resume", "meta.json"),
     (["--data.paths", "data/owt_text_document"], "data/owt_text_document", ".idx"),
