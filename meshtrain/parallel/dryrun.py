@@ -228,6 +228,7 @@ def _over_capacity(cfg, world: int, gpu: str, peak: float) -> str:
     else:
         hint = (f"none with tp x2..x8 or a smaller micro_batch; the activations alone take "
                 f"{human_bytes(dry_run(cfg, world, gpu, suggest=False).memory['activations'])} per rank, which "
-                "needs activation checkpointing, context or pipeline parallelism (not in meshtrain yet)")
+                "needs activation checkpointing or context parallelism (not in meshtrain yet); pipeline "
+                "parallelism does not help here, since 1F1B keeps pp micro-batches of L/pp layers on rank 0")
     return (f"peak memory {human_bytes(peak)} per rank exceeds the {gpu} ({human_bytes(GPU_MEMORY[gpu])}): "
             f"layouts that fit at world {world}: {hint}")
