@@ -79,7 +79,7 @@ class _Pipe:
     def __init__(self, model: ModelDef, stages: list[Stage], pp: int, plan, device_mesh, precision: str):
         if precision not in PRECISIONS:
             raise ConfigError(f"train.precision={precision!r}: choose one of {', '.join(PRECISIONS)}")
-        self.model, self.stages, self.pp = model, stages, pp
+        self.model, self.stages = model, stages
         if plan is None or device_mesh is None or plan.mesh.pp != pp or pp < 2:
             raise ConfigError(f"a pipeline step needs the plan and device mesh of a layout with parallel.pp={pp} "
                               ">= 2 (parallel.pp 1 runs make_train_step)")
