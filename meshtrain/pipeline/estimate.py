@@ -93,6 +93,7 @@ def pipeline_estimate(plan: Plan, model, *, schedule: str, virtual: int, layout:
                                                                   sub.mesh))
     tied_bytes = math.prod(sub.params["tok_emb"].local_shape) * 4 if model.cfg.tie_embeddings else 0
     last = len(stages) - 1
+    world_axis = "world" if len(plan.mesh.axes) > 1 else "pp"
     ranks = []
     for r in range(pp):
         mine = [st for st in stages if st.rank == r]
@@ -118,7 +119,6 @@ def pipeline_estimate(plan: Plan, model, *, schedule: str, virtual: int, layout:
         if tied_bytes and (first or has_head) and pp > 1:
             collectives += [{"axis": "pp", "op": op, "phase": "optimizer", "count": 1, "bytes": tied_bytes}
                             for op in ("send", "recv")]
-        world_axis = "world" if len(plan.mesh.axes) > 1 else "pp"
         collectives += [{"axis": world_axis, "op": "all_reduce_sum", "phase": "optimizer", "count": 1, "bytes": 4},
                         {"axis": "pp", "op": "all_reduce_sum", "phase": "optimizer", "count": 1, "bytes": 4}]
         order = ("forward", "backward", "optimizer")

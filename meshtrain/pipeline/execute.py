@@ -43,9 +43,9 @@ from ..models import ModelDef
 from ..models.context import LocalContext
 from ..parallel.context import ShardedContext
 from ..parallel.plan import without_pp
-from ..train.optim import AdamW, adamw_update, grad_norm_squared_local, local, replica_count
+from ..train.optim import AdamW, local
 from ..train.schedule import LRSchedule
-from ..train.step import PRECISIONS, TrainState
+from ..train.step import PRECISIONS, TrainState, make_update
 from .partition import Stage
 from .schedule import B, BI, BW, F, RECV_B, RECV_F, SEND_B, SEND_F, Schedule, forward_only
 
@@ -197,7 +197,7 @@ def make_pipeline_step(model: ModelDef, stages: list[Stage], schedule: Schedule,
     non-pp sub-mesh when there is one); batch as for make_train_step (full
     (micro_steps, batch, seq) tensors on every rank)."""
     pipe = _Pipe(model, stages, schedule.pp, plan, device_mesh, precision)
-    lr_schedule = lr_schedule or LRSchedule(lr=optimizer.lr, kind="constant")
+    apply_update = make_update(optimizer, lr_schedule or LRSchedule(lr=optimizer.lr, kind="constant"), grad_clip)
     actions = schedule.ranks[pipe.rank]
     data_ranks = pipe.plan.mesh.dp * pipe.plan.mesh.fsdp if pipe.plan is not None else 1
     tied = [n for st in stages if st.rank == pipe.rank for n in st.shared]  # held here, owned on rank 0
@@ -216,7 +216,6 @@ def make_pipeline_step(model: ModelDef, stages: list[Stage], schedule: Schedule,
         timings = [] if record_timings else None
         loss = _run(pipe, actions, state.params, tokens, targets, n_tokens, train=True, timings=timings)
         update_start = time.perf_counter()
-        names = list(state.params)
         for n in tied_here:  # both copies get the sum of both contributions, in one order
             g = local(state.params[n].grad)
             other = torch.empty_like(g)
@@ -224,25 +223,8 @@ def make_pipeline_step(model: ModelDef, stages: list[Stage], schedule: Schedule,
             dist.recv(other, src=tied_peer, tag=_TIED_TAG)
             work.wait()
             g.copy_(g + other if pipe.rank == 0 else other + g)
-        params = [local(state.params[n]).data for n in names]
-        grads = [local(state.params[n].grad) for n in names]
-        replicas = [float("inf") if n in tied else replica_count(state.params[n]) for n in names]
-        with torch.no_grad():
-            norm_sq = grad_norm_squared_local(grads, replicas)
-            dist.all_reduce(norm_sq)
-            norm = norm_sq.sqrt()
-            if grad_clip is not None:
-                torch._foreach_mul_(grads, torch.clamp(grad_clip / (norm + 1e-6), max=1.0))
-            lr = lr_schedule(state.step)
-            state.step += 1
-            adamw_update(params, grads, [local(state.optimizer["exp_avg"][n]) for n in names],
-                         [local(state.optimizer["exp_avg_sq"][n]) for n in names],
-                         [optimizer.decays(n, state.params[n].ndim) for n in names],
-                         torch.tensor(lr, dtype=torch.float32), torch.tensor(float(state.step)),
-                         optimizer.betas, optimizer.eps, optimizer.weight_decay)
-            dist.all_reduce(loss, group=pipe.group)  # only the last stage's rank holds a non-zero loss
-        for n in names:
-            state.params[n].grad = None
+        norm, lr = apply_update(state, uncounted=tied)
+        dist.all_reduce(loss, group=pipe.group)  # only the last stage's rank holds a non-zero loss
         metrics = {"loss": float(loss), "grad_norm": float(norm), "lr": lr}
         if record_timings:
             metrics["timings"] = timings + [("update", -1, time.perf_counter() - update_start)]

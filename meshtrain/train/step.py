@@ -50,19 +50,11 @@ def make_train_step(model: ModelDef, plan=None, device_mesh=None, *, optimizer: 
 
     loss_sum = _loss_sum(model, ctx)
 
-    def update(params, grads, exp_avg, exp_avg_sq, decay, replicas, lr, step, clip):
-        norm = all_reduce_sum(grad_norm_squared_local(grads, replicas)).sqrt()
-        if clip is not None:
-            torch._foreach_mul_(grads, torch.clamp(clip / (norm + 1e-6), max=1.0))
-        adamw_update(params, grads, exp_avg, exp_avg_sq, decay, lr, step,
-                     optimizer.betas, optimizer.eps, optimizer.weight_decay)
-        return norm
-
     if compile:
-        loss_sum, update = _compiled(loss_sum, compile), _compiled(update, compile)
+        loss_sum = _compiled(loss_sum, compile)
+    apply_update = make_update(optimizer, schedule, grad_clip, compile)
 
     def step(state: TrainState, batch: dict) -> dict:
-        names = list(state.params)
         tokens, targets = batch["tokens"], batch["targets"]
         if tokens[0].shape[0] % data_ranks:
             raise ConfigError(f"batch: {tokens[0].shape[0]} sequences per micro-step cannot be split evenly over "
@@ -74,12 +66,38 @@ def make_train_step(model: ModelDef, plan=None, device_mesh=None, *, optimizer: 
                 loss = loss_sum(state.params, tokens[micro], targets[micro]) / n_tokens
             loss.backward()
             total = loss.detach() if total is None else total + loss.detach()
+        norm, lr = apply_update(state)
+        return {"loss": float(_full(total)), "grad_norm": float(norm), "lr": lr}
+
+    return step
+
+
+def make_update(optimizer: AdamW, schedule: LRSchedule, grad_clip: float | None, compile: bool | str = False):
+    """The optimizer half of a step, shared by the plain and the pipelined step:
+    `apply(state, uncounted=()) -> (grad_norm, lr)` takes the global gradient norm (each
+    rank's share of the squared norm, one scalar all-reduce over the world), clips, runs
+    AdamW on the local shards, advances state.step and clears the gradients. Parameters
+    named in `uncounted` (a second copy of a tied table) stay out of the norm."""
+
+    def update(params, grads, exp_avg, exp_avg_sq, decay, replicas, lr, step, clip):
+        norm = all_reduce_sum(grad_norm_squared_local(grads, replicas)).sqrt()
+        if clip is not None:
+            torch._foreach_mul_(grads, torch.clamp(clip / (norm + 1e-6), max=1.0))
+        adamw_update(params, grads, exp_avg, exp_avg_sq, decay, lr, step,
+                     optimizer.betas, optimizer.eps, optimizer.weight_decay)
+        return norm
+
+    if compile:
+        update = _compiled(update, compile)
+
+    def apply(state: TrainState, uncounted=()) -> tuple[torch.Tensor, float]:
+        names = list(state.params)
         params = [local(state.params[n]).data for n in names]
         grads = [local(state.params[n].grad) for n in names]
         exp_avg = [local(state.optimizer["exp_avg"][n]) for n in names]
         exp_avg_sq = [local(state.optimizer["exp_avg_sq"][n]) for n in names]
         decay = [optimizer.decays(n, state.params[n].ndim) for n in names]
-        replicas = [replica_count(state.params[n]) for n in names]
+        replicas = [float("inf") if n in uncounted else replica_count(state.params[n]) for n in names]
         lr = schedule(state.step)
         state.step += 1
         with torch.no_grad():
@@ -87,9 +105,9 @@ def make_train_step(model: ModelDef, plan=None, device_mesh=None, *, optimizer: 
                           torch.tensor(lr, dtype=torch.float32), torch.tensor(float(state.step)), grad_clip)
         for n in names:
             state.params[n].grad = None
-        return {"loss": float(_full(total)), "grad_norm": float(norm), "lr": lr}
+        return norm, lr
 
-    return step
+    return apply
 
 
 def make_eval_step(model: ModelDef, plan=None, device_mesh=None, *, precision: str = "fp32",
