@@ -1,0 +1,326 @@
+"""Exact causal attention over a context-parallel (zigzag-sharded) sequence, forward and backward.
+
+Context parallelism splits the sequence over the `cp` ranks of a process group. With a causal
+mask a contiguous split would leave the first rank almost idle and the last one with most of the
+work, so the sequence is cut into 2*cp chunks of c tokens and rank r holds chunks r and 2cp-1-r
+(one early, one late: every rank does the same work). `zigzag_order` gives that layout.
+
+Three ways to exchange what attention needs, each an autograd.Function with its own backward:
+
+  allgather  all-gather K/V (one collective), attend both local q chunks to the keys before them;
+             backward: one reduce-scatter of dK/dV.
+  ring       K/V blocks travel around the ring with p2p while the current block is computed;
+             partial results merge by log-sum-exp; backward sends dK/dV along with the blocks.
+  a2a        Ulysses: one all-to-all from sequence- to head-sharded, full causal attention on
+             cp-th of the heads, one all-to-all back (mirrored in backward).
+
+The per-block kernels `_block_forward` / `_block_backward` are flash-attention style: the backward
+recomputes the probabilities from the final (merged) out and lse of each row, so no per-block state
+is kept. Tensors are (batch, seq, heads, head_dim) as in `meshtrain.models.context`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..errors import ConfigError
+
+CP_COMMS = ("allgather", "ring", "a2a")
+aten = torch.ops.aten
+
+
+def zigzag_order(seq_len: int, cp: int) -> torch.Tensor:
+    """LongTensor perm of length seq_len: x.index_select(seq_dim, perm) puts the sequence in
+    zigzag order, so that its cp equal contiguous blocks are the ranks' shards (block r = chunks
+    r and 2cp-1-r). Raises ConfigError if seq_len is not a multiple of 2*cp."""
+    if cp < 1 or seq_len < 1 or seq_len % (2 * cp):
+        step = 2 * max(cp, 1)
+        raise ConfigError(f"sequence length {seq_len} cannot be split zigzag over cp={cp}: it must be a "
+                          f"multiple of 2*cp={step}; use a seq_len like {max(seq_len // step, 1) * step}")
+    chunks = torch.arange(seq_len).view(2 * cp, -1)
+    ranks = torch.arange(cp)
+    return chunks[torch.stack([ranks, 2 * cp - 1 - ranks], 1).flatten()].flatten()
+
+
+# ---------------------------------------------------------------- block kernels
+
+def _acc(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)  # fp32 accumulation, fp64 stays fp64
+
+
+def _use_fused(q: torch.Tensor) -> bool:
+    # The flash kernel: CUDA, half precision, head_dim a multiple of 8 up to 256.
+    return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] % 8 == 0 and q.shape[-1] <= 256
+
+
+def _heads_first(q, k, v):
+    """(b, heads, s, d) views for the aten kernels; kv heads repeated locally to hq (a block-sized
+    copy, never communicated), so that GQA needs nothing of the kernel."""
+    g = q.shape[2] // k.shape[2]
+    k, v = (t if g == 1 else t.repeat_interleave(g, 2) for t in (k, v))
+    return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+
+
+def _scores(q, k, causal):
+    """Scaled scores (b, hkv, g, sq, sk) in the accumulation dtype; query head h uses kv head h // g."""
+    acc, hkv = _acc(q.dtype), k.shape[2]
+    s = torch.einsum("bqhgd,bkhd->bhgqk", q.to(acc).unflatten(2, (hkv, -1)), k.to(acc)) * q.shape[-1] ** -0.5
+    if causal:  # only square diagonal blocks are causal: query i sees keys <= i
+        mask = torch.ones(q.shape[1], k.shape[1], dtype=torch.bool, device=q.device).triu(1)
+        s = s.masked_fill(mask, float("-inf"))
+    return s
+
+
+def _block_forward(q, k, v, causal):
+    """Attention of q (b, sq, hq, d) to k/v (b, sk, hkv, d); `causal` needs sq == sk.
+    Returns out (b, sq, hq, d) and its log-sum-exp (b, hq, sq) (fp32 or fp64)."""
+    if _use_fused(q):
+        out, lse = aten._scaled_dot_product_flash_attention(*_heads_first(q, k, v), 0.0, causal,
+                                                            scale=q.shape[-1] ** -0.5)[:2]
+        return out.transpose(1, 2), lse
+    s = _scores(q, k, causal)
+    lse = torch.logsumexp(s, -1)
+    out = torch.einsum("bhgqk,bkhd->bqhgd", torch.exp(s - lse.unsqueeze(-1)), v.to(s.dtype))
+    return out.flatten(2, 3), lse.flatten(1, 2)
+
+
+def _block_backward(dout, q, k, v, out, lse, causal):
+    """Gradients (dq, dk, dv) of one block, in the accumulation dtype. `out` and `lse` are the
+    FINAL rows of the whole attention (not this block's): then P = exp(S - lse) is this block's
+    share of the softmax and D = rowsum(dout * out), so the blocks' gradients simply add up."""
+    scale, hkv = q.shape[-1] ** -0.5, k.shape[2]
+    if _use_fused(q):
+        dq, dk, dv = aten._scaled_dot_product_flash_attention_backward(
+            dout.transpose(1, 2), *_heads_first(q, k, v), out.transpose(1, 2), lse.contiguous(),
+            None, None, q.shape[1], k.shape[1], 0.0, causal, None, None, scale=scale)  # dense, no dropout
+        dk, dv = (t.transpose(1, 2).float().unflatten(2, (hkv, -1)).sum(3) for t in (dk, dv))
+        return dq.transpose(1, 2).float(), dk, dv
+    s = _scores(q, k, causal)
+    acc = s.dtype
+    p = torch.exp(s - lse.to(acc).unflatten(1, (hkv, -1)).unsqueeze(-1))
+    do = dout.to(acc).unflatten(2, (hkv, -1))                               # (b, sq, hkv, g, d)
+    delta = (do * out.to(acc).unflatten(2, (hkv, -1))).sum(-1).permute(0, 2, 3, 1)
+    dv = torch.einsum("bhgqk,bqhgd->bkhd", p, do)
+    ds = p * (torch.einsum("bqhgd,bkhd->bhgqk", do, v.to(acc)) - delta.unsqueeze(-1)) * scale
+    dq = torch.einsum("bhgqk,bkhd->bqhgd", ds, k.to(acc)).flatten(2, 3)
+    dk = torch.einsum("bhgqk,bqhgd->bkhd", ds, q.to(acc).unflatten(2, (hkv, -1)))
+    return dq, dk, dv
+
+
+def _attend(q, k, v, pieces, out, lse):
+    """Add the blocks `pieces` = [(q rows, key positions, causal)] into the running (out, lse),
+    in place, by log-sum-exp: out = sum_i exp(lse_i - lse) out_i, lse = logsumexp_i lse_i."""
+    for rows, keys, causal in pieces:
+        o, l = _block_forward(q[:, rows], k[:, keys], v[:, keys], causal)
+        old = lse[:, :, rows]
+        new = torch.logaddexp(old, l)  # stable; the first block meets lse = -inf, weight 0
+        w_old, w_new = (torch.exp(x - new).transpose(1, 2).unsqueeze(-1) for x in (old, l))
+        out[:, rows] = out[:, rows] * w_old + o.to(out.dtype) * w_new
+        lse[:, :, rows] = new
+
+
+def _attend_backward(dout, q, k, v, out, lse, pieces, dq, dkv):
+    """Accumulate the pieces' gradients into dq and dkv = stacked (dk, dv)."""
+    for rows, keys, causal in pieces:
+        gq, gk, gv = _block_backward(dout[:, rows], q[:, rows], k[:, keys], v[:, keys],
+                                     out[:, rows], lse[:, :, rows], causal)
+        dq[:, rows] += gq
+        dkv[0, :, keys] += gk
+        dkv[1, :, keys] += gv
+
+
+def _running(q):
+    """Empty running (out, lse) for q's rows: out 0, lse -inf, in the accumulation dtype."""
+    out = torch.zeros(q.shape, dtype=_acc(q.dtype), device=q.device)
+    return out, out.new_full((q.shape[0], q.shape[2], q.shape[1]), float("-inf"))
+
+
+# ---------------------------------------------------------------- collectives (looked up on `dist` at call time)
+
+def _all_gather(out, x, group):
+    # torch 2.13 deprecates all_gather_into_tensor for all_gather_single (same signature); 2.11 lacks the latter.
+    (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(out, x, group=group)
+
+
+def _reduce_scatter(out, x, group):
+    (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(out, x, group=group)
+
+
+def _all_to_all(x, group):
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    dist.all_to_all_single(out, x, group=group)
+    return out
+
+
+def _ring_exchange(send, group, tag):
+    """Post: send `send` to the next rank, receive the same shape from the previous one. Batched so
+    that NCCL does not deadlock on a ring of unmatched sends. Returns (works, receive buffer)."""
+    cp, r = dist.get_world_size(group), dist.get_rank(group)
+    recv = torch.empty_like(send)
+    ops = [dist.P2POp(dist.isend, send, dist.get_global_rank(group, (r + 1) % cp), group, tag),
+           dist.P2POp(dist.irecv, recv, dist.get_global_rank(group, (r - 1) % cp), group, tag)]
+    return dist.batch_isend_irecv(ops), recv
+
+
+def _wait(works):
+    for w in works:
+        w.wait()
+
+
+# ---------------------------------------------------------------- the three exchanges
+
+def _gather_pieces(r, cp, c):
+    """What local q attends to in the whole sequence (natural order): each local q chunk, at
+    global chunk t, sees its diagonal block (causal) and every key before it (unmasked)."""
+    pieces = []
+    for i, t in enumerate((r, 2 * cp - 1 - r)):
+        rows = slice(i * c, (i + 1) * c)
+        pieces += [(rows, slice(t * c, (t + 1) * c), True)] + ([(rows, slice(0, t * c), False)] if t else [])
+    return pieces
+
+
+class _AllGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, group):
+        cp, r, c = dist.get_world_size(group), dist.get_rank(group), q.shape[1] // 2
+        perm = zigzag_order(c * 2 * cp, cp).to(q.device)
+        kv = torch.stack([k, v])  # (2, b, 2c, hkv, d): K and V in one collective
+        shards = kv.new_empty((cp * 2,) + kv.shape[1:])  # the concatenated form (gloo takes no stack)
+        _all_gather(shards, kv, group)
+        shards = shards.unflatten(0, (cp, 2))
+        # Natural order: rank blocks side by side are the zigzag order, undone by the inverse perm.
+        kv = shards.movedim(0, 2).flatten(2, 3).index_select(2, torch.argsort(perm))
+        pieces = _gather_pieces(r, cp, c)
+        out, lse = _running(q)
+        _attend(q, kv[0], kv[1], pieces, out, lse)
+        out = out.to(q.dtype)
+        # Memory trade-off: keeping the gathered K/V (2 b S hkv d elements, cp times the local
+        # shard) saves a second all-gather in backward; with GQA (hkv << hq) it is small.
+        ctx.save_for_backward(q, kv, out, lse, perm)
+        ctx.group, ctx.pieces = group, pieces
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, kv, out, lse, perm = ctx.saved_tensors
+        cp = dist.get_world_size(ctx.group)
+        dq = torch.zeros_like(q, dtype=_acc(q.dtype))
+        dkv = torch.zeros_like(kv, dtype=dq.dtype)
+        _attend_backward(dout, q, kv[0], kv[1], out, lse, ctx.pieces, dq, dkv)
+        # Back to zigzag rank blocks, summed over ranks in fp32 (every rank adds to every shard).
+        send = dkv.index_select(2, perm).unflatten(2, (cp, -1)).movedim(2, 0).flatten(0, 1).contiguous()
+        mine = send.new_empty((2,) + send.shape[1:])
+        _reduce_scatter(mine, send, ctx.group)
+        return dq.to(q.dtype), mine[0].to(q.dtype), mine[1].to(q.dtype), None
+
+
+def _ring_pieces(j, r, c):
+    """What local q attends to in the block of rank j (chunks j and 2cp-1-j), zigzag layout."""
+    if j == r:  # own block: local positions increase, so plain causal on the 2c tokens is exact
+        return [(slice(None), slice(None), True)]
+    if j < r:  # chunk j precedes both q chunks, chunk 2cp-1-j follows both
+        return [(slice(None), slice(0, c), False)]
+    return [(slice(c, None), slice(None), False)]  # j > r: only the late q chunk, both chunks precede it
+
+
+class _Ring(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, group):
+        cp, r, c = dist.get_world_size(group), dist.get_rank(group), q.shape[1] // 2
+        out, lse = _running(q)
+        kv = torch.stack([k, v])
+        for i in range(cp):  # step i holds the block of rank r - i
+            if i + 1 < cp:  # posted before the compute, so the transfer overlaps it
+                works, nxt = _ring_exchange(kv, group, 0)
+            _attend(q, kv[0], kv[1], _ring_pieces((r - i) % cp, r, c), out, lse)
+            if i + 1 < cp:
+                _wait(works)
+                kv = nxt
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.group = group
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        group = ctx.group
+        cp, r, c = dist.get_world_size(group), dist.get_rank(group), q.shape[1] // 2
+        dq = torch.zeros_like(q, dtype=_acc(q.dtype))
+        kv, pending = torch.stack([k, v]), None
+        for i in range(cp):
+            if i + 1 < cp:
+                works, nxt = _ring_exchange(kv, group, 0)
+            dkv = torch.zeros(kv.shape, dtype=dq.dtype, device=kv.device)
+            _attend_backward(dout, q, kv[0], kv[1], out, lse, _ring_pieces((r - i) % cp, r, c), dq, dkv)
+            # The accumulator of block r - i arrives from the previous rank (which held that block
+            # one step earlier) and moves on with it: after the last step it reaches its owner.
+            if pending is not None:
+                _wait(pending[0])
+                dkv += pending[1]
+            # fp32 on the wire: partial sums of cp ranks. cp == 1: the block is already home.
+            pending = _ring_exchange(dkv, group, 1) if cp > 1 else ([], dkv)
+            if i + 1 < cp:
+                _wait(works)
+                kv = nxt
+        _wait(pending[0])
+        dk, dv = pending[1].to(k.dtype)
+        return dq.to(q.dtype), dk, dv, None
+
+
+def _check_a2a_heads(hq, hkv, cp):
+    if hq % cp or hkv % cp:
+        raise ConfigError(f"context-parallel comm 'a2a' splits the attention heads over cp={cp}, but there are "
+                          f"{hq} query heads (model.n_heads per tensor-parallel rank) and {hkv} kv heads "
+                          f"(model.n_kv_heads per tensor-parallel rank), not both divisible by {cp}: use comm "
+                          f"'allgather' or 'ring', or a cp that divides both")
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, group):
+        cp, (s, hq), hkv = dist.get_world_size(group), q.shape[1:3], k.shape[2]
+        perm = zigzag_order(s * cp, cp).to(q.device)
+        inv = torch.argsort(perm)
+        # Destination t gets head group t of q, k and v (contiguous, so GQA groups stay whole).
+        send = torch.cat([t.unflatten(2, (cp, -1)) for t in (q, k, v)], 3).movedim(2, 0)
+        x = _all_to_all(send, group).movedim(0, 1).flatten(1, 2)  # (b, S, heads/cp, d), zigzag order
+        qh, kh, vh = x.index_select(1, inv).split([hq // cp, hkv // cp, hkv // cp], 2)  # natural order
+        out, lse = _block_forward(qh, kh, vh, True)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(qh, kh, vh, out, lse, perm, inv)
+        ctx.group = group
+        back = _all_to_all(out.index_select(1, perm).unflatten(1, (cp, s)).movedim(1, 0), group)
+        return back.movedim(0, 2).flatten(2, 3)  # (b, s, hq, d); from rank t came head group t
+
+    @staticmethod
+    def backward(ctx, dout):
+        qh, kh, vh, out, lse, perm, inv = ctx.saved_tensors
+        group, cp, s = ctx.group, dist.get_world_size(ctx.group), dout.shape[1]
+        dh = _all_to_all(dout.unflatten(2, (cp, -1)).movedim(2, 0), group).movedim(0, 1).flatten(1, 2)
+        grads = _block_backward(dh.index_select(1, inv), qh, kh, vh, out, lse, True)
+        send = torch.cat(grads, 2).to(qh.dtype).index_select(1, perm).unflatten(1, (cp, s)).movedim(1, 0)
+        back = _all_to_all(send, group).split([qh.shape[2], kh.shape[2], vh.shape[2]], 3)
+        return (*(t.movedim(0, 2).flatten(2, 3) for t in back), None)
+
+
+_IMPLS = {"allgather": _AllGather, "ring": _Ring, "a2a": _AllToAll}
+
+
+def context_parallel_attention(q, k, v, group, comm: str) -> torch.Tensor:
+    """Causal attention of this rank's zigzag shard. q (b, s_local, hq, d), k/v (b, s_local, hkv, d)
+    are local tensors, s_local = 2c, hq a multiple of hkv (GQA: query head h uses kv head
+    h // (hq//hkv)). group: the cp ProcessGroup (None: the default group). Softmax scale 1/sqrt(d).
+    Returns (b, s_local, hq, d), equal to the matching rows of full-sequence causal attention.
+    Differentiable w.r.t. q, k, v. comm: one of CP_COMMS."""
+    if comm not in _IMPLS:
+        raise ConfigError(f"context-parallel comm {comm!r}: choose one of {', '.join(CP_COMMS)}")
+    group = group if group is not None else dist.group.WORLD
+    if q.shape[1] % 2 or q.shape[2] % k.shape[2] or k.shape != v.shape or q.shape[:2] != k.shape[:2]:
+        raise ValueError(f"context_parallel_attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: "
+                         "expected (b, 2c, hq, d) and (b, 2c, hkv, d) with hkv dividing hq")
+    if comm == "a2a":
+        _check_a2a_heads(q.shape[2], k.shape[2], dist.get_world_size(group))
+    return _IMPLS[comm].apply(q, k, v, group)
