@@ -22,12 +22,19 @@ LOSS_RTOL, PARAM_ATOL = 1e-5, 1e-5
 
 # Uneven fsdp shards: the embedding tables split 130 rows over 4 ranks.
 UNEVEN = {"tok_emb": {"vocab": ("fsdp",), "embed": ()}, "output": {"vocab": ("fsdp",), "embed": ()}}
+# name: (mesh sizes, sequence parallel, rule overrides[, cp_comm]). Context-parallel
+# layouts shard parameters over fsdp x cp (the default rules) and run eager only.
 LAYOUTS = {
     2: {"dp2": ({"dp": 2}, False, None), "fsdp2": ({"fsdp": 2}, False, None),
-        "tp2": ({"tp": 2}, False, None), "tp2_sp": ({"tp": 2}, True, None)},
+        "tp2": ({"tp": 2}, False, None), "tp2_sp": ({"tp": 2}, True, None),
+        "cp2_allgather": ({"cp": 2}, False, None, "allgather"), "cp2_ring": ({"cp": 2}, False, None, "ring"),
+        "cp2_a2a": ({"cp": 2}, False, None, "a2a")},
     4: {"dp2_fsdp2": ({"dp": 2, "fsdp": 2}, False, None), "fsdp2_tp2": ({"fsdp": 2, "tp": 2}, False, None),
         "fsdp2_tp2_sp": ({"fsdp": 2, "tp": 2}, True, None), "dp2_tp2_sp": ({"dp": 2, "tp": 2}, True, None),
-        "fsdp4_uneven": ({"fsdp": 4}, False, UNEVEN)},
+        "fsdp4_uneven": ({"fsdp": 4}, False, UNEVEN), "cp4_ring": ({"cp": 4}, False, None, "ring"),
+        "cp2_tp2_sp_ring": ({"cp": 2, "tp": 2}, True, None, "ring"),
+        "cp2_tp2_allgather": ({"cp": 2, "tp": 2}, False, None, "allgather"),
+        "fsdp2_cp2_a2a": ({"fsdp": 2, "cp": 2}, False, None, "a2a")},
 }
 
 
@@ -65,9 +72,10 @@ def train_layouts(world: int, compile, names=None):
     model = build("llama", CFG)
     out = {}
     for name in names:
-        sizes, sp, overrides = LAYOUTS[world][name]
+        sizes, sp, overrides, *cp_comm = LAYOUTS[world][name]
         rules = Rules(Rules.default(sp=sp).mapping, overrides or {})
-        plan = make_plan(model.specs, rules, MeshSpec(**sizes), world=dist.get_world_size())
+        plan = make_plan(model.specs, rules, MeshSpec(**sizes), world=dist.get_world_size(), cp_comm=cp_comm[0]
+                         if cp_comm else "allgather")
         mesh = plan.mesh.build()
         params = init_params(plan, mesh, seed=0)
         initial = {n: p.full_tensor().detach().clone() for n, p in params.items()}

@@ -84,6 +84,7 @@ RESHARD = {  # layout to resume in: (processes, parallel.* overrides)
     "pp2_zb_tp2_sp": (4, ["--parallel.pp", "2", "--parallel.pp_schedule", "zb", "--parallel.fsdp", "1"]),
     "pp2_gpipe_on_2": (2, ["--parallel.pp", "2", "--parallel.pp_schedule", "gpipe", "--parallel.fsdp", "1",
                            "--parallel.tp", "1", "--parallel.sp", "false"]),
+    "cp2_tp2_sp_a2a": (4, ["--parallel.cp", "2", "--parallel.cp_comm", "a2a", "--parallel.fsdp", "1"]),
 }
 
 
@@ -103,6 +104,31 @@ def test_resume_in_another_layout_continues_the_same_run(four_ranks, tmp_path, l
     assert json.loads((run_dir / "plan.json").read_text())["world"] == nproc
     continued = torch.tensor([r["loss"] for r in read_metrics(four_ranks[0])[2:]], dtype=torch.float64)
     torch.testing.assert_close(losses(run_dir), continued, rtol=1e-5, atol=0)  # as if fsdp 2 x tp 2 went on
+
+
+@pytest.mark.slow
+def test_context_parallel_fit_through_the_cli_matches_one_process(tmp_path):
+    """configs/tiny-cp2.yaml (cp 2, ring) shrunk like the reference: each of the 2
+    self-launched ranks reads its zigzag half of every sequence, parameters are sharded
+    over cp; the loss curve is one process's, and so is the exported model."""
+    from safetensors.torch import load_file
+
+    run_dir = tmp_path / "cp2"
+    proc = run_cli("fit", "--config", str(ROOT / "configs" / "tiny-cp2.yaml"), *SMALL, *STEPS4,
+                   "--checkpoint.export", "true", "--run_dir", str(run_dir),
+                   env={"MESHTRAIN_DIST_TIMEOUT": "120"}, timeout=400)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    plan = json.loads((run_dir / "plan.json").read_text())
+    assert plan["mesh"] == {"cp": 2} and plan["cp_comm"] == "ring"
+    reference = tmp_path / "one"
+    ref = run_cli("fit", "--config", str(TINY), *SMALL, *STEPS4, "--checkpoint.export", "true",
+                  "--run_dir", str(reference))
+    assert ref.returncode == 0, ref.stdout + ref.stderr
+    torch.testing.assert_close(losses(run_dir), losses(reference), rtol=1e-5, atol=0)
+    ours, theirs = load_file(run_dir / "export" / "model.safetensors"), load_file(reference / "export" / "model.safetensors")
+    assert sorted(ours) == sorted(theirs)
+    for name in ours:
+        torch.testing.assert_close(ours[name], theirs[name], rtol=0, atol=1e-5, msg=name)
 
 
 def _free_port() -> int:
@@ -296,7 +322,7 @@ def test_flops_per_token_matches_the_architecture():
     assert 6 * matmul / 1e9 == pytest.approx(45.1, abs=0.1)  # 6 x 7.5B non-embedding parameters
 
 
-@pytest.mark.parametrize("name", ["tiny", "tiny-4proc", "tiny-pp2", "llama3-1b", "llama3-8b", "llama3-70b", "llama3-405b"])
+@pytest.mark.parametrize("name", ["tiny", "tiny-4proc", "tiny-pp2", "tiny-cp2", "llama3-1b", "llama3-8b", "llama3-70b", "llama3-405b"])
 def test_config_presets_validate(name):
     raw = yaml.safe_load((ROOT / "configs" / f"{name}.yaml").read_text())
     cfg = RunConfig.from_dict(raw).validate()

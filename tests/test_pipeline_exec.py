@@ -59,10 +59,13 @@ CASES = {
         "zb_pp2_tp2_sp": (LLAMA4, "zb", {"pp": 2, "tp": 2}, 1, 4, None, True),
         "interleaved_pp2_dp2_tied": (TIED4, "interleaved", {"pp": 2, "dp": 2}, 2, 2, None, False),
         "zb_pp2_tp2_sp_gpt2_tied": (GPT2_TIED, "zb", {"pp": 2, "tp": 2}, 1, 4, None, True),
+        "1f1b_pp2_cp2_ring": (LLAMA4, "1f1b", {"pp": 2, "cp": 2}, 1, 4, None, False),
+        "zb_pp2_cp2_a2a_gpt2_tied": (GPT2_TIED, "zb", {"pp": 2, "cp": 2}, 1, 4, None, False),
     },
 }
 
 
+CP_COMM = {"1f1b_pp2_cp2_ring": "ring", "zb_pp2_cp2_a2a_gpt2_tied": "a2a"}  # the others: cp 1
 BF16 = {"zb_pp2_bf16"}  # bf16 compute (fp32 master weights), against one process in bf16
 
 
@@ -103,7 +106,8 @@ def _pipelined(names):
     for name in names:
         cfg, sched, sizes, v, micro_steps, layout, sp = CASES[dist.get_world_size()][name]
         model = build(_arch(cfg), cfg)
-        plan = make_plan(model.specs, Rules.default(sp=sp), MeshSpec(**sizes), world=dist.get_world_size())
+        plan = make_plan(model.specs, Rules.default(sp=sp), MeshSpec(**sizes), world=dist.get_world_size(),
+                         cp_comm=CP_COMM.get(name, "allgather"))
         mesh = plan.mesh.build()
         pp = sizes["pp"]
         stages = partition(model, pp, v, layout, seq_len=SEQ, micro_batch=BATCH // micro_steps)

@@ -68,7 +68,9 @@ class ParallelConfig:
     sp: bool = False
     """Sequence parallelism: shard the residual stream's sequence dim over the tp ranks (train.seq_len must be divisible by tp)."""
     cp: int = 1
-    """Context parallelism (sequence split in attention). Only 1: not implemented yet."""
+    """Context parallelism: every activation's sequence dim split over cp ranks in load-balanced zigzag order (rank r holds chunks r and 2cp-1-r of 2cp); train.seq_len must be a multiple of 2 x cp. Parameters are fsdp-sharded over fsdp x cp. Eager (train.compile false)."""
+    cp_comm: str = "allgather"
+    """How attention exchanges the sequence over cp: allgather (K/V all-gathered; any head count) | ring (K/V blocks passed around the cp ranks point to point, overlapped with compute) | a2a (Ulysses all-to-all to a head split; n_heads and n_kv_heads per tp rank must divide by cp)."""
     ep: int = 1
     """Expert parallelism (mixture-of-experts). Only 1: not implemented yet."""
     pp: int = 1
@@ -230,16 +232,24 @@ class RunConfig:
                 raise ConfigError(f"parallel.sp=true shards the sequence over parallel.tp={p.tp} ranks, but "
                                   f"train.seq_len={t.seq_len} is not divisible by {p.tp}: choose a seq_len "
                                   f"that is a multiple of tp, or set parallel.sp false")
+        if p.cp > 1:
+            _validate_context_parallel(self)
         dp = p.dp * (1 if p.fsdp == -1 else p.fsdp)
         if t.global_batch % (t.micro_batch * dp):
             raise ConfigError(_batch_message(t, p.dp, p.fsdp, dp))
         if p.pp > 1:
             _validate_pipeline(self)
         # Any other layout problem the planner can see before the world size is known.
+        self.plan(world=None, fill=1)
+        return self
+
+    def plan(self, world: int | None, fill: int | None = None):
+        """The Plan of this config for `world` ranks (None: the product of the fixed sizes,
+        with a -1 axis taken as `fill`)."""
         from ..parallel.plan import make_plan
 
-        make_plan(self.model_def().specs, self.rules(), self.mesh_spec(fill=1))
-        return self
+        return make_plan(self.model_def().specs, self.rules(), self.mesh_spec(fill=fill), world=world,
+                         cp_comm=self.parallel.cp_comm)
 
     # --- what the run is built from ----------------------------------------------
 
@@ -385,11 +395,13 @@ def _validate_model(m: ModelConfig) -> None:
 def _validate_parallel(p: ParallelConfig) -> None:
     _check_int(p.nproc_per_node, "parallel.nproc_per_node", minimum=1)
     _check_bool(p.sp, "parallel.sp")
-    for axis, what in (("cp", "context parallelism"), ("ep", "expert parallelism")):
-        n = getattr(p, axis)
-        _check_int(n, f"parallel.{axis}")
-        if n != 1:
-            raise ConfigError(f"parallel.{axis}={n}: {what} {NOT_YET}; set parallel.{axis} to 1")
+    _check_int(p.ep, "parallel.ep")
+    if p.ep != 1:
+        raise ConfigError(f"parallel.ep={p.ep}: expert parallelism {NOT_YET}; set parallel.ep to 1")
+    _check_int(p.cp, "parallel.cp", minimum=1)
+    from ..parallel.plan import CP_COMMS
+
+    _choice(p.cp_comm, "parallel.cp_comm", CP_COMMS)
     _check_int(p.pp, "parallel.pp", minimum=1)
     _check_int(p.pp_virtual, "parallel.pp_virtual", minimum=1)
     _choice(p.pp_schedule, "parallel.pp_schedule", PP_SCHEDULES)
@@ -410,6 +422,21 @@ def _validate_parallel(p: ParallelConfig) -> None:
     if len(fill) > 1:
         raise ConfigError(f"parallel: only one axis may be -1 (it takes the remaining ranks), got "
                           f"{', '.join(f'parallel.{a}=-1' for a in fill)}; give all but one a fixed size")
+
+
+def _validate_context_parallel(cfg: "RunConfig") -> None:
+    p, t = cfg.parallel, cfg.train
+    if t.seq_len % (2 * p.cp):
+        raise ConfigError(f"parallel.cp={p.cp} splits each sequence into 2 x cp = {2 * p.cp} equal chunks "
+                          f"(zigzag), but train.seq_len={t.seq_len} is not a multiple of {2 * p.cp}: choose a "
+                          f"seq_len that is (e.g. {t.seq_len // (2 * p.cp) * 2 * p.cp or 2 * p.cp})")
+    if p.sp and p.tp > 1 and t.seq_len % (p.cp * p.tp):
+        raise ConfigError(f"parallel.sp=true splits each cp rank's positions over parallel.tp={p.tp} ranks: "
+                          f"train.seq_len={t.seq_len} must be a multiple of cp x tp = {p.cp * p.tp}; choose "
+                          "such a seq_len or set parallel.sp false")
+    if t.compile:
+        raise ConfigError(f"parallel.cp={p.cp} runs eager: its attention exchanges are not traced by "
+                          "torch.compile yet; set train.compile false")
 
 
 def _validate_pipeline(cfg: "RunConfig") -> None:

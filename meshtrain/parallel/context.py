@@ -10,6 +10,10 @@ parameters are not kept for backward in eager mode (ZeRO-3): saved-tensor hooks 
 reference to the shard and gather again when backward needs the value. Compiled steps
 keep them (the hooks cannot be traced), as FSDP2's reshard_after_forward=False does.
 Attention and the vocab-parallel loss run on local shards with explicit collectives.
+A sequence split over cp is held in zigzag order (rank r: chunks r and 2cp-1-r of 2cp),
+so causal attention costs every cp rank the same; position-wise ops never notice the
+order, plain tensors (tokens, RoPE tables, positions, targets) are permuted the same way
+when they are sliced, and the loss is a sum over tokens.
 """
 
 from __future__ import annotations
@@ -24,7 +28,9 @@ import torch.distributed._functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
+from ..errors import ConfigError
 from ..models.context import causal_attention
+from .cp_attention import context_parallel_attention, zigzag_order
 from .plan import Plan
 
 
@@ -128,6 +134,7 @@ class ShardedContext:
     def __init__(self, plan: Plan, device_mesh: DeviceMesh, compute_dtype: torch.dtype | None = None):
         self.plan, self.mesh, self.compute_dtype = plan, device_mesh, compute_dtype
         self._gathered: dict[int, tuple] = {}  # storage of a gathered parameter -> its shard
+        self._cp_dim = plan.mesh.axes.index("cp") if "cp" in plan.mesh.axes else None
 
     def bind(self, params):
         return _BoundParams(self, params)
@@ -160,10 +167,17 @@ class ShardedContext:
         if isinstance(x, DTensor):
             return _Constrain.apply(x, placements)
         # A plain tensor is the full value on every rank: keep this rank's slice, no comms.
+        # A dim split over cp takes this rank's zigzag chunks (mesh dims run outer to inner,
+        # so it is still whole here): that is the order every cp-sharded sequence is in.
         local = x
         for i, p in enumerate(placements):
             if isinstance(p, Shard):
-                local = local.chunk(self.mesh.size(i), p.dim)[self.mesh.get_local_rank(i)]
+                n, rank = self.mesh.size(i), self.mesh.get_local_rank(i)
+                if i == self._cp_dim:
+                    mine = zigzag_order(local.shape[p.dim], n).chunk(n)[rank].to(local.device)
+                    local = local.index_select(p.dim, mine)
+                else:
+                    local = local.chunk(n, p.dim)[rank]
         return DTensor.from_local(local, self.mesh, placements, run_check=False, shape=x.shape, stride=x.stride())
 
     def embedding(self, ids: DTensor, table: DTensor) -> DTensor:
@@ -188,13 +202,22 @@ class ShardedContext:
                                   stride=make_contiguous_strides_for(shape))
 
     def attention(self, q: DTensor, k: DTensor, v: DTensor) -> DTensor:
-        for i, p in enumerate(q.placements):
-            if isinstance(p, Shard) and p.dim == 1:
-                raise NotImplementedError(f"attention over a sequence sharded on mesh axis "
-                                          f"{self.plan.mesh.axes[i]} needs context parallelism")
-        out = causal_attention(q.to_local(), k.to_local(), v.to_local())
-        return DTensor.from_local(out, self.mesh, q.placements, run_check=False,
-                                  shape=q.shape, stride=q.stride())
+        """Causal attention on local shards: heads split by tp need nothing; a sequence
+        split over cp (zigzag) is exchanged the plan's cp_comm way."""
+        seq_dims = [i for i, p in enumerate(q.placements) if isinstance(p, Shard) and p.dim == 1]
+        if any(i != self._cp_dim for i in seq_dims):
+            raise ConfigError(f"attention: the sequence is split over mesh axis "
+                              f"{self.plan.mesh.axes[seq_dims[-1]]}; only cp may split it there (rules "
+                              f"{self.plan.rules.lookup('seq')} for 'seq')")
+        if seq_dims:
+            out = context_parallel_attention(q.to_local(), k.to_local(), v.to_local(),
+                                             self.mesh.get_group(self._cp_dim), self.plan.cp_comm)
+        else:
+            out = causal_attention(q.to_local(), k.to_local(), v.to_local())
+        # Contiguous, as the stride it is declared with says (the heads are flattened next,
+        # which would copy a transposed kernel output anyway).
+        return DTensor.from_local(out.contiguous(), self.mesh, q.placements, run_check=False,
+                                  shape=q.shape, stride=make_contiguous_strides_for(q.shape))
 
     def cross_entropy_sum(self, logits: DTensor, targets: torch.Tensor) -> DTensor:
         """Vocab-parallel cross entropy: each rank works on its vocab slice; three small

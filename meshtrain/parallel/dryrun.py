@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from ..errors import ConfigError
 from .mesh import MESH_AXES
-from .plan import Plan, make_plan, placement_str
+from .plan import Plan, placement_str
 from .plan_table import human_bytes
 
 MEMORY_KEYS = ("params", "grads", "optimizer", "activations", "peak")
@@ -169,7 +169,7 @@ def dry_run(cfg, world: int | None = None, gpu: str | None = None, *, suggest: b
         raise ConfigError(f"--world {world} is not a whole number of nodes of parallel.nproc_per_node="
                           f"{p.nproc_per_node} ranks: choose a multiple of {p.nproc_per_node}")
     model = cfg.model_def()
-    plan = make_plan(model.specs, cfg.rules(), cfg.mesh_spec(), world=world)
+    plan = cfg.plan(world=world)
     dp_size = plan.mesh.dp * plan.mesh.fsdp
     micro_steps = cfg.accumulation_steps(dp_size)
     compiled = bool(t.compile)

@@ -9,8 +9,10 @@ from ..errors import ConfigError
 
 # Outer to inner: tp innermost so it stays within a node, pp outermost.
 MESH_AXES = ("pp", "dp", "fsdp", "cp", "tp")
-# Axes whose shards are gathered before use (storage-only sharding, ZeRO-3 style).
-GATHERED_AXES = ("fsdp",)
+# Axes whose parameter shards are gathered before use (storage-only sharding, ZeRO-3
+# style). cp ranks hold the same weights and see different tokens, exactly as fsdp ranks
+# do, so the fsdp shard group may include cp (Megatron and TorchTitan fold them alike).
+GATHERED_AXES = ("fsdp", "cp")
 
 
 @dataclass(frozen=True)

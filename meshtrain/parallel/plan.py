@@ -17,6 +17,7 @@ from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from ..errors import ConfigError
 from ..models.spec import ParamSpec
+from .cp_attention import CP_COMMS
 from .mesh import GATHERED_AXES, MESH_AXES, MeshSpec
 from .rules import Rules
 
@@ -119,6 +120,7 @@ class Plan:
     mesh: MeshSpec
     rules: Rules
     params: dict[str, ParamPlan] = field(default_factory=dict)
+    cp_comm: str = "allgather"
 
     def activation(self, axes: Sequence[str | None]) -> Layout:
         return layout_for(axes, self.rules, self.mesh)
@@ -132,6 +134,7 @@ class Plan:
             "world": self.mesh.world,
             "mesh": {a: self.mesh.size(a) for a in self.mesh.axes},
             "rules": self.rules.to_dict(),
+            "cp_comm": self.cp_comm,
             "params": [p.to_dict() for p in self.params.values()],
             "activations": {name: {"axes": list(axes),
                                    "placements": [placement_str(p) for p in self.activation(axes).placements]}
@@ -153,9 +156,11 @@ class Plan:
         return render(self)
 
 
-def make_plan(specs: Mapping[str, ParamSpec], rules: Rules, mesh: MeshSpec, world: int | None = None) -> Plan:
-    """The Plan for these parameters on this mesh. Raises ConfigError for any layout that
-    cannot work, before a process group exists."""
+def make_plan(specs: Mapping[str, ParamSpec], rules: Rules, mesh: MeshSpec, world: int | None = None,
+              cp_comm: str = "allgather") -> Plan:
+    """The Plan for these parameters on this mesh; `cp_comm` is how attention exchanges
+    the sequence when cp > 1. Raises ConfigError for any layout that cannot work, before
+    a process group exists."""
     if world is None:
         if any(mesh.size(a) == -1 for a in MESH_AXES):
             raise ConfigError("parallel: an axis is -1, so the world size must be given to fill it "
@@ -168,7 +173,38 @@ def make_plan(specs: Mapping[str, ParamSpec], rules: Rules, mesh: MeshSpec, worl
         for d, axes in enumerate(layout.dim_axes):
             _check_divisible(name, spec, d, axes, mesh)
         params[name] = ParamPlan(name, spec, layout, layout.local_shape(spec.shape, mesh))
-    return Plan(mesh, rules, params)
+    plan = Plan(mesh, rules, params, cp_comm)
+    _check_context_parallel(plan)
+    return plan
+
+
+def _check_context_parallel(plan: Plan) -> None:
+    if plan.cp_comm not in CP_COMMS:
+        raise ConfigError(f"parallel.cp_comm={plan.cp_comm!r}: choose one of {', '.join(CP_COMMS)}")
+    if plan.mesh.cp == 1:
+        return
+    # The sequence is sharded over cp everywhere or nowhere: attention is the only op that
+    # knows the (zigzag) order of a cp-sharded sequence.
+    for axis in ("seq", "seq_sp"):
+        if "cp" not in plan.rules.lookup(axis):
+            raise ConfigError(f"parallel.cp={plan.mesh.cp}: the rule for {axis!r} must include mesh axis cp "
+                              f"(it maps to {list(plan.rules.lookup(axis))}); add cp to it")
+    if plan.cp_comm != "a2a":
+        return
+    # Ulysses trades the sequence shard for a head shard: each rank's heads must split cp ways.
+    for logical, key in (("q_heads", "model.n_heads"), ("kv_heads", "model.n_kv_heads")):
+        for p in plan.params.values():
+            if logical in p.spec.axes:
+                d = p.spec.axes.index(logical)
+                heads = p.spec.shape[d] // p.spec.units[d]
+                local = heads // math.prod(plan.mesh.size(a) for a in p.layout.dim_axes[d])
+                if local % plan.mesh.cp:
+                    per = f"{heads} / tp" if local != heads else f"{heads}"
+                    raise ConfigError(f"parallel.cp_comm=a2a splits the heads of each rank over parallel.cp="
+                                      f"{plan.mesh.cp} ranks, but {key} gives {per} = {local} heads per rank, "
+                                      f"not divisible by {plan.mesh.cp}: use parallel.cp_comm allgather or ring, "
+                                      f"or a cp that divides {local}")
+                break
 
 
 def _check_divisible(name: str, spec: ParamSpec, d: int, axes: tuple[str, ...], mesh: MeshSpec) -> None:
@@ -201,4 +237,4 @@ def without_pp(plan: Plan) -> Plan:
     import dataclasses
 
     mesh = dataclasses.replace(plan.mesh, pp=1)
-    return make_plan({n: p.spec for n, p in plan.params.items()}, plan.rules, mesh, mesh.world)
+    return make_plan({n: p.spec for n, p in plan.params.items()}, plan.rules, mesh, mesh.world, plan.cp_comm)

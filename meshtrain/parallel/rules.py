@@ -32,11 +32,11 @@ class Rules:
             "seq": ("cp",),
             "seq_sp": ("cp", "tp") if sp else ("cp",),
             "vocab": ("tp",),
-            "embed": ("fsdp",),
+            "embed": ("fsdp", "cp"),
             "q_heads": ("tp",),
             "kv_heads": ("tp",),
             "mlp": ("tp",),
-            "norm": ("fsdp",),
+            "norm": ("fsdp", "cp"),
             "positions": (),
             "experts": ("ep",),
         })

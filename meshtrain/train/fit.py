@@ -31,7 +31,7 @@ from .. import launch
 from ..config import RunConfig
 from ..errors import ConfigError
 from ..models.spec import init_slice
-from ..parallel.plan import make_plan
+from ..parallel.cp_attention import zigzag_order
 from . import checkpoint
 from .metrics import Reporter, device_peak_tflops, flops_per_token, memory_gib
 from .optim import AdamW
@@ -45,7 +45,7 @@ def fit(cfg: RunConfig) -> list[dict]:
     ranks = launch.detect(cfg.parallel.nproc_per_node)
     if ranks is None:  # launch the ranks ourselves, once everything they read is known good
         nproc = cfg.parallel.nproc_per_node
-        make_plan(cfg.model_def().specs, cfg.rules(), cfg.mesh_spec(), world=nproc)
+        cfg.plan(world=nproc)
         _open_data(cfg)
         if _resume_path(cfg) is None and cfg.model.init_from:
             _check_init_from(cfg)
@@ -53,7 +53,7 @@ def fit(cfg: RunConfig) -> list[dict]:
         return [] if results is None else results[0]  # None: stopped by a signal, checkpointed
     model = cfg.model_def()
     # The plan and every layout error come before any process group exists.
-    plan = make_plan(model.specs, cfg.rules(), cfg.mesh_spec(), world=ranks.world)
+    plan = cfg.plan(world=ranks.world)
     cfg.accumulation_steps(plan.mesh.dp * plan.mesh.fsdp)
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", ranks.local_rank) if cuda else torch.device("cpu")
@@ -295,9 +295,9 @@ class _Run:
         """This rank's rows of the global batch of samples [start, start + global_batch)."""
         tokens, targets = [], []
         for micro in range(self.accumulation):
-            window = self.rows.read(source, start + micro * self.micro_rows).to(self.device)
-            tokens.append(self.rows.wrap(window[:, :-1]))
-            targets.append(self.rows.wrap(window[:, 1:]))
+            inputs, outputs = self.rows.read(source, start + micro * self.micro_rows)
+            tokens.append(self.rows.wrap(inputs.to(self.device)))
+            targets.append(self.rows.wrap(outputs.to(self.device)))
         # Every target of a packed sample is a real token: the count needs no collective.
         t = self.cfg.train
         return {"tokens": tokens, "targets": targets, "num_targets": t.global_batch * t.seq_len}
@@ -428,10 +428,18 @@ class _RowSlice:
 
         self.placements = plan.activation(("batch", "seq")).placements
         self.local, self.offset = compute_local_shape_and_global_offset(self.shape, mesh, self.placements)
+        # Positions of this rank's columns; split over cp they are its zigzag chunks.
+        self.columns = torch.arange(seq_len)
+        if "cp" in plan.mesh.axes:
+            self.columns = zigzag_order(seq_len, plan.mesh.cp)
+        self.columns = self.columns[self.offset[1]: self.offset[1] + self.local[1]]
 
-    def read(self, source, start: int) -> torch.Tensor:
+    def read(self, source, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's (tokens, targets) of the micro-batch starting at row `start`."""
         window = source.batch(start + self.offset[0], self.local[0])
-        return window[:, self.offset[1]: self.offset[1] + self.local[1] + 1]
+        if self.mesh is None:
+            return window[:, :-1], window[:, 1:]
+        return window[:, self.columns], window[:, self.columns + 1]
 
     def wrap(self, local: torch.Tensor):
         if self.mesh is None:

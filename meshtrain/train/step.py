@@ -43,6 +43,9 @@ def make_train_step(model: ModelDef, plan=None, device_mesh=None, *, optimizer: 
     With no plan the step runs on one device. `compile` True wraps the loss and the update
     in torch.compile(fullgraph=True) with inductor; a string names another backend.
     """
+    if compile and plan is not None and plan.mesh.cp > 1:
+        raise ConfigError(f"parallel.cp={plan.mesh.cp} runs eager: its attention exchanges are not traced by "
+                          "torch.compile yet; build the step with compile=False (train.compile false)")
     ctx = _context(plan, device_mesh, precision)
     schedule = schedule or LRSchedule(lr=optimizer.lr, kind="constant")
     scope = getattr(ctx, "regather_in_backward", contextlib.nullcontext)
