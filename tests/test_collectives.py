@@ -92,6 +92,12 @@ def _in_optimizer() -> bool:
     return False
 
 
+# c10d ops that parallel/cp_attention.py calls: name, and the argument whose bytes count
+# (the gathered output; the input of a reduce-scatter or all-to-all; the tensor sent).
+_C10D = {"_allgather_base_": ("all_gather", 0), "_reduce_scatter_base_": ("reduce_scatter_sum", 1),
+         "alltoall_base_": ("all_to_all_single", 1), "send": ("send", 0), "recv_": ("recv", 0)}
+
+
 class _Recorder(TorchDispatchMode):
     def __init__(self, axis_of_group: dict[str, str]):
         super().__init__()
@@ -112,7 +118,12 @@ class _Recorder(TorchDispatchMode):
             phase = "opt"
         else:
             phase = "fwd"
-        if ns == "c10d":  # a non-functional c10d call: never expected, recorded as is
+        if ns == "c10d" and name in _C10D:  # context-parallel attention's own calls
+            op, where = _C10D[name]
+            group = next(dist.ProcessGroup.unbox(a) for a in args if isinstance(a, torch.ScriptObject))
+            tensor = args[where][0] if isinstance(args[where], list) else args[where]
+            return Msg(phase, op, self.axis_of_group.get(group.group_name, "?"), _nbytes(tensor))
+        if ns == "c10d":  # any other non-functional c10d call: never expected, recorded as is
             tensors = [a for a in args if isinstance(a, torch.Tensor)]
             tensors += [t for a in args if isinstance(a, (list, tuple)) for t in a if isinstance(t, torch.Tensor)]
             return Msg(phase, f"c10d.{name}", "?", sum(_nbytes(t) for t in tensors))
@@ -141,13 +152,14 @@ class Observed:
 
 
 def run_step(layout: dict, *, sp: bool = False, tied: bool = False, batch: int, seq: int,
-             micro: int = 1, world: int = 2, precision: str = "fp32", cfg: LlamaConfig = CFG) -> Observed:
+             micro: int = 1, world: int = 2, precision: str = "fp32", cfg: LlamaConfig = CFG,
+             cp_comm: str = "allgather") -> Observed:
     """One real optimizer step on the fake process group, with both counters on."""
     cfg = LlamaConfig(**{**cfg.__dict__, "tie_embeddings": tied})
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     try:
         model = build("llama", cfg)
-        plan = make_plan(model.specs, Rules.default(sp=sp), MeshSpec(**layout), world=world)
+        plan = make_plan(model.specs, Rules.default(sp=sp), MeshSpec(**layout), world=world, cp_comm=cp_comm)
         mesh = plan.mesh.build()
         axis_of_group = {}
         if mesh.ndim > 1:

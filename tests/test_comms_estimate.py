@@ -40,8 +40,9 @@ def totals(msgs) -> dict[tuple, tuple[int, int]]:
     return {k: tuple(v) for k, v in out.items()}
 
 
-def estimate(model, layout, *, sp, batch, seq, micro=1, world=2, precision="fp32", compiled=False):
-    plan = make_plan(model.specs, Rules.default(sp=sp), MeshSpec(**layout), world=world)
+def estimate(model, layout, *, sp, batch, seq, micro=1, world=2, precision="fp32", compiled=False,
+             cp_comm="allgather"):
+    plan = make_plan(model.specs, Rules.default(sp=sp), MeshSpec(**layout), world=world, cp_comm=cp_comm)
     got = step_collectives(plan, model, micro_batch_rows=batch, seq_len=seq, micro_steps=micro,
                            precision=precision, compiled=compiled)
     keys = [(SHORT[e["phase"]], e["op"], e["axis"]) for e in got]
@@ -55,11 +56,12 @@ def assert_same(est: dict, rec: dict) -> None:
     assert not lines, "estimate differs from the recorded step:\n" + "\n".join(lines)
 
 
-def run_model_step(model, layout, *, sp, batch, seq, micro=1, world=2, precision="fp32") -> list[Msg]:
+def run_model_step(model, layout, *, sp, batch, seq, micro=1, world=2, precision="fp32",
+                   cp_comm="allgather") -> list[Msg]:
     """run_step for any ModelDef (test_collectives's is fixed to its Llama config)."""
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     try:
-        plan = make_plan(model.specs, Rules.default(sp=sp), MeshSpec(**layout), world=world)
+        plan = make_plan(model.specs, Rules.default(sp=sp), MeshSpec(**layout), world=world, cp_comm=cp_comm)
         mesh = plan.mesh.build()
         groups = {dist.group.WORLD.group_name: "world"} if mesh.ndim > 1 else {}
         groups.update({mesh.get_group(i).group_name: a for i, a in enumerate(mesh.mesh_dim_names)})
@@ -127,6 +129,31 @@ def test_gpt2_estimate_equals_recorded_step(case):
     model = build("gpt2", GPT2_CFG)
     rec = totals(run_model_step(model, layout, sp=sp, batch=B, seq=S, world=world))
     assert_same(estimate(model, layout, sp=sp, batch=B, seq=S, world=world), rec)
+
+
+# Context parallelism: id, family, layout, sp, cp_comm, batch, seq, world, precision. The
+# attention exchanges (c10d calls, sends included) and the fsdp x cp parameter traffic.
+CP_CASES = [
+    ("cp2-allgather", "llama", dict(cp=2), False, "allgather", 2, 8, 2, "fp32"),
+    ("cp2-ring", "llama", dict(cp=2), False, "ring", 2, 8, 2, "fp32"),
+    ("cp2-a2a-bf16", "llama", dict(cp=2), False, "a2a", 2, 8, 2, "bf16"),
+    ("cp4-ring", "llama", dict(cp=4), False, "ring", 2, 16, 4, "fp32"),
+    ("cp4-allgather-bf16", "llama", dict(cp=4), False, "allgather", 2, 16, 4, "bf16"),
+    ("fsdp2xcp2-a2a", "llama", dict(fsdp=2, cp=2), False, "a2a", 4, 8, 4, "fp32"),
+    ("cp2xtp2-sp-ring", "llama", dict(cp=2, tp=2), True, "ring", 2, 8, 4, "fp32"),
+    ("gpt2-cp2xtp2-allgather", "gpt2", dict(cp=2, tp=2), False, "allgather", 2, 8, 4, "fp32"),
+]
+
+
+@pytest.mark.parametrize("case", CP_CASES, ids=[c[0] for c in CP_CASES])
+def test_context_parallel_estimate_equals_recorded_step(case):
+    _, family, layout, sp, comm, B, S, world, precision = case
+    model = llama(False) if family == "llama" else build("gpt2", GPT2_CFG)
+    rec = totals(run_model_step(model, layout, sp=sp, batch=B, seq=S, world=world, precision=precision,
+                                cp_comm=comm))
+    assert not [k for k in rec if k[2] == "?"], f"collectives on an unknown group: {rec}"
+    assert any(k[2] == "cp" and k[1] != "all_gather" for k in rec)  # the attention exchange is there
+    assert_same(estimate(model, layout, sp=sp, batch=B, seq=S, world=world, precision=precision, cp_comm=comm), rec)
 
 
 @pytest.mark.parametrize("i", [0, 5, 12], ids=[CASES[i][0] for i in (0, 5, 12)])

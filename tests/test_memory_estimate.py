@@ -30,10 +30,14 @@ MICRO, SEQ = 2, 24  # sequences per data-parallel rank; seq != head_dim keeps sh
 # name: (mesh sizes, sequence parallel, rule overrides, config)
 LAYOUTS = {
     1: {"single": ({}, False, None, CFG)},
-    2: {"fsdp2": ({"fsdp": 2}, False, None, CFG), "tp2": ({"tp": 2}, False, None, CFG)},  # sp: fsdp2_tp2_sp
+    2: {"fsdp2": ({"fsdp": 2}, False, None, CFG), "tp2": ({"tp": 2}, False, None, CFG),  # sp: fsdp2_tp2_sp
+        "cp2_allgather": ({"cp": 2}, False, None, CFG), "cp2_ring": ({"cp": 2}, False, None, CFG),
+        "cp2_a2a": ({"cp": 2}, False, None, CFG)},
     4: {"fsdp2_tp2_sp": ({"fsdp": 2, "tp": 2}, True, None, CFG), "dp2_fsdp2": ({"dp": 2, "fsdp": 2}, False, None, CFG),
-        "fsdp4_uneven": ({"fsdp": 4}, False, UNEVEN, UNEVEN_CFG)},
+        "fsdp4_uneven": ({"fsdp": 4}, False, UNEVEN, UNEVEN_CFG),
+        "cp2_tp2_sp_allgather": ({"cp": 2, "tp": 2}, True, None, CFG)},
 }
+CP_COMM = {"cp2_allgather": "allgather", "cp2_ring": "ring", "cp2_a2a": "a2a", "cp2_tp2_sp_allgather": "allgather"}
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16}
 
 
@@ -41,7 +45,7 @@ def _plan(name, world):
     sizes, sp, overrides, cfg = LAYOUTS[world][name]
     model = build("llama", cfg)
     return model, make_plan(model.specs, Rules(Rules.default(sp=sp).mapping, overrides or {}), MeshSpec(**sizes),
-                            world=world)
+                            world=world, cp_comm=CP_COMM.get(name, "allgather"))
 
 
 def _storage(t):

@@ -18,6 +18,7 @@ placements nothing, S(i)->S(j) all-to-all):
 | the same, eager (`compiled=False`) | | the gather again for every tensor autograd saved of it (`saves` below) |
 | `constrain(x)` | source -> target placements | incoming gradient -> source, its Partials taken as Replicate |
 | `embedding` (vocab split) | output Partial over the table's vocab dims | none (the table gradient is Partial over token-sharding dims) |
+| `attention` (sequence split over cp) | allgather: one all-gather of K/V; a2a: two all-to-alls; ring: cp-1 sends (and receives) of a K/V block | allgather: one fp32 reduce-scatter of dK/dV; a2a: two all-to-alls; ring: cp-1 K/V blocks and cp fp32 dK/dV blocks sent |
 | `cross_entropy_sum` | all-reduce max (rows) and sum (2 x rows) per vocab dim, fp32; all-reduce of the scalar per token-sharding dim | none |
 | `update` | | one fp32 scalar all-reduce over the world (optimizer phase, once per step) |
 
@@ -28,8 +29,8 @@ it splits dim 1 against a Shard(last) input; its input gradient is Partial where
 weight splits dim 0. Assumptions: the batch is given as full tensors (counting targets
 and the logged loss need no collective); activations and their gradients move in the
 compute dtype; uneven shards are padded to a multiple of the group (as DTensor does);
-when one redistribute changes several mesh dims they are taken in mesh order (only
-GPT-2's position table under fsdp x tp + sp does that, and it is not tested); compiled
+when one redistribute changes several mesh dims, the all-gathers go first, innermost
+mesh dim first, and the rest follow in mesh order (as DTensor does); compiled
 steps issue what eager steps do, minus the backward re-gathers (not counted by a test).
 
 Bytes are per rank, as tests/test_collectives.py records them: all_gather the gathered
@@ -102,6 +103,12 @@ class _Walker:
 
     def redistribute(self, phase, shape, cur, dst, itemsize, n=1):
         cur = list(cur)
+        # DTensor all-gathers innermost mesh dim first (undoing a nested split, e.g. a dim
+        # over fsdp x cp), then takes the other changes in mesh order.
+        gathers = [i for i, (a, b) in enumerate(zip(cur, dst)) if a[0] == "S" and b == R]
+        for i in reversed(gathers):
+            self.add(phase, "all_gather", i, itemsize * self._numel(shape, cur, pad=(i, cur[i][1])), n)
+            cur[i] = R
         for i, (a, b) in enumerate(zip(cur, dst)):
             if a == b or a == R:
                 cur[i] = b
@@ -147,6 +154,29 @@ class _Walker:
         self.redistribute("fwd", shape, src, dst, self.c or 4)
         self.redistribute("bwd", shape, grad, tuple(R if p == P else p for p in src), self.c or 4)
 
+    def attention(self, hq: int, hkv: int, hd: int):
+        """ctx.attention over a sequence split on cp (parallel/cp_attention.py, section 5 of
+        docs/parallelism.md): per rank, N = S / cp positions of the local rows."""
+        if "cp" not in self.mesh.axes:
+            return
+        i, cp = self.mesh.axes.index("cp"), self.mesh.cp
+        e = self.c or 4
+        q = self._numel((self.B, self.S, hq, hd), self.act(("batch", "seq", "q_heads", None)))
+        kv = 2 * self._numel((self.B, self.S, hkv, hd), self.act(("batch", "seq", "kv_heads", None)))
+        comm = self.plan.cp_comm
+        if comm == "allgather":  # K/V stacked; their gradients summed in fp32
+            self.add("fwd", "all_gather", i, cp * kv * e)
+            self.add("bwd", "reduce_scatter_sum", i, cp * kv * 4)
+        elif comm == "ring":  # each hop: one send to the next rank, one receive from the previous
+            for op in ("send", "recv"):
+                self.add("fwd", op, i, kv * e, n=cp - 1)
+                self.add("bwd", op, i, kv * e, n=cp - 1)
+                self.add("bwd", op, i, kv * 4, n=cp)  # dK/dV travel home in fp32
+        else:  # a2a: q, k, v in one all-to-all, the output in another; mirrored in backward
+            for phase in ("fwd", "bwd"):
+                self.add(phase, "all_to_all_single", i, (q + kv) * e)
+                self.add(phase, "all_to_all_single", i, q * e)
+
     def embedding(self, table, ids_axes, dst_axes, shape, grad_partial=()):
         """constrain(ctx.embedding(ids, table), dst_axes): Partial over the table's vocab dims."""
         ids = self.act(ids_axes)
@@ -179,6 +209,7 @@ def _llama_block(w: _Walker, cfg, p: str):
         w.use(name, [h])
         out = w.act(("batch", "seq", heads, None))
         w.constrain((B, S, n, hd), w.linear(h, name), out, out)
+    w.attention(cfg.n_heads, cfg.n_kv_heads, hd)
     q = w.act(("batch", "seq", "q_heads", None))
     w.use(p + "attn.wo", [q])
     w.constrain((B, S, d), w.linear(q, p + "attn.wo"), x, x)
@@ -204,6 +235,7 @@ def _gpt2_block(w: _Walker, cfg, p: str):
         w.use(p + f"attn.w{n}", [h])
         w.use(p + f"attn.b{n}", [h], saves=0)  # bias inside F.linear: its gradient sums tokens
         w.constrain((B, S, cfg.n_heads, hd), w.linear(h, p + f"attn.w{n}"), q, q)
+    w.attention(cfg.n_heads, cfg.n_heads, hd)
     w.use(p + "attn.wo", [q])
     w.constrain((B, S, d), w.linear(q, p + "attn.wo"), x, x)
     w.use(p + "attn.bo", [x], saves=0)  # added after the constrain

@@ -38,6 +38,13 @@ clamped ids (int64) and mask (bool). GPT-2 differs where its forward does: Layer
 keeps the centred fp32 input (4*D), no GQA, learned positions, and the MLP keeps 2*F
 (GELU input, GELU output).
 
+Context parallelism (cp > 1) replaces the kernel by parallel/cp_attention.py, which keeps
+q, k, v, output and log-sum-exp like a fused kernel (a2a: on the head split, the same
+sizes, plus its own copy of the output, the zigzag order and its inverse, int64 per
+position); allgather keeps the gathered K/V (cp x the local k and v) instead of the
+local ones, and the zigzag order. The token ids a rank selects are a new tensor under
+cp, kept by a lookup that is not vocab-parallel.
+
 Attention kernel: the fused kernels (CPU's flash kernel, CUDA flash / mem-efficient)
 keep q, k, v, output and log-sum-exp and recompute the probabilities. The math path
 keeps q and k expanded to Hq heads (GQA), v expanded, the probabilities (B, Hq, S, S)
@@ -122,8 +129,14 @@ def _norm(plan: Plan, B: int, S: int, D: int, c: int) -> int:
 def _attention_saved(plan, B, S, Hq, Hkv, hd, c, kernel: str) -> int:
     q = _local(plan, (B, S, Hq, hd), ("batch", "seq", "q_heads", None))
     kv = _local(plan, (B, S, Hkv, hd), ("batch", "seq", "kv_heads", None))
+    lse = _local(plan, (B, Hq, S), ("batch", "q_heads", "seq"))
+    if plan.mesh.cp > 1:  # parallel/cp_attention.py keeps q, k, v, output, lse and its orders
+        if plan.cp_comm == "allgather":  # the gathered K/V (cp x the local shard) instead of k, v
+            return c * (q + 2 * kv * plan.mesh.cp + q) + FP32 * lse + INT64 * S
+        if plan.cp_comm == "a2a":  # its output on the head split, besides the one wo keeps; two orders
+            return c * (q + 2 * kv + q + q) + FP32 * lse + 2 * INT64 * S
+        return c * (q + 2 * kv + q) + FP32 * lse
     if kernel == "flash":
-        lse = _local(plan, (B, Hq, S), ("batch", "q_heads", "seq"))
         return c * (q + 2 * kv + q) + FP32 * lse
     probs = _local(plan, (B, Hq, S, S), ("batch", "q_heads", "seq", None))
     return c * (4 * q + probs)  # q, k and v at Hq heads, output copy; probabilities
@@ -191,6 +204,8 @@ def per_rank_memory(plan: Plan, model, *, micro_batch: int, seq_len: int, precis
         once += INT64 * _local(plan, (S,), ("seq",))
     if embedding and any(a for a in plan.params["tok_emb"].layout.dim_axes[0] if a not in GATHERED_AXES):
         once += tokens * (INT64 + BOOL)  # vocab-parallel lookup: clamped ids, in-slice mask
+    elif embedding and mesh.cp > 1:
+        once += tokens * INT64  # the lookup keeps its ids: under cp, this rank's zigzag copy
     logits = _local(plan, (B, S, V), ("batch", "seq", "vocab"))
     loss = 0
     if head:
