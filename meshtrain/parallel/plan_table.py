@@ -25,7 +25,8 @@ def plan_table(plan) -> Table:
     from .plan import placement_str
 
     mesh = " x ".join(f"{a}={plan.mesh.size(a)}" for a in plan.mesh.axes)
-    table = Table(title=f"plan: world {plan.mesh.world}, mesh {mesh}")
+    cp = f", cp_comm {plan.cp_comm} (zigzag sequence)" if plan.mesh.cp > 1 else ""
+    table = Table(title=f"plan: world {plan.mesh.world}, mesh {mesh}{cp}")
     for col in ("parameter", "count", "shape", "mesh axes", "placements", "local shape", "bytes/rank"):
         table.add_column(col, justify="right" if col in ("count", "bytes/rank") else "left")
     groups: OrderedDict[str, list] = OrderedDict()
