@@ -33,7 +33,6 @@ LAYOUTS = {
         "fsdp2_tp2_sp": ({"fsdp": 2, "tp": 2}, True, None), "dp2_tp2_sp": ({"dp": 2, "tp": 2}, True, None),
         "fsdp4_uneven": ({"fsdp": 4}, False, UNEVEN), "cp4_ring": ({"cp": 4}, False, None, "ring"),
         "cp2_tp2_sp_ring": ({"cp": 2, "tp": 2}, True, None, "ring"),
-        "cp2_tp2_allgather": ({"cp": 2, "tp": 2}, False, None, "allgather"),
         "fsdp2_cp2_a2a": ({"fsdp": 2, "cp": 2}, False, None, "a2a")},
 }
 

@@ -86,7 +86,8 @@ def _block_forward(q, k, v, causal):
 
 
 def _block_backward(dout, q, k, v, out, lse, causal):
-    """Gradients (dq, dk, dv) of one block, in the accumulation dtype. `out` and `lse` are the
+    """Gradients (dq, dk, dv) of one block, in the accumulation dtype (the fused path's dq: in
+    the kernel's dtype, for the caller to add into its accumulator). `out` and `lse` are the
     FINAL rows of the whole attention (not this block's): then P = exp(S - lse) is this block's
     share of the softmax and D = rowsum(dout * out), so the blocks' gradients simply add up."""
     scale, hkv = q.shape[-1] ** -0.5, k.shape[2]
@@ -94,8 +95,10 @@ def _block_backward(dout, q, k, v, out, lse, causal):
         dq, dk, dv = aten._scaled_dot_product_flash_attention_backward(
             dout.transpose(1, 2), *_heads_first(q, k, v), out.transpose(1, 2), lse.contiguous(),
             None, None, q.shape[1], k.shape[1], 0.0, causal, None, None, scale=scale)  # dense, no dropout
-        dk, dv = (t.transpose(1, 2).float().unflatten(2, (hkv, -1)).sum(3) for t in (dk, dv))
-        return dq.transpose(1, 2).float(), dk, dv
+        # Summed over each kv head's query group in fp32; dq stays in the kernel's dtype and
+        # is added into the fp32 accumulator by the caller (one pass instead of two).
+        dk, dv = (t.transpose(1, 2).unflatten(2, (hkv, -1)).sum(3, dtype=torch.float32) for t in (dk, dv))
+        return dq.transpose(1, 2), dk, dv
     s = _scores(q, k, causal)
     acc = s.dtype
     p = torch.exp(s - lse.to(acc).unflatten(1, (hkv, -1)).unsqueeze(-1))
@@ -115,8 +118,8 @@ def _attend(q, k, v, pieces, out, lse):
         o, l = _block_forward(q[:, rows], k[:, keys], v[:, keys], causal)
         old = lse[:, :, rows]
         new = torch.logaddexp(old, l)  # stable; the first block meets lse = -inf, weight 0
-        w_old, w_new = (torch.exp(x - new).transpose(1, 2).unsqueeze(-1) for x in (old, l))
-        out[:, rows] = out[:, rows] * w_old + o.to(out.dtype) * w_new
+        # The two weights exp(old - new) and exp(l - new) sum to 1: one in-place lerp.
+        out[:, rows].lerp_(o.to(out.dtype), torch.exp(l - new).transpose(1, 2).unsqueeze(-1))
         lse[:, :, rows] = new
 
 
