@@ -6,6 +6,8 @@
 2. layouts: the allgather and ring block schedules of cp=4 virtual ranks, run with the fused
    kernels and the log-sum-exp merge, against F.scaled_dot_product_attention in fp32 on the
    whole sequence (output and q/k/v gradients).
+3. op: the custom op the runtime calls, eager and compiled (fullgraph), on a 1-rank NCCL
+   group, every comm type (their fake kernels must match the real outputs' layouts).
 
 Prints the max error of every comparison relative to the reference's max magnitude; exits 1 if
 one is above the tolerance (bf16 3e-2, fp16 1e-2).
@@ -95,6 +97,36 @@ def layouts(dtype, cp=4, b=2, S=1024, hq=8, hkv=2, d=64):
             report(f"{comm:<9} cp={cp} {str(dtype)[6:]} {n}", a, e, dtype)
 
 
+def op(dtype, b=2, S=2048, hq=8, hkv=2, d=128):
+    """The custom op (what the runtime calls), eager and under torch.compile(fullgraph=True),
+    on a 1-rank NCCL group (cp = 1: every exchange runs, with itself), against fp32 SDPA."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29511")
+        dist.init_process_group("nccl", rank=0, world_size=1)
+    g = torch.Generator(device="cuda").manual_seed(2)
+    q, dout = (torch.randn(b, S, hq, d, device="cuda", dtype=dtype, generator=g) for _ in range(2))
+    k, v = (torch.randn(b, S, hkv, d, device="cuda", dtype=dtype, generator=g) for _ in range(2))
+    ref_leaves = [t.float().requires_grad_() for t in (q, k, v)]
+    ref = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in ref_leaves), is_causal=True,
+                                         enable_gqa=True).transpose(1, 2)
+    ref.backward(dout.float())
+    for comm in cpa.CP_COMMS:
+        for compiled in (False, True):
+            def fn(a, b_, c, comm=comm):
+                return cpa.context_parallel_attention(a, b_, c, dist.group.WORLD, comm)
+            run = torch.compile(fn, fullgraph=True) if compiled else fn
+            leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+            out = run(*leaves)
+            out.backward(dout)
+            mode = "compiled" if compiled else "eager"
+            for n, a, e in zip(("out", "dq", "dk", "dv"), [out] + [t.grad for t in leaves],
+                               [ref] + [t.grad for t in ref_leaves]):
+                report(f"op {comm:<9} {mode:<8} {str(dtype)[6:]} {n}", a, e, dtype)
+
+
 if __name__ == "__main__":
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU")
@@ -102,5 +134,6 @@ if __name__ == "__main__":
     for dtype in (torch.bfloat16, torch.float16):
         kernels(dtype)
         layouts(dtype)
+    op(torch.bfloat16)
     print(f"{len(failures)} failed" if failures else "all passed")
     sys.exit(1 if failures else 0)

@@ -130,10 +130,10 @@ def test_help_shows_the_field_docstrings(capsys):
     (["--parallel.cp", "0"], "parallel.cp", "at least 1"),
     (["--parallel.cp", "2", "--parallel.cp_comm", "ulysses"], "parallel.cp_comm", "ring"),
     (["--parallel.cp", "2", "--parallel.nproc_per_node", "2", "--train.seq_len", "126"], "train.seq_len", "2 x cp"),
-    (["--parallel.cp", "2", "--parallel.nproc_per_node", "2", "--train.compile", "true"], "parallel.cp",
-     "train.compile false"),
     (["--parallel.cp", "8", "--parallel.nproc_per_node", "8", "--parallel.cp_comm", "a2a"], "parallel.cp_comm=a2a",
      "model.n_kv_heads"),
+    (["--parallel.cp", "2", "--parallel.tp", "2", "--parallel.nproc_per_node", "4", "--train.compile", "true"],
+     "train.compile", "only parallel axis"),
     (["--parallel.ep", "2"], "parallel.ep", "not implemented yet"),
     (["--parallel.pp", "2"], "parallel.fsdp=-1", "parallel.nproc_per_node"),  # 2 stages need 2 processes
     (["--model.init_from", ""], "model.init_from", "Hugging Face"),

@@ -23,7 +23,7 @@ LOSS_RTOL, PARAM_ATOL = 1e-5, 1e-5
 # Uneven fsdp shards: the embedding tables split 130 rows over 4 ranks.
 UNEVEN = {"tok_emb": {"vocab": ("fsdp",), "embed": ()}, "output": {"vocab": ("fsdp",), "embed": ()}}
 # name: (mesh sizes, sequence parallel, rule overrides[, cp_comm]). Context-parallel
-# layouts shard parameters over fsdp x cp (the default rules) and run eager only.
+# layouts shard parameters over fsdp x cp (the default rules).
 LAYOUTS = {
     2: {"dp2": ({"dp": 2}, False, None), "fsdp2": ({"fsdp": 2}, False, None),
         "tp2": ({"tp": 2}, False, None), "tp2_sp": ({"tp": 2}, True, None),
@@ -60,7 +60,7 @@ def single_process(micro_steps: int = 1, compile=False):
 
 
 # The layouts the compiled runs cover (the rest add no new graph shape worth the compile time).
-COMPILED = {"dp2", "fsdp2", "tp2", "tp2_sp", "dp2_fsdp2", "fsdp2_tp2", "fsdp2_tp2_sp"}
+COMPILED = {"dp2", "fsdp2", "tp2", "tp2_sp", "dp2_fsdp2", "fsdp2_tp2", "fsdp2_tp2_sp", "cp2_ring", "cp2_a2a"}
 
 
 def train_layouts(world: int, compile, names=None):

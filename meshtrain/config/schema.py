@@ -68,7 +68,7 @@ class ParallelConfig:
     sp: bool = False
     """Sequence parallelism: shard the residual stream's sequence dim over the tp ranks (train.seq_len must be divisible by tp)."""
     cp: int = 1
-    """Context parallelism: every activation's sequence dim split over cp ranks in load-balanced zigzag order (rank r holds chunks r and 2cp-1-r of 2cp); train.seq_len must be a multiple of 2 x cp. Parameters are fsdp-sharded over fsdp x cp. Eager (train.compile false)."""
+    """Context parallelism: every activation's sequence dim split over cp ranks in load-balanced zigzag order (rank r holds chunks r and 2cp-1-r of 2cp); train.seq_len must be a multiple of 2 x cp. Parameters are fsdp-sharded over fsdp x cp. train.compile works with cp as the only parallel axis."""
     cp_comm: str = "allgather"
     """How attention exchanges the sequence over cp: allgather (K/V all-gathered; any head count) | ring (K/V blocks passed around the cp ranks point to point, overlapped with compute) | a2a (Ulysses all-to-all to a head split; n_heads and n_kv_heads per tp rank must divide by cp)."""
     ep: int = 1
@@ -247,9 +247,13 @@ class RunConfig:
         """The Plan of this config for `world` ranks (None: the product of the fixed sizes,
         with a -1 axis taken as `fill`)."""
         from ..parallel.plan import make_plan
+        from ..train.step import check_compile_with_cp
 
-        return make_plan(self.model_def().specs, self.rules(), self.mesh_spec(fill=fill), world=world,
+        plan = make_plan(self.model_def().specs, self.rules(), self.mesh_spec(fill=fill), world=world,
                          cp_comm=self.parallel.cp_comm)
+        if self.train.compile:
+            check_compile_with_cp(plan.mesh)
+        return plan
 
     # --- what the run is built from ----------------------------------------------
 
@@ -434,9 +438,6 @@ def _validate_context_parallel(cfg: "RunConfig") -> None:
         raise ConfigError(f"parallel.sp=true splits each cp rank's positions over parallel.tp={p.tp} ranks: "
                           f"train.seq_len={t.seq_len} must be a multiple of cp x tp = {p.cp * p.tp}; choose "
                           "such a seq_len or set parallel.sp false")
-    if t.compile:
-        raise ConfigError(f"parallel.cp={p.cp} runs eager: its attention exchanges are not traced by "
-                          "torch.compile yet; set train.compile false")
 
 
 def _validate_pipeline(cfg: "RunConfig") -> None:

@@ -5,7 +5,8 @@ mask a contiguous split would leave the first rank almost idle and the last one 
 work, so the sequence is cut into 2*cp chunks of c tokens and rank r holds chunks r and 2cp-1-r
 (one early, one late: every rank does the same work). `zigzag_order` gives that layout.
 
-Three ways to exchange what attention needs, each an autograd.Function with its own backward:
+Three ways to exchange what attention needs, each a forward and a backward function behind one
+custom op per direction (opaque to torch.compile):
 
   allgather  all-gather K/V (one collective), attend both local q chunks to the keys before them;
              backward: one reduce-scatter of dK/dV.
@@ -184,39 +185,34 @@ def _gather_pieces(r, cp, c):
     return pieces
 
 
-class _AllGather(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, group):
-        cp, r, c = dist.get_world_size(group), dist.get_rank(group), q.shape[1] // 2
-        perm = zigzag_order(c * 2 * cp, cp).to(q.device)
-        kv = torch.stack([k, v])  # (2, b, 2c, hkv, d): K and V in one collective
-        shards = kv.new_empty((cp * 2,) + kv.shape[1:])  # the concatenated form (gloo takes no stack)
-        _all_gather(shards, kv, group)
-        shards = shards.unflatten(0, (cp, 2))
-        # Natural order: rank blocks side by side are the zigzag order, undone by the inverse perm.
-        kv = shards.movedim(0, 2).flatten(2, 3).index_select(2, torch.argsort(perm))
-        pieces = _gather_pieces(r, cp, c)
-        out, lse = _running(q)
-        _attend(q, kv[0], kv[1], pieces, out, lse)
-        out = out.to(q.dtype)
-        # Memory trade-off: keeping the gathered K/V (2 b S hkv d elements, cp times the local
-        # shard) saves a second all-gather in backward; with GQA (hkv << hq) it is small.
-        ctx.save_for_backward(q, kv, out, lse, perm)
-        ctx.group, ctx.pieces = group, pieces
-        return out
+def _allgather_forward(q, k, v, group):
+    """Returns out and (lse, gathered K/V, zigzag order) for backward."""
+    cp, r, c = dist.get_world_size(group), dist.get_rank(group), q.shape[1] // 2
+    perm = zigzag_order(c * 2 * cp, cp).to(q.device)
+    kv = torch.stack([k, v])  # (2, b, 2c, hkv, d): K and V in one collective
+    shards = kv.new_empty((cp * 2,) + kv.shape[1:])  # the concatenated form (gloo takes no stack)
+    _all_gather(shards, kv, group)
+    shards = shards.unflatten(0, (cp, 2))
+    # Natural order: rank blocks side by side are the zigzag order, undone by the inverse perm.
+    kv = shards.movedim(0, 2).flatten(2, 3).index_select(2, torch.argsort(perm))
+    out, lse = _running(q)
+    _attend(q, kv[0], kv[1], _gather_pieces(r, cp, c), out, lse)
+    # Memory trade-off: keeping the gathered K/V (2 b S hkv d elements, cp times the local
+    # shard) saves a second all-gather in backward; with GQA (hkv << hq) it is small.
+    return out.to(q.dtype), [lse, kv, perm]
 
-    @staticmethod
-    def backward(ctx, dout):
-        q, kv, out, lse, perm = ctx.saved_tensors
-        cp = dist.get_world_size(ctx.group)
-        dq = torch.zeros_like(q, dtype=_acc(q.dtype))
-        dkv = torch.zeros_like(kv, dtype=dq.dtype)
-        _attend_backward(dout, q, kv[0], kv[1], out, lse, ctx.pieces, dq, dkv)
-        # Back to zigzag rank blocks, summed over ranks in fp32 (every rank adds to every shard).
-        send = dkv.index_select(2, perm).unflatten(2, (cp, -1)).movedim(2, 0).flatten(0, 1).contiguous()
-        mine = send.new_empty((2,) + send.shape[1:])
-        _reduce_scatter(mine, send, ctx.group)
-        return dq.to(q.dtype), mine[0].to(q.dtype), mine[1].to(q.dtype), None
+
+def _allgather_backward(dout, inputs, out, saved, group):
+    (q,), (lse, kv, perm) = inputs, saved
+    cp, r, c = dist.get_world_size(group), dist.get_rank(group), q.shape[1] // 2
+    dq = torch.zeros_like(q, dtype=_acc(q.dtype))
+    dkv = torch.zeros_like(kv, dtype=dq.dtype)
+    _attend_backward(dout, q, kv[0], kv[1], out, lse, _gather_pieces(r, cp, c), dq, dkv)
+    # Back to zigzag rank blocks, summed over ranks in fp32 (every rank adds to every shard).
+    send = dkv.index_select(2, perm).unflatten(2, (cp, -1)).movedim(2, 0).flatten(0, 1).contiguous()
+    mine = send.new_empty((2,) + send.shape[1:])
+    _reduce_scatter(mine, send, group)
+    return dq.to(q.dtype), mine.to(q.dtype)
 
 
 def _ring_pieces(j, r, c):
@@ -228,49 +224,43 @@ def _ring_pieces(j, r, c):
     return [(slice(c, None), slice(None), False)]  # j > r: only the late q chunk, both chunks precede it
 
 
-class _Ring(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, group):
-        cp, r, c = dist.get_world_size(group), dist.get_rank(group), q.shape[1] // 2
-        out, lse = _running(q)
-        kv = torch.stack([k, v])
-        for i in range(cp):  # step i holds the block of rank r - i
-            if i + 1 < cp:  # posted before the compute, so the transfer overlaps it
-                works, nxt = _ring_exchange(kv, group, 0)
-            _attend(q, kv[0], kv[1], _ring_pieces((r - i) % cp, r, c), out, lse)
-            if i + 1 < cp:
-                _wait(works)
-                kv = nxt
-        out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group = group
-        return out
+def _ring_forward(q, k, v, group):
+    """Returns out and (lse,) for backward, which passes K/V around the ring again."""
+    cp, r, c = dist.get_world_size(group), dist.get_rank(group), q.shape[1] // 2
+    out, lse = _running(q)
+    kv = torch.stack([k, v])
+    for i in range(cp):  # step i holds the block of rank r - i
+        if i + 1 < cp:  # posted before the compute, so the transfer overlaps it
+            works, nxt = _ring_exchange(kv, group, 0)
+        _attend(q, kv[0], kv[1], _ring_pieces((r - i) % cp, r, c), out, lse)
+        if i + 1 < cp:
+            _wait(works)
+            kv = nxt
+    return out.to(q.dtype), [lse]
 
-    @staticmethod
-    def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        group = ctx.group
-        cp, r, c = dist.get_world_size(group), dist.get_rank(group), q.shape[1] // 2
-        dq = torch.zeros_like(q, dtype=_acc(q.dtype))
-        kv, pending = torch.stack([k, v]), None
-        for i in range(cp):
-            if i + 1 < cp:
-                works, nxt = _ring_exchange(kv, group, 0)
-            dkv = torch.zeros(kv.shape, dtype=dq.dtype, device=kv.device)
-            _attend_backward(dout, q, kv[0], kv[1], out, lse, _ring_pieces((r - i) % cp, r, c), dq, dkv)
-            # The accumulator of block r - i arrives from the previous rank (which held that block
-            # one step earlier) and moves on with it: after the last step it reaches its owner.
-            if pending is not None:
-                _wait(pending[0])
-                dkv += pending[1]
-            # fp32 on the wire: partial sums of cp ranks. cp == 1: the block is already home.
-            pending = _ring_exchange(dkv, group, 1) if cp > 1 else ([], dkv)
-            if i + 1 < cp:
-                _wait(works)
-                kv = nxt
-        _wait(pending[0])
-        dk, dv = pending[1].to(k.dtype)
-        return dq.to(q.dtype), dk, dv, None
+
+def _ring_backward(dout, inputs, out, saved, group):
+    (q, k, v), (lse,) = inputs, saved
+    cp, r, c = dist.get_world_size(group), dist.get_rank(group), q.shape[1] // 2
+    dq = torch.zeros_like(q, dtype=_acc(q.dtype))
+    kv, pending = torch.stack([k, v]), None
+    for i in range(cp):
+        if i + 1 < cp:
+            works, nxt = _ring_exchange(kv, group, 0)
+        dkv = torch.zeros(kv.shape, dtype=dq.dtype, device=kv.device)
+        _attend_backward(dout, q, kv[0], kv[1], out, lse, _ring_pieces((r - i) % cp, r, c), dq, dkv)
+        # The accumulator of block r - i arrives from the previous rank (which held that block
+        # one step earlier) and moves on with it: after the last step it reaches its owner.
+        if pending is not None:
+            _wait(pending[0])
+            dkv += pending[1]
+        # fp32 on the wire: partial sums of cp ranks. cp == 1: the block is already home.
+        pending = _ring_exchange(dkv, group, 1) if cp > 1 else ([], dkv)
+        if i + 1 < cp:
+            _wait(works)
+            kv = nxt
+    _wait(pending[0])
+    return dq.to(q.dtype), pending[1].to(k.dtype)
 
 
 def _check_a2a_heads(hq, hkv, cp):
@@ -281,35 +271,98 @@ def _check_a2a_heads(hq, hkv, cp):
                           f"'allgather' or 'ring', or a cp that divides both")
 
 
-class _AllToAll(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, group):
-        cp, (s, hq), hkv = dist.get_world_size(group), q.shape[1:3], k.shape[2]
-        perm = zigzag_order(s * cp, cp).to(q.device)
-        inv = torch.argsort(perm)
-        # Destination t gets head group t of q, k and v (contiguous, so GQA groups stay whole).
-        send = torch.cat([t.unflatten(2, (cp, -1)) for t in (q, k, v)], 3).movedim(2, 0)
-        x = _all_to_all(send, group).movedim(0, 1).flatten(1, 2)  # (b, S, heads/cp, d), zigzag order
-        qh, kh, vh = x.index_select(1, inv).split([hq // cp, hkv // cp, hkv // cp], 2)  # natural order
-        out, lse = _block_forward(qh, kh, vh, True)
-        out = out.to(q.dtype)
-        ctx.save_for_backward(qh, kh, vh, out, lse, perm, inv)
-        ctx.group = group
-        back = _all_to_all(out.index_select(1, perm).unflatten(1, (cp, s)).movedim(1, 0), group)
-        return back.movedim(0, 2).flatten(2, 3)  # (b, s, hq, d); from rank t came head group t
-
-    @staticmethod
-    def backward(ctx, dout):
-        qh, kh, vh, out, lse, perm, inv = ctx.saved_tensors
-        group, cp, s = ctx.group, dist.get_world_size(ctx.group), dout.shape[1]
-        dh = _all_to_all(dout.unflatten(2, (cp, -1)).movedim(2, 0), group).movedim(0, 1).flatten(1, 2)
-        grads = _block_backward(dh.index_select(1, inv), qh, kh, vh, out, lse, True)
-        send = torch.cat(grads, 2).to(qh.dtype).index_select(1, perm).unflatten(1, (cp, s)).movedim(1, 0)
-        back = _all_to_all(send, group).split([qh.shape[2], kh.shape[2], vh.shape[2]], 3)
-        return (*(t.movedim(0, 2).flatten(2, 3) for t in back), None)
+def _a2a_forward(q, k, v, group):
+    """Returns out and (lse, head-split q/k/v, head-split output, zigzag order, inverse)."""
+    cp, (s, hq), hkv = dist.get_world_size(group), q.shape[1:3], k.shape[2]
+    perm = zigzag_order(s * cp, cp).to(q.device)
+    inv = torch.argsort(perm)
+    # Destination t gets head group t of q, k and v (contiguous, so GQA groups stay whole).
+    send = torch.cat([t.unflatten(2, (cp, -1)) for t in (q, k, v)], 3).movedim(2, 0)
+    x = _all_to_all(send, group).movedim(0, 1).flatten(1, 2).index_select(1, inv)  # (b, S, heads/cp, d)
+    qh, kh, vh = x.split([hq // cp, hkv // cp, hkv // cp], 2)  # natural order
+    out, lse = _block_forward(qh, kh, vh, True)
+    out = out.to(q.dtype)
+    back = _all_to_all(out.index_select(1, perm).unflatten(1, (cp, s)).movedim(1, 0), group)
+    return back.movedim(0, 2).flatten(2, 3), [lse, x, out, perm, inv]  # from rank t came head group t
 
 
-_IMPLS = {"allgather": _AllGather, "ring": _Ring, "a2a": _AllToAll}
+def _a2a_backward(dout, inputs, out, saved, group):
+    lse, x, out_h, perm, inv = saved  # needs none of the inputs: the head split holds them
+    cp, s, hq_cp = dist.get_world_size(group), dout.shape[1], out_h.shape[2]
+    qh, kh, vh = x.split([hq_cp, (x.shape[2] - hq_cp) // 2, (x.shape[2] - hq_cp) // 2], 2)
+    dh = _all_to_all(dout.unflatten(2, (cp, -1)).movedim(2, 0), group).movedim(0, 1).flatten(1, 2)
+    grads = _block_backward(dh.index_select(1, inv), qh, kh, vh, out_h, lse, True)
+    send = torch.cat(grads, 2).to(dout.dtype).index_select(1, perm).unflatten(1, (cp, s)).movedim(1, 0)
+    dq, dk, dv = _all_to_all(send, group).split([qh.shape[2], kh.shape[2], vh.shape[2]], 3)
+    dq = dq.movedim(0, 2).flatten(2, 3)  # (b, s, hq, d), from rank t came head group t
+    return dq, torch.stack([t.movedim(0, 2).flatten(2, 3) for t in (dk, dv)])
+
+
+_EXCHANGES = {"allgather": (_allgather_forward, _allgather_backward),
+              "ring": (_ring_forward, _ring_backward),
+              "a2a": (_a2a_forward, _a2a_backward)}
+# Which inputs each backward needs (q, k, v kept for backward only where used).
+_KEPT_INPUTS = {"allgather": 1, "ring": 3, "a2a": 0}
+
+
+# ---------------------------------------------------------------- one opaque op per direction
+#
+# torch.compile cannot trace c10d calls, so the exchange is a custom op: opaque to dynamo
+# (steps compile with fullgraph=True), with its backward registered as another custom op.
+# The process group travels by name. Outputs never alias inputs or each other.
+
+def _group(name: str):
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(name)
+
+
+@torch.library.custom_op("meshtrain::cp_attention", mutates_args=())
+def _cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: str, comm: str) -> list[torch.Tensor]:
+    out, saved = _EXCHANGES[comm][0](q, k, v, _group(group))
+    return [t.contiguous() for t in (out, *saved)]  # the layout the fake promises
+
+
+@_cp_attention.register_fake
+def _(q, k, v, group, comm):
+    cp, (b, s, hq, d), hkv = _group(group).size(), q.shape, k.shape[2]
+    lse_shape, S = (b, hq // cp, s * cp) if comm == "a2a" else (b, hq, s), s * cp
+    saved = [q.new_empty(lse_shape, dtype=_acc(q.dtype))]
+    if comm == "allgather":
+        saved += [k.new_empty((2, b, S, hkv, d)), q.new_empty((S,), dtype=torch.long)]
+    elif comm == "a2a":
+        saved += [q.new_empty((b, S, (hq + 2 * hkv) // cp, d)), q.new_empty((b, S, hq // cp, d)),
+                  q.new_empty((S,), dtype=torch.long), q.new_empty((S,), dtype=torch.long)]
+    return [q.new_empty(q.shape), *saved]
+
+
+@torch.library.custom_op("meshtrain::cp_attention_backward", mutates_args=())
+def _cp_attention_backward(dout: torch.Tensor, inputs: list[torch.Tensor], out: torch.Tensor,
+                           saved: list[torch.Tensor], group: str, comm: str, hkv: int) -> list[torch.Tensor]:
+    dq, dkv = _EXCHANGES[comm][1](dout, inputs, out, saved, _group(group))
+    return [dq.contiguous(), dkv.contiguous()]  # dK, dV stacked: views of one output would alias
+
+
+@_cp_attention_backward.register_fake
+def _(dout, inputs, out, saved, group, comm, hkv):
+    b, s, _, d = dout.shape
+    return [dout.new_empty(dout.shape), dout.new_empty((2, b, s, hkv, d))]
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, ctx.group, ctx.comm = inputs
+    ctx.kept, ctx.hkv = _KEPT_INPUTS[ctx.comm], k.shape[2]
+    ctx.save_for_backward(*(q, k, v)[:ctx.kept], *output)
+
+
+def _backward(ctx, grads):
+    saved = ctx.saved_tensors
+    inputs, (out, *rest) = list(saved[:ctx.kept]), saved[ctx.kept:]
+    dq, dkv = _cp_attention_backward(grads[0].contiguous(), inputs, out, list(rest), ctx.group, ctx.comm, ctx.hkv)
+    return dq, dkv[0], dkv[1], None, None
+
+
+_cp_attention.register_autograd(_backward, setup_context=_setup_context)
 
 
 def context_parallel_attention(q, k, v, group, comm: str) -> torch.Tensor:
@@ -318,7 +371,7 @@ def context_parallel_attention(q, k, v, group, comm: str) -> torch.Tensor:
     h // (hq//hkv)). group: the cp ProcessGroup (None: the default group). Softmax scale 1/sqrt(d).
     Returns (b, s_local, hq, d), equal to the matching rows of full-sequence causal attention.
     Differentiable w.r.t. q, k, v. comm: one of CP_COMMS."""
-    if comm not in _IMPLS:
+    if comm not in _EXCHANGES:
         raise ConfigError(f"context-parallel comm {comm!r}: choose one of {', '.join(CP_COMMS)}")
     group = group if group is not None else dist.group.WORLD
     if q.shape[1] % 2 or q.shape[2] % k.shape[2] or k.shape != v.shape or q.shape[:2] != k.shape[:2]:
@@ -326,4 +379,4 @@ def context_parallel_attention(q, k, v, group, comm: str) -> torch.Tensor:
                          "expected (b, 2c, hq, d) and (b, 2c, hkv, d) with hkv dividing hq")
     if comm == "a2a":
         _check_a2a_heads(q.shape[2], k.shape[2], dist.get_world_size(group))
-    return _IMPLS[comm].apply(q, k, v, group)
+    return _cp_attention(q, k, v, group.group_name, comm)[0]

@@ -43,9 +43,8 @@ def make_train_step(model: ModelDef, plan=None, device_mesh=None, *, optimizer: 
     With no plan the step runs on one device. `compile` True wraps the loss and the update
     in torch.compile(fullgraph=True) with inductor; a string names another backend.
     """
-    if compile and plan is not None and plan.mesh.cp > 1:
-        raise ConfigError(f"parallel.cp={plan.mesh.cp} runs eager: its attention exchanges are not traced by "
-                          "torch.compile yet; build the step with compile=False (train.compile false)")
+    if compile and plan is not None:
+        check_compile_with_cp(plan.mesh)
     ctx = _context(plan, device_mesh, precision)
     schedule = schedule or LRSchedule(lr=optimizer.lr, kind="constant")
     scope = getattr(ctx, "regather_in_backward", contextlib.nullcontext)
@@ -73,6 +72,15 @@ def make_train_step(model: ModelDef, plan=None, device_mesh=None, *, optimizer: 
         return {"loss": float(_full(total)), "grad_norm": float(norm), "lr": lr}
 
     return step
+
+
+def check_compile_with_cp(mesh) -> None:
+    """Compiled steps take cp only as the sole mesh axis: with another axis beside it,
+    DTensor's tracing of the cp-sharded sequence fails (unbacked sizes, torch 2.13)."""
+    if mesh.cp > 1 and len(mesh.axes) > 1:
+        others = ", ".join(f"{a}={mesh.size(a)}" for a in mesh.axes if a != "cp")
+        raise ConfigError(f"train.compile with parallel.cp={mesh.cp} needs cp to be the only parallel axis, "
+                          f"but the mesh also has {others}: set train.compile false, or use cp alone")
 
 
 def make_update(optimizer: AdamW, schedule: LRSchedule, grad_clip: float | None, compile: bool | str = False):
