@@ -57,14 +57,20 @@ def kernels(dtype, b=2):
                 report(f"bwd {n}   {tag}", a, e, dtype)
 
 
-def layouts(dtype, cp=4, b=2, S=1024, hq=8, hkv=2, d=64):
-    g = torch.Generator(device="cuda").manual_seed(1)
+def _inputs_and_reference(dtype, seed, b, S, hq, hkv, d):
+    """Random q, k, v, dout in `dtype`, and fp32 SDPA's output and fp32 leaves (with .grad)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
     q, dout = (torch.randn(b, S, hq, d, device="cuda", dtype=dtype, generator=g) for _ in range(2))
     k, v = (torch.randn(b, S, hkv, d, device="cuda", dtype=dtype, generator=g) for _ in range(2))
     leaves = [t.float().requires_grad_() for t in (q, k, v)]
     ref = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in leaves), is_causal=True,
                                          enable_gqa=True).transpose(1, 2)
     ref.backward(dout.float())
+    return (q, k, v, dout), ref, leaves
+
+
+def layouts(dtype, cp=4, b=2, S=1024, hq=8, hkv=2, d=64):
+    (q, k, v, dout), ref, leaves = _inputs_and_reference(dtype, 1, b, S, hq, hkv, d)
     perm, c = cpa.zigzag_order(S, cp).cuda(), S // (2 * cp)
     zig = [t.index_select(1, perm).chunk(cp, 1) for t in (q, k, v, dout)]
     want = [t.index_select(1, perm) for t in (ref.detach(), *(x.grad for x in leaves))]
@@ -106,13 +112,7 @@ def op(dtype, b=2, S=2048, hq=8, hkv=2, d=128):
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", "29511")
         dist.init_process_group("nccl", rank=0, world_size=1)
-    g = torch.Generator(device="cuda").manual_seed(2)
-    q, dout = (torch.randn(b, S, hq, d, device="cuda", dtype=dtype, generator=g) for _ in range(2))
-    k, v = (torch.randn(b, S, hkv, d, device="cuda", dtype=dtype, generator=g) for _ in range(2))
-    ref_leaves = [t.float().requires_grad_() for t in (q, k, v)]
-    ref = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in ref_leaves), is_causal=True,
-                                         enable_gqa=True).transpose(1, 2)
-    ref.backward(dout.float())
+    (q, k, v, dout), ref, ref_leaves = _inputs_and_reference(dtype, 2, b, S, hq, hkv, d)
     for comm in cpa.CP_COMMS:
         for compiled in (False, True):
             def fn(a, b_, c, comm=comm):
