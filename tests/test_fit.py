@@ -131,6 +131,38 @@ def test_context_parallel_fit_through_the_cli_matches_one_process(tmp_path):
         torch.testing.assert_close(ours[name], theirs[name], rtol=0, atol=1e-5, msg=name)
 
 
+@pytest.mark.slow
+def test_expert_parallel_fit_through_the_cli_matches_one_process(tmp_path):
+    """configs/tiny-moe.yaml (8 experts, top 2, a shared expert; ep 2 folded from fsdp 2)
+    shrunk like the reference, balanced aux-free: the loss, the z-loss and the expert load
+    imbalance of each step are one process's; its step-2 checkpoint (expert shards, the
+    experts' bias) resumes in one process on the same curve."""
+    moe = ROOT / "configs" / "tiny-moe.yaml"
+    common = [*SMALL, *STEPS4, "--model.moe.balance", "aux_free"]
+    one = ["--parallel.nproc_per_node", "1", "--parallel.fsdp", "1", "--parallel.ep", "1"]
+    run_dir = tmp_path / "ep2"
+    proc = run_cli("fit", "--config", str(moe), *common, "--checkpoint.every", "2", "--run_dir", str(run_dir),
+                   env={"MESHTRAIN_DIST_TIMEOUT": "120"}, timeout=400)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "experts ep=2" in proc.stdout
+    plan = json.loads((run_dir / "plan.json").read_text())
+    assert plan["mesh"] == {"fsdp": 2} and plan["expert_mesh"] == {"ep": 2}
+    reference = tmp_path / "one"
+    ref = run_cli("fit", "--config", str(moe), *common, *one, "--run_dir", str(reference))
+    assert ref.returncode == 0, ref.stdout + ref.stderr
+    resumed = tmp_path / "resumed"
+    shutil.copytree(run_dir / "checkpoints" / "step_00000002", resumed / "checkpoints" / "step_00000002")
+    res = run_cli("fit", "--config", str(moe), *common, *one, "--run_dir", str(resumed))
+    assert res.returncode == 0 and "resumed from" in res.stdout, res.stdout + res.stderr
+    for key in ("loss", "aux_loss", "expert_imbalance"):
+        def curve(d, first=0):
+            return torch.tensor([r[key] for r in read_metrics(d)][first:], dtype=torch.float64)
+
+        torch.testing.assert_close(curve(run_dir), curve(reference), rtol=1e-5, atol=0, msg=lambda m: f"{key}: {m}")
+        torch.testing.assert_close(curve(resumed), curve(reference, 2), rtol=1e-5, atol=0,
+                                   msg=lambda m: f"resumed {key}: {m}")
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -322,7 +354,7 @@ def test_flops_per_token_matches_the_architecture():
     assert 6 * matmul / 1e9 == pytest.approx(45.1, abs=0.1)  # 6 x 7.5B non-embedding parameters
 
 
-@pytest.mark.parametrize("name", ["tiny", "tiny-4proc", "tiny-pp2", "tiny-cp2", "llama3-1b", "llama3-8b", "llama3-70b", "llama3-405b"])
+@pytest.mark.parametrize("name", ["tiny", "tiny-4proc", "tiny-pp2", "tiny-cp2", "tiny-moe", "mixtral-8x7b", "qwen3-moe-30b-a3b", "deepseek-v3-style", "llama3-1b", "llama3-8b", "llama3-70b", "llama3-405b"])
 def test_config_presets_validate(name):
     raw = yaml.safe_load((ROOT / "configs" / f"{name}.yaml").read_text())
     cfg = RunConfig.from_dict(raw).validate()

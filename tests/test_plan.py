@@ -241,13 +241,13 @@ def test_compute_placements_replace_fsdp_by_replicate():
     plan = llama_plan("llama3-70b", MeshSpec(dp=2, fsdp=8, tp=8))
     mesh = plan.mesh
     assert mesh.axes == ("dp", "fsdp", "tp")
-    assert plan.params["layers.0.attn.wq"].compute_placements(mesh) == (Replicate(), Replicate(), Shard(0))
-    assert plan.params["layers.0.attn.wo"].compute_placements(mesh) == (Replicate(), Replicate(), Shard(1))
-    assert plan.params["norm"].compute_placements(mesh) == (Replicate(),) * 3
+    assert plan.params["layers.0.attn.wq"].compute_placements() == (Replicate(), Replicate(), Shard(0))
+    assert plan.params["layers.0.attn.wo"].compute_placements() == (Replicate(), Replicate(), Shard(1))
+    assert plan.params["norm"].compute_placements() == (Replicate(),) * 3
     rules = Rules(Rules.default().mapping, {"*.w_gate": {"mlp": ("tp", "fsdp"), "embed": ()}})
     strided = llama_plan("llama3-70b", MeshSpec(dp=2, fsdp=8, tp=8), rules).params["layers.0.mlp.w_gate"]
     assert strided.placements == (Replicate(), _StridedShard(0, split_factor=8), Shard(0))
-    assert strided.compute_placements(mesh) == (Replicate(), Replicate(), Shard(0))
+    assert strided.compute_placements() == (Replicate(), Replicate(), Shard(0))
 
 
 def test_out_of_order_axes_give_strided_shard():

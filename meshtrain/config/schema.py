@@ -22,6 +22,38 @@ NOT_YET = "is not implemented yet"
 
 
 @dataclass
+class MoeSection:
+    """Mixture-of-experts feed-forward blocks (llama family): a router picks top_k of num_experts SwiGLU experts per token."""
+
+    num_experts: int = 8
+    """Routed experts per MoE block."""
+    top_k: int = 2
+    """Experts each token is sent to."""
+    expert_ffn_dim: int = 128
+    """Hidden size of each expert's SwiGLU."""
+    shared_experts: int = 0
+    """Experts every token also passes through (DeepSeek-style), run as one SwiGLU of shared_experts x expert_ffn_dim; 0: none."""
+    router: str = "softmax"
+    """softmax (Mixtral, Qwen3-MoE) | sigmoid (DeepSeek-V3: independent scores, the chosen ones normalised). Computed in fp32."""
+    balance: str = "aux"
+    """aux: a balance loss aux_coef x E/k x sum_i f_i P_i, taken within each sequence and averaged over the global batch | aux_free: a per-expert bias shifts the choice of experts toward balance, updated after each step by bias_update_rate x sign(mean load - load) over the global batch's tokens | none."""
+    aux_coef: float = 0.01
+    """Weight of the balance loss (balance aux)."""
+    z_loss_coef: float = 0.0
+    """Weight of the router z-loss (mean over tokens of logsumexp(logits)^2); 0: off."""
+    capacity_factor: float | None = None
+    """null: dropless (every routed token is computed). A number: each expert takes at most ceil(capacity_factor x tokens x top_k / E) of each rank's routed tokens per micro-step, those with the highest gates; the rest are dropped (they add nothing; the residual carries them)."""
+    layers: str | list[int] = "all"
+    """Which blocks are MoE: all; a slice such as '1:' (all but the first, dense, block) or '::2'; or a list of indices. Dense blocks keep model.ffn_dim."""
+    norm_topk: bool = True
+    """Normalise the top_k gates of a token to sum to 1."""
+    route_scale: float = 1.0
+    """Multiplier of the gates (DeepSeek-V3: 2.5)."""
+    bias_update_rate: float = 0.001
+    """Step of the aux-free bias update (balance aux_free)."""
+
+
+@dataclass
 class ModelConfig:
     """The model architecture."""
 
@@ -51,6 +83,12 @@ class ModelConfig:
     """Start from Hugging Face weights: a directory with config.json and *.safetensors (Llama or GPT-2). Its architecture must match the model.* keys; each rank reads only the slices of its own shards. Ignored when resuming from a checkpoint. null: random initialisation from seed."""
     rope_scaling: dict | None = None
     """Llama 3.1-style RoPE rescaling for long context (llama only): {factor, low_freq_factor, high_freq_factor, original_max_position_embeddings}; null: none."""
+    qk_norm: bool = False
+    """RMSNorm on each query and key head before RoPE (Qwen3; llama only)."""
+    head_dim: int | None = None
+    """Width of an attention head when it is not dim / n_heads (Qwen3; llama only); null: dim / n_heads."""
+    moe: MoeSection | None = None
+    """Mixture-of-experts blocks (llama only); null: every block is dense."""
 
 
 @dataclass
@@ -72,7 +110,7 @@ class ParallelConfig:
     cp_comm: str = "allgather"
     """How attention exchanges the sequence over cp: allgather (K/V all-gathered; any head count) | ring (K/V blocks passed around the cp ranks point to point, overlapped with compute) | a2a (Ulysses all-to-all to a head split; n_heads and n_kv_heads per tp rank must divide by cp)."""
     ep: int = 1
-    """Expert parallelism (mixture-of-experts). Only 1: not implemented yet."""
+    """Expert parallelism (needs model.moe): each expert's weights live on one of ep ranks, drawn from the fsdp x cp ranks (folded, so ep is not a factor of the world size and must divide fsdp x cp); tokens reach their experts by all-to-all. Expert weights are fsdp-sharded over the fsdp x cp / ep ranks left and split over tp on their hidden dim. Eager only (train.compile false)."""
     pp: int = 1
     """Pipeline parallelism: the layers split into pp x pp_virtual stages over pp groups of ranks (outermost mesh axis). The micro-batches of a step (global_batch / (micro_batch x dp x fsdp)) flow through the stages; eager (train.compile false)."""
     pp_schedule: str = "1f1b"
@@ -234,13 +272,24 @@ class RunConfig:
                                   f"that is a multiple of tp, or set parallel.sp false")
         if p.cp > 1:
             _validate_context_parallel(self)
+        if p.ep > 1:
+            _validate_experts(self)
+        if self.checkpoint.export:  # what Hugging Face cannot express fails now, not after training
+            from ..interop.hf import to_hf_config
+
+            try:
+                to_hf_config(m.arch, self.family_config())
+            except ConfigError as e:
+                raise ConfigError(f"checkpoint.export=true: {e}; or set checkpoint.export false") from None
+
         dp = p.dp * (1 if p.fsdp == -1 else p.fsdp)
         if t.global_batch % (t.micro_batch * dp):
             raise ConfigError(_batch_message(t, p.dp, p.fsdp, dp))
         if p.pp > 1:
             _validate_pipeline(self)
-        # Any other layout problem the planner can see before the world size is known.
-        self.plan(world=None, fill=1)
+        # Any other layout problem the planner can see before the world size is known (a
+        # -1 axis taken as the least that lets ep fold from fsdp x cp).
+        self.plan(world=None, fill=p.ep // math.gcd(p.ep, p.cp))
         return self
 
     def plan(self, world: int | None, fill: int | None = None):
@@ -268,10 +317,21 @@ class RunConfig:
                                       n_kv_heads=m.n_kv_heads or m.n_heads, ffn_dim=m.ffn_dim,
                                       vocab_size=m.vocab_size, max_seq_len=m.max_seq_len,
                                       rope_theta=m.rope_theta, norm_eps=m.norm_eps,
-                                      tie_embeddings=m.tie_embeddings, rope_scaling=m.rope_scaling)
+                                      tie_embeddings=m.tie_embeddings, rope_scaling=m.rope_scaling,
+                                      qk_norm=m.qk_norm, attn_head_dim=m.head_dim, moe=self.moe_config())
         return module.GPT2Config(dim=m.dim, n_layers=m.n_layers, n_heads=m.n_heads, ffn_dim=m.ffn_dim,
                                  vocab_size=m.vocab_size, max_seq_len=m.max_seq_len, norm_eps=m.norm_eps,
                                  tie_embeddings=m.tie_embeddings)
+
+    def moe_config(self):
+        from ..models.moe import MoeConfig
+
+        moe = self.model.moe
+        if moe is None:
+            return None
+        fields = dataclasses.asdict(moe) if dataclasses.is_dataclass(moe) else dict(moe)
+        return MoeConfig(**{**fields, "layers": tuple(fields["layers"]) if isinstance(fields["layers"], list)
+                            else fields["layers"]})
 
     def model_def(self):
         from ..models import build
@@ -317,6 +377,9 @@ def _section_from_dict(cls, key: str, value: Any):
     unknown = [k for k in value if k not in names]
     if unknown:
         raise ConfigError(f"unknown config key {key}.{unknown[0]}; {key} has {', '.join(names)}")
+    value = dict(value)
+    if cls is ModelConfig and value.get("moe") is not None:
+        value["moe"] = _section_from_dict(MoeSection, "model.moe", value["moe"])
     return cls(**value)
 
 
@@ -392,16 +455,60 @@ def _validate_model(m: ModelConfig) -> None:
         if m.rope_theta is not None:
             raise ConfigError(f"model.rope_theta={m.rope_theta}: gpt2 uses learned absolute positions, not "
                               "RoPE; set model.rope_theta to null, e.g. --model.rope_theta null")
+    _check_bool(m.qk_norm, "model.qk_norm")
+    if m.head_dim is not None:
+        _check_int(m.head_dim, "model.head_dim", minimum=2)
+    if m.arch != "llama" and (m.qk_norm or m.head_dim is not None or m.moe is not None):
+        raise ConfigError("model.qk_norm, model.head_dim and model.moe are llama-only: set model.arch llama, or "
+                          "leave them at false / null")
+    if m.moe is not None:
+        _validate_moe(m.moe, m.n_layers)
     # The family's own checks (head divisibility, even head dim, ...).
     RunConfig(model=m).family_config()
+
+
+def _validate_moe(e: MoeSection, n_layers: int) -> None:
+    from ..models.moe import BALANCES, ROUTERS
+
+    if not isinstance(e, MoeSection):
+        raise ConfigError(f"model.moe={e!r} must be a mapping of its fields, or null")
+    for key, minimum in (("num_experts", 1), ("top_k", 1), ("expert_ffn_dim", 1), ("shared_experts", 0)):
+        _check_int(getattr(e, key), f"model.moe.{key}", minimum=minimum)
+    if e.top_k > e.num_experts:
+        raise ConfigError(f"model.moe.top_k={e.top_k} exceeds model.moe.num_experts={e.num_experts}: a token "
+                          "cannot go to more experts than there are")
+    _choice(e.router, "model.moe.router", ROUTERS)
+    _choice(e.balance, "model.moe.balance", BALANCES)
+    for key in ("aux_coef", "z_loss_coef", "bias_update_rate"):
+        _check_float(getattr(e, key), f"model.moe.{key}", minimum=0.0)
+    _check_float(e.route_scale, "model.moe.route_scale", positive=True)
+    _check_bool(e.norm_topk, "model.moe.norm_topk")
+    if e.capacity_factor is not None:
+        _check_float(e.capacity_factor, "model.moe.capacity_factor", positive=True)
+    from ..models.moe import MoeConfig
+
+    if not MoeConfig(layers=tuple(e.layers) if isinstance(e.layers, list) else e.layers).moe_layers(n_layers):
+        raise ConfigError(f"model.moe.layers={e.layers!r} selects no block of model.n_layers={n_layers}: choose "
+                          "some, or set model.moe null")
+
+
+def _validate_experts(cfg: "RunConfig") -> None:
+    p, m = cfg.parallel, cfg.model
+    if m.moe is None:
+        raise ConfigError(f"parallel.ep={p.ep} shards experts, but model.moe is null (no experts): set "
+                          "parallel.ep 1, or configure model.moe")
+    if m.moe.num_experts % p.ep:
+        raise ConfigError(f"parallel.ep={p.ep} does not divide model.moe.num_experts={m.moe.num_experts}: each "
+                          "ep rank holds an equal share of the experts; choose an ep that divides num_experts")
+    if cfg.train.compile:
+        raise ConfigError(f"parallel.ep={p.ep} with train.compile true: the all-to-all's split sizes depend on "
+                          "the routing, so expert-parallel steps run eager; set train.compile false")
 
 
 def _validate_parallel(p: ParallelConfig) -> None:
     _check_int(p.nproc_per_node, "parallel.nproc_per_node", minimum=1)
     _check_bool(p.sp, "parallel.sp")
-    _check_int(p.ep, "parallel.ep")
-    if p.ep != 1:
-        raise ConfigError(f"parallel.ep={p.ep}: expert parallelism {NOT_YET}; set parallel.ep to 1")
+    _check_int(p.ep, "parallel.ep", minimum=1)
     _check_int(p.cp, "parallel.cp", minimum=1)
     from ..parallel.plan import CP_COMMS
 

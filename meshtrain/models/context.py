@@ -21,6 +21,8 @@ from typing import Mapping, Protocol, Sequence
 import torch
 import torch.nn.functional as F
 
+from .moe import balance_loss, route, routed_experts, sequence_stats, z_loss
+
 Axes = Sequence[str | None]
 
 
@@ -41,6 +43,17 @@ class ModelContext(Protocol):
 
     def cross_entropy_sum(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Sum over tokens of -log softmax(logits)[target]; targets < 0 are ignored."""
+
+    def moe(self, h: torch.Tensor, cfg, router: torch.Tensor, bias: torch.Tensor | None, w_gate: torch.Tensor,
+            w_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+        """The routed experts' output for h (batch, seq, dim) (a MoeConfig `cfg`; expert
+        weights stacked on dim 0), the fp32 router run on every token. The balancing terms
+        are kept for `moe_aux`."""
+
+    def moe_aux(self):
+        """(balance loss summed over sequences, z-loss summed over tokens, tokens per
+        expert (moe layers, E)) of the MoE blocks run since the last call (None for a
+        term not in use), or None without MoE blocks."""
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -71,6 +84,7 @@ class LocalContext:
 
     def __init__(self, compute_dtype: torch.dtype | None = None):
         self.compute_dtype = compute_dtype
+        self._moe = MoeRecords()
 
     def bind(self, params):
         return params if self.compute_dtype is None else _CastParams(params, self.compute_dtype)
@@ -88,3 +102,35 @@ class LocalContext:
         valid = targets.flatten() >= 0
         per_token = F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten().clamp(min=0), reduction="none")
         return (per_token * valid).sum()
+
+    def moe(self, h, cfg, router, bias, w_gate, w_up, w_down):
+        b, s, d = h.shape
+        logits = F.linear(h.float(), router.float())
+        idx, gates, probs = route(logits.flatten(0, 1), cfg, bias)
+        prob_sum, counts = sequence_stats(probs.view(b, s, -1), idx.view(b, s, -1), cfg.num_experts)
+        self._moe.add(balance_loss(prob_sum, counts, s, cfg).sum() if cfg.balance == "aux" else None,
+                      z_loss(logits, cfg) if cfg.z_loss_coef else None, counts.sum(0))
+        return routed_experts(h.reshape(-1, d), idx, gates, w_gate, w_up, w_down, cfg).view(b, s, d)
+
+    def moe_aux(self):
+        return self._moe.take()
+
+
+class MoeRecords:
+    """What the MoE blocks of one forward leave for the loss and the metrics."""
+
+    def __init__(self):
+        self.balance, self.z, self.load = [], [], []
+
+    def add(self, balance: torch.Tensor | None, z: torch.Tensor | None, load: torch.Tensor) -> None:
+        for kept, value in ((self.balance, balance), (self.z, z), (self.load, load)):
+            if value is not None:
+                kept.append(value)
+
+    def take(self):
+        if not self.load:
+            return None
+        out = (sum(self.balance) if self.balance else None, sum(self.z) if self.z else None, torch.stack(self.load))
+        self.balance, self.z, self.load = [], [], []
+        return out
+

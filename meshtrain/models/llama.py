@@ -1,5 +1,7 @@
 """Llama-3 family: RMSNorm, RoPE (optional Llama-3 scaling), GQA, SwiGLU, tied or untied
-embeddings. Weights are (out_features, in_features) as in Hugging Face."""
+embeddings; optionally mixture-of-experts blocks (Mixtral, Qwen3-MoE, DeepSeek-V3-style
+routers), per-head q/k RMSNorm and a head dim of its own (Qwen3). Weights are
+(out_features, in_features) as in Hugging Face."""
 
 from __future__ import annotations
 
@@ -10,7 +12,8 @@ from typing import Mapping
 import torch
 import torch.nn.functional as F
 
-from .context import ModelContext
+from .context import LocalContext, ModelContext
+from .moe import MoeConfig
 from .layers import KVCache, apply_rope, cached_attention, rms_norm, rope_cos_sin, rope_frequencies, rope_table
 from .spec import ParamSpec
 
@@ -29,15 +32,22 @@ class LlamaConfig:
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     init_std: float = 0.02
+    moe: MoeConfig | None = None
+    qk_norm: bool = False
+    attn_head_dim: int | None = None  # None: dim // n_heads
 
     @property
     def head_dim(self) -> int:
-        return self.dim // self.n_heads
+        return self.attn_head_dim or self.dim // self.n_heads
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        return self.moe.moe_layers(self.n_layers) if self.moe else ()
 
     def __post_init__(self) -> None:
         from ..errors import ConfigError
 
-        if self.dim % self.n_heads:
+        if self.attn_head_dim is None and self.dim % self.n_heads:
             raise ConfigError(f"model.dim={self.dim} is not divisible by model.n_heads={self.n_heads}: "
                               "choose a dim that is a multiple of n_heads")
         if self.n_heads % self.n_kv_heads:
@@ -76,20 +86,46 @@ def param_specs(cfg: LlamaConfig) -> dict[str, ParamSpec]:
     # residual variance does not grow with depth (GPT-2 / Megatron convention).
     out_std = std / math.sqrt(2 * cfg.n_layers)
     specs = {"tok_emb": ParamSpec((cfg.vocab_size, d), ("vocab", "embed"), std=std, reused=cfg.tie_embeddings)}
+    moe_layers = cfg.moe_layers
     for i in range(cfg.n_layers):
         p = f"layers.{i}."
         specs[p + "attn_norm"] = ParamSpec((d,), ("norm",), init="ones")
+        if cfg.qk_norm:
+            specs[p + "attn.q_norm"] = ParamSpec((hd,), (None,), init="ones")
+            specs[p + "attn.k_norm"] = ParamSpec((hd,), (None,), init="ones")
         specs[p + "attn.wq"] = ParamSpec((cfg.n_heads * hd, d), ("q_heads", "embed"), std=std, units=(hd, 1))
         specs[p + "attn.wk"] = ParamSpec((cfg.n_kv_heads * hd, d), ("kv_heads", "embed"), std=std, units=(hd, 1))
         specs[p + "attn.wv"] = ParamSpec((cfg.n_kv_heads * hd, d), ("kv_heads", "embed"), std=std, units=(hd, 1))
         specs[p + "attn.wo"] = ParamSpec((d, cfg.n_heads * hd), ("embed", "q_heads"), std=out_std, units=(1, hd))
         specs[p + "mlp_norm"] = ParamSpec((d,), ("norm",), init="ones")
-        specs[p + "mlp.w_gate"] = ParamSpec((cfg.ffn_dim, d), ("mlp", "embed"), std=std)
-        specs[p + "mlp.w_up"] = ParamSpec((cfg.ffn_dim, d), ("mlp", "embed"), std=std)
-        specs[p + "mlp.w_down"] = ParamSpec((d, cfg.ffn_dim), ("embed", "mlp"), std=out_std)
+        if i in moe_layers:
+            specs.update(_moe_specs(cfg, p + "moe.", std, out_std))
+        else:
+            specs[p + "mlp.w_gate"] = ParamSpec((cfg.ffn_dim, d), ("mlp", "embed"), std=std)
+            specs[p + "mlp.w_up"] = ParamSpec((cfg.ffn_dim, d), ("mlp", "embed"), std=std)
+            specs[p + "mlp.w_down"] = ParamSpec((d, cfg.ffn_dim), ("embed", "mlp"), std=out_std)
     specs["norm"] = ParamSpec((d,), ("norm",), init="ones")
     if not cfg.tie_embeddings:
         specs["output"] = ParamSpec((cfg.vocab_size, d), ("vocab", "embed"), std=std)
+    return specs
+
+
+def _moe_specs(cfg: LlamaConfig, p: str, std: float, out_std: float) -> dict[str, ParamSpec]:
+    """Router (E, dim); experts stacked on a leading `experts` dim (E, ffn, dim) and
+    (E, dim, ffn); shared experts as one SwiGLU of shared_experts x expert_ffn_dim."""
+    m, d = cfg.moe, cfg.dim
+    e, f = m.num_experts, m.expert_ffn_dim
+    specs = {p + "router": ParamSpec((e, d), (None, "embed"), std=std),
+             p + "w_gate": ParamSpec((e, f, d), ("experts", "mlp", "embed"), std=std),
+             p + "w_up": ParamSpec((e, f, d), ("experts", "mlp", "embed"), std=std),
+             p + "w_down": ParamSpec((e, d, f), ("experts", "embed", "mlp"), std=out_std)}
+    if m.balance == "aux_free":
+        specs[p + "expert_bias"] = ParamSpec((e,), (None,), init="zeros", trainable=False)
+    if m.shared_experts:
+        fs = m.shared_experts * f
+        specs[p + "shared.w_gate"] = ParamSpec((fs, d), ("mlp", "embed"), std=std)
+        specs[p + "shared.w_up"] = ParamSpec((fs, d), ("mlp", "embed"), std=std)
+        specs[p + "shared.w_down"] = ParamSpec((d, fs), ("embed", "mlp"), std=out_std)
     return specs
 
 
@@ -113,9 +149,13 @@ def forward_stage(cfg: LlamaConfig, params: Mapping[str, torch.Tensor], x: torch
     # LocalContext (the ShardedContext moves constants to the mesh's device itself).
     cos, sin = rope_cos_sin(seq_len, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, x.device)
     cos, sin = (ctx.constrain(t.to(x.dtype), ("seq", None)) for t in (cos, sin))
+    moe_layers = cfg.moe_layers
     for i in range(*layers):
         x = x + _attention(cfg, p, f"layers.{i}.", x, cos, sin, ctx)
-        x = x + _mlp(p, f"layers.{i}.", x, cfg.norm_eps, ctx)
+        if i in moe_layers:
+            x = x + _moe(cfg, p, f"layers.{i}.", x, ctx)
+        else:
+            x = x + _mlp(p, f"layers.{i}.", x, cfg.norm_eps, ctx)
     if not last:
         return x
     x = ctx.constrain(rms_norm(x, p["norm"], cfg.norm_eps), ("batch", "seq", None))
@@ -129,6 +169,9 @@ def _attention(cfg, p, prefix, x, cos, sin, ctx):
     q = ctx.constrain(F.linear(h, p[prefix + "attn.wq"]).unflatten(-1, (-1, hd)), ("batch", "seq", "q_heads", None))
     k = ctx.constrain(F.linear(h, p[prefix + "attn.wk"]).unflatten(-1, (-1, hd)), ("batch", "seq", "kv_heads", None))
     v = ctx.constrain(F.linear(h, p[prefix + "attn.wv"]).unflatten(-1, (-1, hd)), ("batch", "seq", "kv_heads", None))
+    if cfg.qk_norm:
+        q = rms_norm(q, p[prefix + "attn.q_norm"], cfg.norm_eps)
+        k = rms_norm(k, p[prefix + "attn.k_norm"], cfg.norm_eps)
     out = ctx.attention(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v).flatten(-2)
     return ctx.constrain(F.linear(out, p[prefix + "attn.wo"]), ("batch", "seq_sp", None))
 
@@ -137,6 +180,18 @@ def _mlp(p, prefix, x, eps, ctx):
     h = ctx.constrain(rms_norm(x, p[prefix + "mlp_norm"], eps), ("batch", "seq", None))
     gate = F.silu(F.linear(h, p[prefix + "mlp.w_gate"])) * F.linear(h, p[prefix + "mlp.w_up"])
     return ctx.constrain(F.linear(gate, p[prefix + "mlp.w_down"]), ("batch", "seq_sp", None))
+
+
+def _moe(cfg, p, prefix, x, ctx):
+    m = cfg.moe
+    h = ctx.constrain(rms_norm(x, p[prefix + "mlp_norm"], cfg.norm_eps), ("batch", "seq", None))
+    e = prefix + "moe."
+    bias = p[e + "expert_bias"] if m.balance == "aux_free" else None
+    out = ctx.moe(h, m, p[e + "router"], bias, p[e + "w_gate"], p[e + "w_up"], p[e + "w_down"])
+    if m.shared_experts:
+        out = out + F.linear(F.silu(F.linear(h, p[e + "shared.w_gate"])) * F.linear(h, p[e + "shared.w_up"]),
+                             p[e + "shared.w_down"])
+    return ctx.constrain(out, ("batch", "seq_sp", None))
 
 
 # --------------------------------------------------------------------------- decoding
@@ -166,14 +221,21 @@ def decode(cfg: LlamaConfig, params: Mapping[str, torch.Tensor], tokens: torch.T
     inv_freq = rope_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)  # CPU, as rope_table's positions
     cos, sin = (r[start_pos:].to(x.device, x.dtype) for r in rope_table(start_pos + t, inv_freq))
     hd = cfg.head_dim
+    moe_layers, ctx = cfg.moe_layers, LocalContext()  # the MoE blocks' plain single-device path
     for i in range(cfg.n_layers):
         prefix = f"layers.{i}."
         h = rms_norm(x, p[prefix + "attn_norm"], cfg.norm_eps)
         q = F.linear(h, p[prefix + "attn.wq"]).unflatten(-1, (-1, hd))
         k = F.linear(h, p[prefix + "attn.wk"]).unflatten(-1, (-1, hd))
         v = F.linear(h, p[prefix + "attn.wv"]).unflatten(-1, (-1, hd))
+        if cfg.qk_norm:
+            q = rms_norm(q, p[prefix + "attn.q_norm"], cfg.norm_eps)
+            k = rms_norm(k, p[prefix + "attn.k_norm"], cfg.norm_eps)
         out = cached_attention(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, cache, i, start_pos)
         x = x + F.linear(out.flatten(-2), p[prefix + "attn.wo"])
+        if i in moe_layers:
+            x = x + _moe(cfg, p, prefix, x, ctx)
+            continue
         h = rms_norm(x, p[prefix + "mlp_norm"], cfg.norm_eps)
         gate = F.silu(F.linear(h, p[prefix + "mlp.w_gate"])) * F.linear(h, p[prefix + "mlp.w_up"])
         x = x + F.linear(gate, p[prefix + "mlp.w_down"])

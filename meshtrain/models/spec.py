@@ -29,6 +29,8 @@ class ParamSpec:
     a dim that packs heads), so a layout can only split whole heads.
     reused: the forward uses this parameter at more than one place (a tied embedding), so
     a runtime that gathers parameters should gather it once and keep it for the forward.
+    trainable: False for state the step updates itself (the aux-free expert bias): no
+    gradient, no optimizer moments.
     """
 
     shape: tuple[int, ...]
@@ -38,6 +40,7 @@ class ParamSpec:
     dtype: torch.dtype = torch.float32
     units: tuple[int, ...] | None = None
     reused: bool = False
+    trainable: bool = True
 
     def __post_init__(self) -> None:
         if len(self.shape) != len(self.axes):

@@ -29,8 +29,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from ..errors import ConfigError
-from ..models.context import causal_attention
+from ..models.context import MoeRecords, causal_attention
+from ..models.moe import balance_loss, route, routed_experts, sequence_stats, z_loss
 from .cp_attention import context_parallel_attention, zigzag_order
+from .expert_parallel import AllToAllExchange, CopyToTensorParallel
 from .plan import Plan
 
 
@@ -75,18 +77,21 @@ class _UseParam(torch.autograd.Function):
 
 
 class _Regather:
-    """What autograd keeps instead of a gathered parameter (or a view of one)."""
+    """What autograd keeps instead of a gathered parameter (or a view of one; a plain
+    tensor when the parameter was used through `to_local`, as the MoE layer does)."""
 
-    def __init__(self, shard: DTensor, placements, dtype, saved: DTensor):
+    def __init__(self, shard: DTensor, placements, dtype, saved: torch.Tensor):
         self.shard, self.placements, self.dtype = shard, placements, dtype
-        self.spec = (saved.placements, saved.shape, saved.stride())
-        local = saved._local_tensor
+        self.spec = (saved.placements, saved.shape, saved.stride()) if isinstance(saved, DTensor) else None
+        local = saved._local_tensor if isinstance(saved, DTensor) else saved
         self.view = (local.size(), local.stride(), local.storage_offset())
 
-    def value(self) -> DTensor:
+    def value(self) -> torch.Tensor:
         with torch.no_grad():
             full = _gather(self.shard, self.placements, self.dtype)
         local = full._local_tensor.as_strided(*self.view)
+        if self.spec is None:
+            return local
         placements, shape, stride = self.spec
         return DTensor.from_local(local, full.device_mesh, placements, run_check=False, shape=shape, stride=stride)
 
@@ -111,7 +116,7 @@ class _BoundParams(Mapping):
 
     def _gather(self, name: str) -> DTensor:
         context = self._context
-        placements = context.plan.params[name].compute_placements(context.plan.mesh)
+        placements = context.plan.params[name].compute_placements()
         shard = self._params[name]
         gathered = _UseParam.apply(shard, placements, context.compute_dtype)
         if placements == tuple(shard.placements) or torch.compiler.is_compiling():
@@ -135,6 +140,7 @@ class ShardedContext:
         self.plan, self.mesh, self.compute_dtype = plan, device_mesh, compute_dtype
         self._gathered: dict[int, tuple] = {}  # storage of a gathered parameter -> its shard
         self._cp_dim = plan.mesh.axes.index("cp") if "cp" in plan.mesh.axes else None
+        self._moe = MoeRecords()
 
     def bind(self, params):
         return _BoundParams(self, params)
@@ -145,8 +151,11 @@ class ShardedContext:
         self._gathered = {}
 
         def pack(t):
-            if isinstance(t, DTensor):
-                ptr = t._local_tensor.untyped_storage().data_ptr()
+            local = t._local_tensor if isinstance(t, DTensor) else t
+            # Plain tensors too (a weight used through to_local); not wrappers such as a
+            # pending collective's result, which have no storage of their own.
+            if type(local) is torch.Tensor and local.device.type != "meta":
+                ptr = local.untyped_storage().data_ptr()
                 ref, shard, placements = self._gathered.get(ptr, (lambda: None, None, None))
                 alive = ref()
                 if alive is not None and alive.untyped_storage().data_ptr() == ptr:
@@ -219,6 +228,58 @@ class ShardedContext:
         return DTensor.from_local(out.contiguous(), self.mesh, q.placements, run_check=False,
                                   shape=q.shape, stride=make_contiguous_strides_for(q.shape))
 
+    def moe(self, h: DTensor, cfg, router: DTensor, bias: DTensor | None, w_gate: DTensor, w_up: DTensor,
+            w_down: DTensor) -> DTensor:
+        """Routing on this rank's tokens; experts on their ep ranks (all-to-all) with their
+        mlp dim split over tp. The per-sequence balance sums are added up over cp (the
+        ranks that split a sequence), the load and z-loss over every token-splitting axis."""
+        mesh, placements = self.mesh, h.placements
+        token_dims = [i for i, p in enumerate(placements) if isinstance(p, Shard)]
+        x = h.to_local()
+        b, s, d = x.shape
+        n = cfg.num_experts
+        # Each rank's tokens give the router a partial gradient over the token-splitting dims.
+        router = router.to_local(grad_placements=[Partial() if i in token_dims else p
+                                                  for i, p in enumerate(router.placements)])
+        logits = torch.nn.functional.linear(x.float(), router.float())
+        idx, gates, probs = route(logits.flatten(0, 1), cfg, None if bias is None else bias.to_local())
+        prob_sum, counts = sequence_stats(probs.view(b, s, n), idx.view(b, s, cfg.top_k), n)
+        balance = z = None
+        if cfg.balance == "aux":
+            per_sequence = [Partial() if p == Shard(1) else p for p in placements]
+            shape = (h.shape[0], n)
+            sums = [DTensor.from_local(t, mesh, per_sequence, run_check=False, shape=shape,
+                                       stride=make_contiguous_strides_for(shape)).redistribute(
+                        mesh, [Replicate() if p.is_partial() else p for p in per_sequence])
+                    for t in (prob_sum, counts)]
+            balance = _replicated(balance_loss(sums[0], sums[1], h.shape[1], cfg).sum())
+        tokens = [Partial() if i in token_dims else Replicate() for i in range(mesh.ndim)]
+        if cfg.z_loss_coef:
+            z = DTensor.from_local(z_loss(logits, cfg), mesh, tokens, run_check=False).redistribute(
+                mesh, [Replicate()] * mesh.ndim)
+        self._moe.add(balance, z, DTensor.from_local(counts.sum(0), mesh, tokens, run_check=False))
+
+        expert_mesh = w_gate.device_mesh
+        names = expert_mesh.mesh_dim_names
+        weights = [w.to_local(grad_placements=[Partial() if a in ("dp", "fsdp", "cp") else p
+                                               for a, p in zip(names, w.placements)])
+                   for w in (w_gate, w_up, w_down)]
+        rows, gates = x.reshape(-1, d), gates
+        tp_split = "tp" in names and isinstance(w_gate.placements[names.index("tp")], Shard)
+        if tp_split:
+            group = expert_mesh.get_group("tp")
+            rows, gates = CopyToTensorParallel.apply(rows, group), CopyToTensorParallel.apply(gates, group)
+        exchange = AllToAllExchange(expert_mesh.get_group("ep"), expert_mesh.size(names.index("ep")), n) \
+            if "ep" in names else None
+        out = routed_experts(rows, idx, gates, *weights, cfg, exchange).view(b, s, d)
+        out_placements = [Partial() if tp_split and a == "tp" else p
+                          for a, p in zip(mesh.mesh_dim_names, placements)]
+        return DTensor.from_local(out, mesh, out_placements, run_check=False, shape=h.shape,
+                                  stride=make_contiguous_strides_for(h.shape))
+
+    def moe_aux(self):
+        return self._moe.take()
+
     def cross_entropy_sum(self, logits: DTensor, targets: torch.Tensor) -> DTensor:
         """Vocab-parallel cross entropy: each rank works on its vocab slice; three small
         reductions over the vocab axes (max, and the sum of exp and target logit stacked in
@@ -251,3 +312,8 @@ class ShardedContext:
         placements = [Partial() if i in token_dims else Replicate() for i in range(self.mesh.ndim)]
         total = DTensor.from_local(total, self.mesh, placements, run_check=False)
         return total.redistribute(self.mesh, [Replicate()] * self.mesh.ndim)
+
+
+def _replicated(x: DTensor) -> DTensor:
+    return x.redistribute(x.device_mesh, [Replicate()] * x.device_mesh.ndim)
+

@@ -10,6 +10,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from ..models.spec import init_slice
+from .mesh import device_mesh_for
 from .plan import Plan
 
 
@@ -19,23 +20,25 @@ def init_params(plan: Plan, mesh: DeviceMesh, seed: int = 0, device: str | torch
     on seed, name and shape only). On the meta device nothing is computed. `names`: only
     these (a pipeline stage's), else all the plan's."""
     params = {}
+    device_mesh_for(mesh, plan.mesh.experts())  # built on every rank, holding experts or not
     for name, p in plan.params.items():
         if names is not None and name not in names:
             continue
         spec = p.spec
+        mesh_of = device_mesh_for(mesh, p.mesh)
         if any(isinstance(x, _StridedShard) for x in p.placements):
             # A strided shard is not one contiguous slice: build the full value, keep ours.
             full = init_slice(spec, name, seed, device=device) if str(device) != "meta" else \
                 torch.empty(spec.shape, dtype=spec.dtype, device="meta")
-            dt = distribute_tensor(full, mesh, p.placements, src_data_rank=None)
+            dt = distribute_tensor(full, mesh_of, p.placements, src_data_rank=None)
         else:
-            local_shape, offset = compute_local_shape_and_global_offset(spec.shape, mesh, p.placements)
+            local_shape, offset = compute_local_shape_and_global_offset(spec.shape, mesh_of, p.placements)
             if str(device) == "meta":
                 local = torch.empty(local_shape, dtype=spec.dtype, device="meta")
             else:
                 index = tuple(slice(o, o + n) for o, n in zip(offset, local_shape))
                 local = init_slice(spec, name, seed, index, device=device)
-            dt = DTensor.from_local(local, mesh, p.placements, run_check=False,
+            dt = DTensor.from_local(local, mesh_of, p.placements, run_check=False,
                                     shape=torch.Size(spec.shape), stride=make_contiguous_strides_for(spec.shape))
-        params[name] = dt.requires_grad_(True) if dt.is_floating_point() else dt
+        params[name] = dt.requires_grad_(spec.trainable) if dt.is_floating_point() else dt
     return params

@@ -13,6 +13,9 @@ MESH_AXES = ("pp", "dp", "fsdp", "cp", "tp")
 # style). cp ranks hold the same weights and see different tokens, exactly as fsdp ranks
 # do, so the fsdp shard group may include cp (Megatron and TorchTitan fold them alike).
 GATHERED_AXES = ("fsdp", "cp")
+# Expert weights live on the same ranks refolded: fsdp x cp becomes fsdp x ep (ep inner,
+# so an ep group is drawn from cp ranks first, then fsdp ranks), as Megatron's folding.
+EXPERT_AXES = ("pp", "dp", "fsdp", "ep", "tp")
 
 
 @dataclass(frozen=True)
@@ -81,8 +84,54 @@ class MeshSpec:
     def to_dict(self) -> dict[str, int]:
         return asdict(self)
 
+    def experts(self) -> "MeshSpec":
+        """The mesh expert weights live on: this one refolded (fsdp x cp -> fsdp x ep), or
+        this one itself without expert parallelism. Sizes must be resolved."""
+        if self.ep == 1:
+            return self
+        return ExpertMeshSpec(pp=self.pp, dp=self.dp, fsdp=self.fsdp * self.cp // self.ep, cp=1, tp=self.tp,
+                              ep=self.ep)
+
     def build(self, device_type: str = "cpu"):
         """The DeviceMesh over the current process group (sizes must be resolved)."""
         from torch.distributed.device_mesh import init_device_mesh
 
         return init_device_mesh(device_type, self.shape, mesh_dim_names=self.axes)
+
+
+@dataclass(frozen=True)
+class ExpertMeshSpec(MeshSpec):
+    """The expert mesh: the dense mesh's ranks in the same order with fsdp x cp refolded
+    as fsdp x ep; its ep axis is a real mesh dim."""
+
+    @property
+    def world(self) -> int:
+        return math.prod(getattr(self, a) for a in EXPERT_AXES)
+
+    @property
+    def axes(self) -> tuple[str, ...]:
+        return tuple(a for a in EXPERT_AXES if getattr(self, a) > 1) or ("dp",)
+
+
+def device_mesh_for(device_mesh, spec: MeshSpec):
+    """The DeviceMesh of `spec` on the ranks of the dense `device_mesh`: the mesh itself,
+    or its expert refolding (built once per mesh: building makes process groups, a
+    collective call every rank must make in the same order)."""
+    names = tuple(device_mesh.mesh_dim_names or ())
+    if not isinstance(spec, ExpertMeshSpec) or names == spec.axes:
+        return device_mesh
+    folded = getattr(device_mesh, "_meshtrain_experts", None)
+    if folded is None:
+        from torch.distributed.device_mesh import DeviceMesh
+
+        # A pipeline stage's sub-mesh: refold the whole mesh (pp kept outermost), so every
+        # rank builds the same process groups, then take this stage group's slice.
+        root = device_mesh._get_root_mesh()
+        pp = root.size(0) if root is not device_mesh and "pp" in (root.mesh_dim_names or ()) else 1
+        shape, axes = ((pp, *spec.shape), ("pp", *spec.axes)) if pp > 1 else (spec.shape, spec.axes)
+        folded = DeviceMesh(root.device_type, root.mesh.reshape(shape), mesh_dim_names=axes)
+        if pp > 1:
+            folded = folded[spec.axes]
+        device_mesh._meshtrain_experts = folded
+    return folded
+

@@ -18,7 +18,7 @@ from torch.distributed.tensor.placement_types import Placement, _StridedShard
 from ..errors import ConfigError
 from ..models.spec import ParamSpec
 from .cp_attention import CP_COMMS
-from .mesh import GATHERED_AXES, MESH_AXES, MeshSpec
+from .mesh import GATHERED_AXES, MESH_AXES, ExpertMeshSpec, MeshSpec
 from .rules import Rules
 
 # Activation layouts worth showing next to the parameters.
@@ -93,6 +93,7 @@ class ParamPlan:
     spec: ParamSpec
     layout: Layout
     local_shape: tuple[int, ...]
+    mesh: MeshSpec  # the mesh its placements refer to (the expert mesh for expert weights)
 
     @property
     def placements(self) -> tuple[Placement, ...]:
@@ -102,17 +103,20 @@ class ParamPlan:
     def bytes_per_rank(self) -> int:
         return math.prod(self.local_shape) * self.spec.dtype.itemsize
 
-    def compute_placements(self, mesh: MeshSpec) -> tuple[Placement, ...]:
+    def compute_placements(self) -> tuple[Placement, ...]:
         """Placements where the parameter is used: shards on gathered axes (fsdp) are
-        replicated; tensor-parallel shards stay."""
-        return tuple(Replicate() if a in GATHERED_AXES else p for a, p in zip(mesh.axes, self.placements))
+        replicated; tensor- and expert-parallel shards stay."""
+        return tuple(Replicate() if a in GATHERED_AXES else p for a, p in zip(self.mesh.axes, self.placements))
 
     def to_dict(self) -> dict:
-        return {"name": self.name, "shape": list(self.spec.shape), "axes": list(self.spec.axes),
-                "dtype": str(self.spec.dtype).removeprefix("torch."),
-                "mesh_axes": [list(a) for a in self.layout.dim_axes],
-                "placements": [placement_str(p) for p in self.placements],
-                "local_shape": list(self.local_shape), "bytes_per_rank": self.bytes_per_rank}
+        out = {"name": self.name, "shape": list(self.spec.shape), "axes": list(self.spec.axes),
+               "dtype": str(self.spec.dtype).removeprefix("torch."),
+               "mesh_axes": [list(a) for a in self.layout.dim_axes],
+               "placements": [placement_str(p) for p in self.placements],
+               "local_shape": list(self.local_shape), "bytes_per_rank": self.bytes_per_rank}
+        if isinstance(self.mesh, ExpertMeshSpec):  # placements refer to the plan's expert_mesh
+            out["mesh"] = "experts"
+        return out
 
 
 @dataclass(frozen=True)
@@ -130,9 +134,12 @@ class Plan:
         return sum(p.bytes_per_rank for p in self.params.values())
 
     def to_dict(self) -> dict:
+        experts = {"expert_mesh": {a: self.mesh.experts().size(a) for a in self.mesh.experts().axes}} \
+            if self.mesh.ep > 1 else {}
         return {
             "world": self.mesh.world,
             "mesh": {a: self.mesh.size(a) for a in self.mesh.axes},
+            **experts,
             "rules": self.rules.to_dict(),
             "cp_comm": self.cp_comm,
             "params": [p.to_dict() for p in self.params.values()],
@@ -169,10 +176,11 @@ def make_plan(specs: Mapping[str, ParamSpec], rules: Rules, mesh: MeshSpec, worl
     mesh = mesh.resolve(world)
     params = {}
     for name, spec in specs.items():
-        layout = layout_for(spec.axes, rules, mesh, name)
+        where = mesh.experts() if "experts" in spec.axes else mesh
+        layout = layout_for(spec.axes, rules, where, name)
         for d, axes in enumerate(layout.dim_axes):
-            _check_divisible(name, spec, d, axes, mesh)
-        params[name] = ParamPlan(name, spec, layout, layout.local_shape(spec.shape, mesh))
+            _check_divisible(name, spec, d, axes, where)
+        params[name] = ParamPlan(name, spec, layout, layout.local_shape(spec.shape, where), where)
     plan = Plan(mesh, rules, params, cp_comm)
     _check_context_parallel(plan)
     return plan
@@ -222,7 +230,8 @@ def _check_divisible(name: str, spec: ParamSpec, d: int, axes: tuple[str, ...], 
         split = " x ".join(f"{a}={mesh.size(a)}" for a in axes)
         logical = spec.axes[d]
         field = {"q_heads": "model.n_heads", "kv_heads": "model.n_kv_heads", "vocab": "model.vocab_size",
-                 "mlp": "model.ffn_dim"}.get(logical)
+                 "mlp": "model.moe.expert_ffn_dim" if ".moe." in name else "model.ffn_dim",
+                 "experts": "model.moe.num_experts"}.get(logical)
         sizes = axes[0] if len(axes) == 1 else "sizes whose product " + " x ".join(axes)
         target = f"{field}={size // unit}" if field else f"{size // unit}"
         fix = f"choose {sizes} dividing {target}" if len(axes) == 1 else \

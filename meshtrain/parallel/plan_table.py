@@ -26,6 +26,9 @@ def plan_table(plan) -> Table:
 
     mesh = " x ".join(f"{a}={plan.mesh.size(a)}" for a in plan.mesh.axes)
     cp = f", cp_comm {plan.cp_comm} (zigzag sequence)" if plan.mesh.cp > 1 else ""
+    experts = plan.mesh.experts()
+    if experts is not plan.mesh:  # expert weights' placements refer to the refolded mesh
+        cp += ", expert mesh " + " x ".join(f"{a}={experts.size(a)}" for a in experts.axes) + " (*)"
     table = Table(title=f"plan: world {plan.mesh.world}, mesh {mesh}{cp}")
     for col in ("parameter", "count", "shape", "mesh axes", "placements", "local shape", "bytes/rank"):
         table.add_column(col, justify="right" if col in ("count", "bytes/rank") else "left")
@@ -35,7 +38,7 @@ def plan_table(plan) -> Table:
     for pattern, members in groups.items():
         p = members[0]
         axes = ", ".join("+".join(a) or "-" for a in p.layout.dim_axes)
-        table.add_row(pattern, str(len(members)), str(tuple(p.spec.shape)), axes,
+        table.add_row(pattern + (" (*)" if p.mesh is not plan.mesh else ""), str(len(members)), str(tuple(p.spec.shape)), axes,
                       "[" + ", ".join(placement_str(x) for x in p.placements) + "]",
                       str(tuple(p.local_shape)), human_bytes(p.bytes_per_rank))
     table.add_section()

@@ -45,7 +45,7 @@ from ..parallel.context import ShardedContext
 from ..parallel.plan import without_pp
 from ..train.optim import AdamW, local
 from ..train.schedule import LRSchedule
-from ..train.step import PRECISIONS, TrainState, make_update
+from ..train.step import PRECISIONS, TrainState, _full, aux_objective, make_update, moe_step
 from .partition import Stage
 from .schedule import B, BI, BW, F, RECV_B, RECV_F, SEND_B, SEND_F, Schedule, forward_only
 
@@ -119,16 +119,47 @@ class _Pipe:
                                   stride=make_contiguous_strides_for(shape))
 
 
+class _MoeTerms:
+    """What this rank's MoE blocks leave over one step: each stage's objective terms per
+    micro-batch (differentiated with the stage's output) and tokens per expert."""
+
+    def __init__(self, n_sequences: int, n_positions: int):
+        self.n_sequences, self.n_positions = n_sequences, n_positions
+        self.extra: dict[tuple, torch.Tensor] = {}
+        self.load: dict[int, torch.Tensor] = {}
+        self.total = None
+
+    def take(self, pipe: "_Pipe", stage: int, key: tuple) -> None:
+        aux = pipe.ctx.moe_aux()
+        if aux is None:
+            return
+        balance, z, load = aux
+        self.load[stage] = load.detach() if stage not in self.load else self.load[stage] + load.detach()
+        extra = aux_objective(balance, z, self.n_sequences, self.n_positions)
+        if extra is not None:
+            self.extra[key] = extra
+            self.total = extra.detach() if self.total is None else self.total + extra.detach()
+
+    def outputs(self, key: tuple, out: torch.Tensor, grad):
+        """The tensors a backward starts from, and their gradients (`grad` None: the loss)."""
+        grad = torch.ones_like(out) if grad is None else grad  # the last stage's loss
+        extra = self.extra.pop(key, None)
+        if extra is None:
+            return [out], [grad]
+        return [out, extra], [grad, torch.ones_like(extra)]
+
+
 def _run(pipe: _Pipe, actions, params: dict, tokens, targets, n_tokens: int, *, train: bool,
-         timings: list | None = None) -> torch.Tensor:
+         timings: list | None = None, moe: _MoeTerms | None = None) -> torch.Tensor:
     """Walk this rank's actions; returns the loss (this rank's share: zero off the last stage).
     `timings`: append (kind, stage, seconds) for every compute action (host time: exact on
-    CPU, launch time only on an asynchronous device)."""
+    CPU, launch time only on an asynchronous device). `moe` collects MoE blocks' terms."""
     stages, last = pipe.stages, len(pipe.stages) - 1
     rows, seq = tokens[0].shape
     local_shape, spec = pipe.boundary(rows, seq)
     inputs, outputs, out_grads, in_grads, split, pending = {}, {}, {}, {}, {}, []
     loss = torch.zeros((), dtype=torch.float32, device=tokens[0].device)
+    moe = moe or _MoeTerms(1, 1)
 
     def weights(stage: Stage):
         return [params[n] for n in stage.params + stage.shared]
@@ -153,28 +184,27 @@ def _run(pipe: _Pipe, actions, params: dict, tokens, targets, n_tokens: int, *, 
                 if s == last:
                     out = pipe.ctx.cross_entropy_sum(out, targets[j]) / n_tokens
                     loss += local(out.detach())
+                moe.take(pipe, s, key)
             if train or s != last:
                 outputs[key] = out
             if not train:
                 inputs.pop(key, None)
         elif a.kind == B:
-            out = outputs.pop(key)
-            out.backward(None if s == last else out_grads.pop(key))
+            outs, grads = moe.outputs(key, outputs.pop(key), None if s == last else out_grads.pop(key))
+            torch.autograd.backward(outs, grads)
             if s > 0:
                 in_grads[key] = inputs.pop(key).grad
         elif a.kind == BI:
-            out = outputs.pop(key)
-            grad = None if s == last else [out_grads.pop(key)]
+            outs, grads = moe.outputs(key, outputs.pop(key), None if s == last else out_grads.pop(key))
             if s == 0:  # no input gradient: the whole backward is weight work, deferred to BW
-                split[key] = (out, grad)
+                split[key] = (outs, grads)
             else:
                 x = inputs.pop(key)
-                _, split[key] = stage_backward_input([out], grad, [x], iter(weights(stages[s])))
+                _, split[key] = stage_backward_input(outs, grads, [x], iter(weights(stages[s])))
                 in_grads[key] = x.grad
         elif a.kind == BW:
             if s == 0:
-                out, grad = split.pop(key)
-                out.backward(grad[0] if grad else None)
+                torch.autograd.backward(*split.pop(key))
             else:
                 stage_backward_weight(iter(weights(stages[s])), split.pop(key))
         if a.kind == SEND_F and not train:
@@ -203,6 +233,7 @@ def make_pipeline_step(model: ModelDef, stages: list[Stage], schedule: Schedule,
     tied = [n for st in stages if st.rank == pipe.rank for n in st.shared]  # held here, owned on rank 0
     tied_peer = pipe.peer(stages[-1].rank if pipe.rank == 0 else 0)
     tied_here = [n for n in stages[-1].shared if pipe.rank in (0, stages[-1].rank)]
+    moe_layers = getattr(model.cfg, "moe_layers", ())
 
     def step(state: TrainState, batch: dict) -> dict:
         tokens, targets = batch["tokens"], batch["targets"]
@@ -214,7 +245,9 @@ def make_pipeline_step(model: ModelDef, stages: list[Stage], schedule: Schedule,
                               f"{data_ranks} data-parallel ranks (dp x fsdp); use a multiple of {data_ranks}")
         n_tokens = batch.get("num_targets") or int(sum((t >= 0).sum() for t in targets))
         timings = [] if record_timings else None
-        loss = _run(pipe, actions, state.params, tokens, targets, n_tokens, train=True, timings=timings)
+        n_sequences = sum(t.shape[0] for t in tokens)
+        moe = _MoeTerms(n_sequences, n_sequences * tokens[0].shape[1])
+        loss = _run(pipe, actions, state.params, tokens, targets, n_tokens, train=True, timings=timings, moe=moe)
         update_start = time.perf_counter()
         for n in tied_here:  # both copies get the sum of both contributions, in one order
             g = local(state.params[n].grad)
@@ -226,11 +259,33 @@ def make_pipeline_step(model: ModelDef, stages: list[Stage], schedule: Schedule,
         norm, lr = apply_update(state, uncounted=tied)
         dist.all_reduce(loss, group=pipe.group)  # only the last stage's rank holds a non-zero loss
         metrics = {"loss": float(loss), "grad_norm": float(norm), "lr": lr}
+        if moe_layers:
+            metrics.update(_moe_metrics(state, pipe, moe, moe_layers))
         if record_timings:
             metrics["timings"] = timings + [("update", -1, time.perf_counter() - update_start)]
         return metrics
 
     return step
+
+
+def _moe_metrics(state: TrainState, pipe: _Pipe, moe: _MoeTerms, moe_layers) -> dict:
+    """Bias updates and load imbalance of this rank's MoE blocks; the metrics of all of
+    them (max imbalance, summed terms) over the pp group."""
+    stats = torch.zeros(2)  # (worst imbalance, objective terms) of this rank's stages
+    if moe.load:
+        order = sorted(moe.load)
+        layers = [i for s in order for i in range(*pipe.stages[s].layers) if i in moe_layers]
+        load = torch.cat([_full(moe.load[s]) for s in order])
+        stats[0] = moe_step(state, pipe.model.cfg.moe, layers, load).max()
+    if moe.total is not None:
+        stats[1] = _full(moe.total)
+    imbalance = stats[:1].clone()
+    dist.all_reduce(imbalance, op=dist.ReduceOp.MAX, group=pipe.group)
+    dist.all_reduce(stats, group=pipe.group)
+    out = {"expert_imbalance": float(imbalance)}
+    if pipe.model.cfg.moe.balance == "aux" or pipe.model.cfg.moe.z_loss_coef:
+        out["aux_loss"] = float(stats[1])
+    return out
 
 
 def make_pipeline_eval(model: ModelDef, stages: list[Stage], pp: int, micro_steps: int, plan, device_mesh, *,

@@ -74,10 +74,13 @@ def costs(model, *, seq_len: int, micro_batch: int) -> tuple[list[float], float,
     cfg, specs = model.cfg, model.specs
     T, D, V = micro_batch * seq_len, cfg.dim, cfg.vocab_size
     mat = [0] * cfg.n_layers
+    moe = getattr(cfg, "moe", None)
     for name, spec in specs.items():
         i = _layer_of(name)
         if i is not None and len(spec.shape) == 2:
             mat[i] += spec.shape[0] * spec.shape[1]
+        elif i is not None and "experts" in spec.axes:  # a token uses top_k of the experts
+            mat[i] += spec.numel * moe.top_k // moe.num_experts
     layer = [3.0 * (2 * T * n + 4 * T * seq_len * D) for n in mat]
     emb = 3.0 * T * D
     head = 3.0 * (2 * T * D * V + 5 * T * V + 4 * T * D)

@@ -147,9 +147,9 @@ class _Run:
                 from ..interop.hf import load_hf_params
 
                 params = load_hf_params(init_from, cfg.model.arch, cfg.family_config(), device=device)
-                params = {n: t.requires_grad_() for n, t in params.items()}
+                params = {n: t.requires_grad_(model.specs[n].trainable) for n, t in params.items()}
             else:
-                params = {n: init_slice(s, n, cfg.seed, device=device).requires_grad_()
+                params = {n: init_slice(s, n, cfg.seed, device=device).requires_grad_(s.trainable)
                           for n, s in model.specs.items()}
             self.step_fn = make_train_step(model, **_step_options(cfg))
             self.eval_fn = make_eval_step(model, **options)
@@ -190,7 +190,7 @@ class _Run:
             params = init_params(sub_plan, sub_mesh, cfg.seed, device=device, names=names)
         else:
             params = {n: init_slice(model.specs[n], n, cfg.seed, device=device) for n in names}
-        params = {n: x.requires_grad_() for n, x in params.items()}
+        params = {n: x.requires_grad_(model.specs[n].trainable) for n, x in params.items()}
         options = _step_options(cfg)
         schedule = build_schedule(p.pp_schedule, plan.mesh.pp, self.accumulation, p.pp_virtual)
         self.step_fn = execute.make_pipeline_step(model, stages, schedule, plan, self.mesh,
@@ -222,7 +222,8 @@ class _Run:
                       f"train.stop_at={t.stop_at})")
         peak = device_peak_tflops(self.device, t.precision)
         m = cfg.model
-        flops = flops_per_token(self.model.specs, m.n_layers, m.dim, t.seq_len, m.tie_embeddings)
+        flops = flops_per_token(self.model.specs, m.n_layers, m.dim, t.seq_len, m.tie_embeddings,
+                                self.cfg.moe_config())
         tokens_per_step = t.global_batch * t.seq_len
         history: list[dict] = []
         first_step, start = self.state.step, time.perf_counter()
@@ -244,7 +245,8 @@ class _Run:
                               "grad_norm": metrics["grad_norm"], "tokens_per_s": tokens_per_s,
                               "mfu": flops * tokens_per_s / self.ranks.world / (peak * 1e12) if peak else None,
                               "memory_gib": memory_gib(self.device), "elapsed_s": now - start,
-                              "eta_s": (now - start) / (done - first_step) * (stop - done)}
+                              "eta_s": (now - start) / (done - first_step) * (stop - done),
+                              **{k: metrics[k] for k in ("aux_loss", "expert_imbalance") if k in metrics}}
                     if evaluate:
                         record["val_loss"] = self._evaluate()
                         record["val_ppl"] = math.exp(min(record["val_loss"], 700.0))
@@ -374,6 +376,8 @@ class _Run:
         cfg, t, plan = self.cfg, self.cfg.train, self.plan
         n_params = sum(s.numel for s in self.model.specs.values())
         mesh = " x ".join(f"{a}={plan.mesh.size(a)}" for a in plan.mesh.axes)
+        if plan.mesh.ep > 1:
+            mesh += f"; experts ep={plan.mesh.ep} folded from fsdp x cp"
         return (f"[bold]meshtrain fit[/] {cfg.model.arch} {n_params / 1e6:.2f}M params | world {self.ranks.world} "
                 f"({mesh}) on {self.device.type} | batch {t.global_batch} x {t.seq_len} tokens = "
                 f"{self.accumulation} micro-step(s) of {t.micro_batch} per data-parallel rank x {self.dp_size} | "

@@ -33,10 +33,13 @@ PEAK_TFLOPS = {
 EMBEDDING_TABLES = ("tok_emb", "pos_emb")
 
 
-def flops_per_token(specs: dict, n_layers: int, dim: int, seq_len: int, tied: bool) -> float:
-    """Model FLOPs to train on one token (forward + backward), as in the module docstring."""
+def flops_per_token(specs: dict, n_layers: int, dim: int, seq_len: int, tied: bool, moe=None) -> float:
+    """Model FLOPs to train on one token (forward + backward), as in the module docstring.
+    Of the stacked expert weights a token uses top_k of num_experts."""
     matrices = sum(s.numel for n, s in specs.items() if len(s.shape) == 2 and n not in EMBEDDING_TABLES)
-    matmul = matrices + (specs["tok_emb"].numel if tied else 0)  # a tied head reuses the table
+    experts = sum(s.numel for s in specs.values() if "experts" in s.axes)
+    active = experts * moe.top_k / moe.num_experts if moe is not None else 0
+    matmul = matrices + active + (specs["tok_emb"].numel if tied else 0)  # a tied head reuses the table
     return 6.0 * matmul + 12.0 * n_layers * dim * seq_len
 
 
@@ -127,6 +130,10 @@ def format_record(r: dict, total: int) -> str:
              f"grad_norm {r['grad_norm']:.3f}", f"tokens/s {r['tokens_per_s']:,.0f}"]
     if r.get("mfu") is not None:
         parts.append(f"mfu {100 * r['mfu']:.1f}%")
+    if "aux_loss" in r:
+        parts.append(f"aux_loss {r['aux_loss']:.4f}")
+    if "expert_imbalance" in r:
+        parts.append(f"expert_imbalance {r['expert_imbalance']:.2f}")
     parts.append(f"mem {r['memory_gib']:.2f} GiB")
     if "val_loss" in r:
         parts.append(f"val_loss {r['val_loss']:.4f} (ppl {r['val_ppl']:.2f})")

@@ -51,6 +51,8 @@ def make_train_step(model: ModelDef, plan=None, device_mesh=None, *, optimizer: 
     data_ranks = plan.mesh.dp * plan.mesh.fsdp if plan is not None else 1
 
     loss_sum = _loss_sum(model, ctx)
+    moe_cfg = getattr(model.cfg, "moe", None)
+    moe = (moe_cfg, model.cfg.moe_layers) if moe_cfg is not None else None
 
     if compile:
         loss_sum = _compiled(loss_sum, compile)
@@ -62,16 +64,56 @@ def make_train_step(model: ModelDef, plan=None, device_mesh=None, *, optimizer: 
             raise ConfigError(f"batch: {tokens[0].shape[0]} sequences per micro-step cannot be split evenly over "
                               f"{data_ranks} data-parallel ranks (dp x fsdp); use a multiple of {data_ranks}")
         n_tokens = batch.get("num_targets") or _count_targets(targets)
-        total = None
+        n_sequences = sum(t.shape[0] for t in tokens)
+        total = aux_total = load = None
         for micro in range(len(tokens)):
             with scope():
-                loss = loss_sum(state.params, tokens[micro], targets[micro]) / n_tokens
-            loss.backward()
-            total = loss.detach() if total is None else total + loss.detach()
+                lm, aux = loss_sum(state.params, tokens[micro], targets[micro])
+                loss = lm / n_tokens
+                objective = loss
+                if aux is not None:
+                    balance, z, micro_load = aux
+                    load = _add(load, micro_load.detach())
+                    extra = aux_objective(balance, z, n_sequences, n_sequences * tokens[micro].shape[1])
+                    if extra is not None:
+                        objective = loss + extra
+                        aux_total = _add(aux_total, extra.detach())
+            objective.backward()
+            total = _add(total, loss.detach())
         norm, lr = apply_update(state)
-        return {"loss": float(_full(total)), "grad_norm": float(norm), "lr": lr}
+        metrics = {"loss": float(_full(total)), "grad_norm": float(norm), "lr": lr}
+        if load is not None:
+            metrics["expert_imbalance"] = float(moe_step(state, *moe, _full(load)).max())
+            if aux_total is not None:
+                metrics["aux_loss"] = float(_full(aux_total))
+        return metrics
 
     return step
+
+
+def _add(a, b):
+    return b if a is None else a + b
+
+
+def aux_objective(balance, z, n_sequences: int, n_positions: int):
+    """The MoE terms of the objective: the balance loss averaged over the global batch's
+    sequences, the z-loss over its positions (None when neither is in use)."""
+    terms = ([balance / n_sequences] if balance is not None else []) + ([z / n_positions] if z is not None else [])
+    return sum(terms) if terms else None
+
+
+def moe_step(state: TrainState, cfg, layers, load: torch.Tensor) -> torch.Tensor:
+    """After the update, for MoE blocks `layers` whose tokens per expert over the global
+    batch are `load` (layers x E, the same on every rank): the aux-free bias moves toward
+    balance; returns each layer's load imbalance (max / mean)."""
+    from ..models.moe import expert_bias_step, imbalance
+
+    if cfg.balance == "aux_free":
+        with torch.no_grad():
+            for j, i in enumerate(layers):
+                bias = local(state.params[f"layers.{i}.moe.expert_bias"])
+                bias.copy_(expert_bias_step(bias, load[j], cfg.bias_update_rate))
+    return imbalance(load)
 
 
 def check_compile_with_cp(mesh) -> None:
@@ -102,7 +144,7 @@ def make_update(optimizer: AdamW, schedule: LRSchedule, grad_clip: float | None,
         update = _compiled(update, compile)
 
     def apply(state: TrainState, uncounted=()) -> tuple[torch.Tensor, float]:
-        names = list(state.params)
+        names = [n for n, p in state.params.items() if p.requires_grad]
         params = [local(state.params[n]).data for n in names]
         grads = [local(state.params[n].grad) for n in names]
         exp_avg = [local(state.optimizer["exp_avg"][n]) for n in names]
@@ -132,7 +174,7 @@ def make_eval_step(model: ModelDef, plan=None, device_mesh=None, *, precision: s
     @torch.no_grad()
     def evaluate(params: dict, batch: dict) -> float:
         tokens, targets = batch["tokens"], batch["targets"]
-        total = sum(_full(loss_sum(params, tokens[m], targets[m])) for m in range(len(tokens)))
+        total = sum(_full(loss_sum(params, tokens[m], targets[m])[0]) for m in range(len(tokens)))
         return float(total) / (batch.get("num_targets") or _count_targets(targets))
 
     return evaluate
@@ -149,8 +191,10 @@ def _context(plan, device_mesh, precision: str):
 
 
 def _loss_sum(model: ModelDef, ctx):
+    """(summed token loss, the MoE blocks' terms or None)."""
+
     def loss_sum(params, tokens, targets):
-        return ctx.cross_entropy_sum(model.forward(params, tokens, ctx), targets)
+        return ctx.cross_entropy_sum(model.forward(params, tokens, ctx), targets), ctx.moe_aux()
 
     return loss_sum
 
