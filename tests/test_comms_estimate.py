@@ -241,3 +241,145 @@ def test_llama3_405b_at_16384_ranks():
     assert ("bwd", "all_gather", "fsdp") not in got  # compiled: gathered weights kept
     assert got[("bwd", "reduce_scatter_sum", "fsdp")] == 4 * 4 * U  # reduced in fp32
     assert got[("opt", "all_reduce_sum", "world")] == 4  # once per step
+
+
+# ----------------------------------------------------------------------------------------
+# Mixture of experts: dense and MoE blocks walked apart; expert weights on the expert mesh.
+#
+# On the fake process group no peer answers, so the per-expert counts that ep peers would
+# send (the first all-to-all of each MoE call) are made up: here rank 0's experts receive
+# twice the rows it sends (a hot spot), so the recorded token all-to-alls differ from the
+# estimate's uniform-routing bytes. Everything else must match exactly; the ep all-to-alls
+# must match in count, and their recorded bytes must be what the captured routing gives.
+
+MOE_CFG = LlamaConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=40, vocab_size=64, max_seq_len=16)
+# id, moe, layout, sp, batch, seq, world, precision
+MOE_CASES = [
+    ("moe-fsdp2-ep2-dense0-bf16", dict(shared_experts=1, z_loss_coef=1e-3, layers="1:"), dict(fsdp=2, ep=2), False,
+     4, 8, 2, "bf16"),
+    ("moe-fsdp2xtp2-ep2-sp-all", dict(shared_experts=1, layers="all"), dict(fsdp=2, tp=2, ep=2), True, 4, 8, 4,
+     "fp32"),
+]
+
+
+class _MoeRecorder(_Recorder):
+    """_Recorder, plus the tp all-reduces of CopyToTensorParallel (a plain c10d all_reduce)
+    and the expert mesh's groups; all-to-alls on the ep group are named "ep" (with ep =
+    fsdp its group is the fsdp group, under that name in `axis_of_group`)."""
+
+    def __init__(self, axis_of_group, ep_group):
+        super().__init__(axis_of_group)
+        self.ep_group = ep_group
+
+    def _describe(self, ns, name, args):
+        msg = super()._describe(ns, name, args)
+        boxed = next((a for a in args if isinstance(a, torch.ScriptObject)), None)  # c10d ops: the group first
+        group = dist.ProcessGroup.unbox(boxed).group_name if boxed is not None else args[-1]
+        if ns == "c10d" and name == "allreduce_":  # dist.all_reduce, default op sum
+            return Msg(msg.phase, "all_reduce_sum", self.axis_of_group.get(group, "?"), msg.nbytes)
+        if msg.op == "all_to_all_single" and group == self.ep_group:
+            return Msg(msg.phase, msg.op, "ep", msg.nbytes)
+        return msg
+
+
+def run_moe_step(model, layout, *, sp, batch, seq, world, precision, monkeypatch):
+    """One step on the fake process group: (recorded totals, rows sent, rows received by
+    this rank's experts), both summed over the MoE calls."""
+    from meshtrain.parallel import expert_parallel
+    from meshtrain.parallel.mesh import device_mesh_for
+
+    real_a2a, real_dispatch = dist.all_to_all_single, expert_parallel.AllToAllExchange.dispatch
+    routed = [0, 0]
+
+    def counts_a2a(out, inp, *args, **kwargs):  # the counts exchange: peers send twice ours
+        work = real_a2a(out, inp, *args, **kwargs)
+        out.copy_(2 * inp)
+        return work
+
+    def dispatch(self, rows, counts):
+        result = real_dispatch(self, rows, counts)
+        routed[0] += sum(self.send)
+        routed[1] += sum(self.recv)
+        return result
+
+    monkeypatch.setattr(dist, "all_to_all_single", counts_a2a)
+    monkeypatch.setattr(expert_parallel.AllToAllExchange, "dispatch", dispatch)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    try:
+        plan = make_plan(model.specs, Rules.default(sp=sp), MeshSpec(**layout), world=world)
+        mesh = plan.mesh.build()
+        experts = device_mesh_for(mesh, plan.mesh.experts())
+        groups = {dist.group.WORLD.group_name: "world"} if mesh.ndim > 1 else {}
+        groups.update({mesh.get_group(i).group_name: a for i, a in enumerate(mesh.mesh_dim_names)})
+        for i, a in enumerate(experts.mesh_dim_names):
+            groups.setdefault(experts.get_group(i).group_name, a)
+        step = make_train_step(model, plan, mesh, optimizer=AdamW(lr=3e-4), precision=precision)
+        state = TrainState.create(init_params(plan, mesh, seed=0))
+        t = torch.randint(0, model.cfg.vocab_size, (1, batch, seq + 1), generator=torch.Generator().manual_seed(0))
+        recorder = _MoeRecorder(groups, experts.get_group("ep").group_name)
+        with recorder:
+            step(state, {"tokens": t[..., :-1], "targets": t[..., 1:]})
+        return totals(recorder.msgs), routed[0], routed[1]
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("case", MOE_CASES, ids=[c[0] for c in MOE_CASES])
+def test_moe_estimate_equals_recorded_step(case, monkeypatch):
+    """Every collective of an MoE step but the routing-dependent token all-to-alls: equal
+    count and bytes. Those (axis ep): equal count; recorded bytes = the captured routing's
+    rows (out and back, forward and backward) + the counts; estimated bytes = the same
+    with as many rows received as sent (uniform routing: T x top_k each way)."""
+    from meshtrain.models.moe import MoeConfig
+
+    _, moe, layout, sp, B, S, world, precision = case
+    cfg = LlamaConfig(**{**MOE_CFG.__dict__, "moe": MoeConfig(num_experts=4, top_k=2, expert_ffn_dim=24, **moe)})
+    model = build("llama", cfg)
+    rec, sent, received = run_moe_step(model, layout, sp=sp, batch=B, seq=S, world=world, precision=precision,
+                                       monkeypatch=monkeypatch)
+    est = estimate(model, layout, sp=sp, batch=B, seq=S, world=world, precision=precision)
+    a2a = [k for k in rec if k[1:] == ("all_to_all_single", "ep")]
+    assert {k[0] for k in a2a} == {"fwd", "bwd"}
+    assert_same({k: v for k, v in est.items() if k not in a2a}, {k: v for k, v in rec.items() if k not in a2a})
+    moe_layers, c = len(cfg.moe_layers), 2 if precision == "bf16" else 4
+    row, counts = c * cfg.dim, 8 * cfg.moe.num_experts * moe_layers
+    tokens = B // (layout.get("dp", 1) * layout.get("fsdp", 1)) * S
+    assert sent == moe_layers * tokens * cfg.moe.top_k and received == 2 * sent  # dropless; the hot spot
+    assert rec[("fwd", "all_to_all_single", "ep")] == (3 * moe_layers, counts + (sent + received) * row)
+    assert rec[("bwd", "all_to_all_single", "ep")] == (2 * moe_layers, (sent + received) * row)
+    assert est[("fwd", "all_to_all_single", "ep")] == (3 * moe_layers, counts + 2 * sent * row)
+    assert est[("bwd", "all_to_all_single", "ep")] == (2 * moe_layers, 2 * sent * row)
+    assert not [k for k in rec if k[2] == "?" or k[2].startswith("group:") or k[1].startswith("c10d.")], rec
+
+
+def test_moe_plan_with_every_block_moe():
+    """`meshtrain plan` for tiny-moe with block 0 MoE too (it used to look for
+    layers.0.mlp.w_gate): the ep all-to-alls are in the table and the per-layer line, per
+    MoE layer per micro-step, 4 x T top_k dim c token bytes + 8 E of counts; without ep,
+    no all-to-all. Blocks are counted by kind: 4 MoE blocks gather 4 routers."""
+    import dataclasses
+
+    import yaml
+
+    from meshtrain.config import RunConfig
+    from meshtrain.parallel.dryrun import dry_run
+    from test_cli import ROOT
+
+    raw = yaml.safe_load((ROOT / "configs" / "tiny-moe.yaml").read_text())
+    raw["model"]["moe"]["layers"] = "all"
+    cfg = RunConfig.from_dict(raw).validate()
+    run = dry_run(cfg)
+    text = run.render(width=250)
+    rows = {(c["axis"], c["op"], c["phase"]): c for c in run.collectives}
+    t, m = cfg.train, cfg.model.moe
+    steps = t.global_batch // (t.micro_batch * 2)
+    per_layer = 4 * t.micro_batch * t.seq_len * m.top_k * cfg.model.dim * 4 + 8 * m.num_experts
+    assert rows[("ep", "all_to_all_single", "forward")]["count"] == 3 * 4 * steps
+    assert rows[("ep", "all_to_all_single", "backward")]["count"] == 2 * 4 * steps
+    assert sum(rows[("ep", "all_to_all_single", p)]["bytes"] for p in ("forward", "backward")) == 4 * steps * per_layer
+    assert run.expert_exchange["bytes"] == per_layer and run.to_dict()["expert_all_to_all"] == run.expert_exchange
+    assert "all_to_all_single" in text and "expert all-to-all over ep" in text
+    single = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, ep=1, fsdp=1, nproc_per_node=1))
+    run = dry_run(single.validate())
+    assert not run.collectives and run.expert_exchange is None and "expert_all_to_all" not in run.to_dict()
+    assert run.memory["activations_per_moe_layer"] > 0

@@ -181,3 +181,90 @@ def test_llama3_405b_at_16384_ranks():
                            activation_checkpointing="full", device="cuda")
     assert full["activations_per_layer"] == 2 * res  # the layer input only
     assert full["peak"] < 80e9 < est["peak"]
+
+
+# ----------------------------------------------------------------------------------------
+# Mixture of experts, in one process on the fake process group (shapes are real, values
+# are not). The activation estimate is the uniform-routing expectation (every rank's
+# experts receive as many rows as it sends); no peer answers on the fake group, so the
+# per-expert counts "received" are set to the ones sent, which is such a routing: then
+# the estimate must be exact. Unlike `measure` above, a saved tensor counts as re-gathered
+# only when the runtime would swap it (a DTensor view of a gathered parameter): router and
+# expert weights are used as local tensors and stay kept.
+
+MOE_MEMORY_CASES = [
+    # id, moe, mesh sizes, sp, world, precision
+    ("fsdp2-ep2-dense0-bf16", dict(shared_experts=1, z_loss_coef=1e-3, layers="1:"), {"fsdp": 2, "ep": 2}, False, 2,
+     "bf16"),
+    ("fsdp2xtp2-ep2-sp-all", dict(shared_experts=1, router="sigmoid", balance="aux_free", layers="all"),
+     {"fsdp": 2, "tp": 2, "ep": 2}, True, 4, "fp32"),
+]
+
+
+def measure_moe(model, plan, precision, monkeypatch):
+    import torch.distributed as dist
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+    from torch.distributed.tensor import DTensor
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from meshtrain.parallel.context import ShardedContext
+    from meshtrain.train.optim import local
+
+    real = dist.all_to_all_single
+
+    def mirrored(out, inp, *args, **kwargs):  # the counts exchange: receive what we send
+        work = real(out, inp, *args, **kwargs)
+        out.copy_(inp)
+        return work
+
+    def storage(t):
+        t = t._local_tensor if isinstance(t, DTensor) else t
+        return (t.trigger_wait() if isinstance(t, AsyncCollectiveTensor) else t).untyped_storage()
+
+    monkeypatch.setattr(dist, "all_to_all_single", mirrored)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=plan.mesh.world)
+    try:
+        mesh = plan.mesh.build()
+        params = init_params(plan, mesh, seed=0)
+        ctx = ShardedContext(plan, mesh, PRECISIONS[precision])
+        tokens = torch.randint(0, model.cfg.vocab_size, (MICRO * plan.mesh.dp * plan.mesh.fsdp, SEQ),
+                               generator=torch.Generator().manual_seed(0))
+        before = {storage(p).data_ptr() for p in params.values()} | {tokens.untyped_storage().data_ptr()}
+        kept, regathered = {}, {}
+
+        def pack(t):
+            s = storage(t)
+            entry = ctx._gathered.get(s.data_ptr())
+            alive = entry[0]() if entry else None
+            if alive is not None and alive.untyped_storage().data_ptr() == s.data_ptr():  # as the runtime: plain too
+                regathered[s.data_ptr()] = s.nbytes()
+            elif s.data_ptr() not in before:
+                kept[s.data_ptr()] = (s.nbytes(), t)
+            return t
+
+        with ctx.regather_in_backward(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            ctx.cross_entropy_sum(model.forward(params, tokens, ctx), tokens)
+        return {"params": sum(local(p).nbytes for p in params.values()),
+                "activations": sum(n for n, _ in kept.values()), "regathered": sum(regathered.values())}
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("case", MOE_MEMORY_CASES, ids=[c[0] for c in MOE_MEMORY_CASES])
+def test_moe_activation_bytes_match(case, monkeypatch):
+    """Dense and MoE blocks (block 0 MoE too), ep over fsdp, experts split over tp, SP:
+    saved-for-backward bytes equal the estimate at uniform routing, tolerance 0; rank 0's
+    parameter bytes do not exceed the most loaded rank's."""
+    from meshtrain.models.moe import MoeConfig
+
+    _, moe, sizes, sp, world, precision = case
+    cfg = llama.LlamaConfig(**{**CFG.__dict__, "moe": MoeConfig(num_experts=4, top_k=2, expert_ffn_dim=32, **moe)})
+    model = build("llama", cfg)
+    plan = make_plan(model.specs, Rules.default(sp=sp), MeshSpec(**sizes), world=world)
+    got = measure_moe(model, plan, precision, monkeypatch)
+    est = per_rank_memory(plan, model, micro_batch=MICRO, seq_len=SEQ, precision=precision)
+    assert got["activations"] == est["activations"], (got, est)
+    assert got["params"] <= est["params"]
+    compiled = per_rank_memory(plan, model, micro_batch=MICRO, seq_len=SEQ, precision=precision, compiled=True)
+    assert compiled["gathered_weights"] == got["regathered"]
+    assert est["activations_per_moe_layer"] > 0

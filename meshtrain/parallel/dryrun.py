@@ -37,6 +37,7 @@ class DryRun:
     warnings: list[str] = field(default_factory=list)
     error: str | None = None  # why the layout cannot run (peak memory over the GPU's), with layouts that fit
     pipeline: object | None = None  # PipelineEstimate when parallel.pp > 1: memory and collectives are its most loaded rank's
+    expert_exchange: dict | None = None  # comms.expert_exchange: MoE blocks with ep > 1, per layer per micro-step
 
     def check(self) -> "DryRun":
         if self.error:
@@ -60,6 +61,7 @@ class DryRun:
             "warnings": self.warnings,
             "error": self.error,
             "pipeline": self.pipeline.to_dict() if self.pipeline is not None else None,
+            **({"expert_all_to_all": self.expert_exchange} if self.expert_exchange is not None else {}),
         }
 
     def render(self, width: int = 140) -> str:
@@ -102,6 +104,8 @@ class DryRun:
             comms.title = f"collectives per step (bytes per rank; pp rank {self.pipeline.busiest['pp_rank']}, the busiest)"
             out += _pipeline_renderables(self.pipeline)
         out += [memory, comms]
+        if self.expert_exchange is not None:
+            out.append(_expert_line(self.expert_exchange))
         out += [f"[yellow]warning: {w}[/]" for w in self.warnings]
         if self.error:
             out.append(f"[red]error: {self.error}[/]")
@@ -134,6 +138,15 @@ def _pipeline_renderables(est) -> list:
     return [stages, ranks, "\n".join(lines)]
 
 
+def _expert_line(x: dict) -> str:
+    """The ep all-to-alls of one MoE layer in one micro-step (comms.expert_exchange)."""
+    return (f"expert all-to-all over ep ({x['ep']} ranks; {x['moe_layers']} MoE layers), per MoE layer per "
+            f"micro-step at uniform routing: {x['all_to_alls']} calls, {human_bytes(x['bytes'])} per rank\n"
+            f"  = {x['rows']:,} routed rows x {human_bytes(x['row_bytes'])}, dispatched and combined, forward and "
+            f"backward, + {human_bytes(x['counts_bytes'])} of counts; ~{human_bytes(x['leaving_bytes'])} "
+            f"((ep-1)/ep) leaves the rank")
+
+
 def _stride(mesh, axis: str) -> int:
     after = MESH_AXES[MESH_AXES.index(axis) + 1:]
     return math.prod(mesh.size(a) for a in after)
@@ -155,7 +168,7 @@ def dry_run(cfg, world: int | None = None, gpu: str | None = None, *, suggest: b
     """Plan `cfg` (a validated RunConfig) at `world` ranks. With `gpu` (h100, h200, a100),
     a peak over the device's memory sets `error`, naming layouts that fit (`check()`
     raises it). Layouts that cannot be built at all raise ConfigError here."""
-    from .comms import step_collectives
+    from .comms import expert_exchange, step_collectives
     from .memory import per_rank_memory
 
     if gpu is not None and gpu not in GPU_MEMORY:
@@ -189,8 +202,11 @@ def dry_run(cfg, world: int | None = None, gpu: str | None = None, *, suggest: b
                                  device="cuda")  # a plan is for GPUs: fused attention kernels
         collectives = step_collectives(plan, model, micro_batch_rows=t.micro_batch * dp_size, seq_len=t.seq_len,
                                        micro_steps=micro_steps, precision=t.precision, compiled=compiled)
+    experts = None if pipeline is not None else expert_exchange(
+        plan, model, micro_batch_rows=t.micro_batch * dp_size, seq_len=t.seq_len, precision=t.precision)
     axis_nodes = {a: _nodes_spanned(plan.mesh, a, gpus_per_node) for a in plan.mesh.axes}
-    run = DryRun(world, gpus_per_node, plan, memory, collectives, axis_nodes, gpu, pipeline=pipeline)
+    run = DryRun(world, gpus_per_node, plan, memory, collectives, axis_nodes, gpu, pipeline=pipeline,
+                 expert_exchange=experts)
     for axis in ("tp", "cp"):
         if axis_nodes.get(axis, 1) > 1:
             run.warnings.append(f"parallel.{axis}={plan.mesh.size(axis)} spans {axis_nodes[axis]} nodes: its "

@@ -38,6 +38,36 @@ clamped ids (int64) and mask (bool). GPT-2 differs where its forward does: Layer
 keeps the centred fp32 input (4*D), no GQA, learned positions, and the MLP keeps 2*F
 (GELU input, GELU output).
 
+MoE blocks (llama `moe_layers`; the others stay dense) keep the attention half of a dense
+block, then, in place of the MLP, what ShardedContext.moe, routed_experts and the shared
+experts keep (model/moe.py, models/experts.py). Routing-dependent sizes are taken at the
+uniform-routing expectation: each rank routes its T local tokens ([batch, seq]) x k =
+top_k slots, K = T k rows (with a capacity factor, at most E x the capacity of them), and
+its experts receive N = K rows (as many as it sends). E experts, E_l = E / ep local, F_l
+= expert_ffn_dim / tp, Fs = shared_experts x expert_ffn_dim (split like an mlp), D dim:
+
+  mlp norm         4*D + 4 + c*D                                                 [seq_sp]
+  block input      c*D when shared experts (their matmuls) or fp32 (the router's
+                   h.float() is h); 4*D under bf16 (the router's fp32 copy)       [seq]
+  router (fp32)    4*E scores (softmax / sigmoid output), 8*k chosen experts; sigmoid:
+                   4 (their sum); norm_topk with k > 1: 4*k chosen scores + 4 their sum;
+                   balance aux: 4*E per sequence (the counts); z-loss: 4*E logits + 4
+  slots            8*k the sort order; 2 x 8 per kept slot (gather and scatter indices);
+                   per received row c*D (the rows the experts multiply), 4*c*F_l (gate
+                   pre-activation, silu, up, product); per kept slot 2*c*D (expert output,
+                   and the gated product that index_add keeps) + c (its gate); ep > 1:
+                   2 x 8 per received row (arrival order and its inverse); 3 x 4*E_l offsets
+  shared experts   4*c*Fs                                                          [seq]
+
+Router and expert weights are used as local tensors (to_local), so autograd keeps them as
+plain tensors, which eager steps do not swap for shards: when gathered or cast (bf16)
+they are kept (`saved_weights`; the router as its fp32 copy), eager or compiled. The
+expert bias (aux_free) is added, never kept. Checkpointing of MoE blocks: full keeps the
+layer input; selective (an estimate) keeps the attention part as above, the router
+scores, chosen experts and gates, and the matmul outputs (routed and shared gate / up
+pre-activations, the expert output). A pipeline rank given only a layer count (MoE
+blocks in stages are not supported by the runtime) counts each layer as the larger kind.
+
 Context parallelism (cp > 1) replaces the kernel by parallel/cp_attention.py, which keeps
 q, k, v, output and log-sum-exp like a fused kernel (a2a: on the head split, the same
 sizes, plus its own copy of the output, the zigzag order and its inverse, int64 per
@@ -106,7 +136,7 @@ def _compute_numel(plan: Plan, name: str) -> int:
 
 def _is_gathered(plan: Plan, name: str) -> bool:
     p = plan.params[name]
-    return tuple(p.compute_placements(plan.mesh)) != tuple(p.placements)
+    return tuple(p.compute_placements()) != tuple(p.placements)
 
 
 def _saved_in_backward(family: str, cfg, name: str) -> bool:
@@ -114,6 +144,8 @@ def _saved_in_backward(family: str, cfg, name: str) -> bool:
     keep ids, bias additions keep nothing."""
     if name == "tok_emb":
         return cfg.tie_embeddings
+    if name.endswith(".moe.expert_bias"):  # added to the scores, not multiplied
+        return False
     if family == "gpt2":
         leaf = name.rsplit(".", 1)[-1]
         return not (name == "pos_emb" or leaf.startswith("b") or leaf.endswith("norm_bias"))
@@ -140,6 +172,65 @@ def _attention_saved(plan, B, S, Hq, Hkv, hd, c, kernel: str) -> int:
         return c * (q + 2 * kv + q) + FP32 * lse
     probs = _local(plan, (B, Hq, S, S), ("batch", "q_heads", "seq", None))
     return c * (4 * q + probs)  # q, k and v at Hq heads, output copy; probabilities
+
+
+def _router_copy(cfg, name: str, c: int) -> bool:
+    """An MoE router in a low-precision run: its fp32 matmul keeps an fp32 copy of it (no
+    parameter storage, so the eager runtime cannot swap it for the shard)."""
+    return bool(getattr(cfg, "moe", None)) and name.endswith(".moe.router") and c != FP32
+
+
+def _moe_saved(plan: Plan, m, B: int, S: int, D: int, c: int, checkpointing: str) -> tuple[int, int]:
+    """(kept without checkpointing, kept with `checkpointing`) of one MoE block's feed-forward
+    half (from the mlp norm on), at the uniform-routing expectation: each rank routes its T
+    local tokens x top_k rows and receives as many; see the module docstring."""
+    from ..models.experts import expert_capacity
+
+    full = ("batch", "seq", None)
+    x_full = _local(plan, (B, S, D), full)
+    T = _local(plan, (B, S), ("batch", "seq"))
+    Bl = _local(plan, (B, 1), ("batch", None))
+    E, k = m.num_experts, m.top_k
+    K = T * k
+    if m.capacity_factor is not None:  # what the experts keep of the slots, routing uniform
+        K = min(K, E * expert_capacity(T, k, E, m.capacity_factor))
+    # Experts and hidden size of this rank (split over ep and tp), from the first MoE
+    # block's plan (a pipeline stage's plan may hold only some blocks).
+    expert = next(p for n, p in plan.params.items() if n.endswith(".moe.w_gate"))
+    E_l, F_l = expert.local_shape[0], expert.local_shape[1]
+    ep = expert.mesh.ep
+    # The shared experts' hidden: split like a dense mlp's (rule "mlp").
+    shared = _local(plan, (B, S, m.shared_experts * m.expert_ffn_dim), ("batch", "seq", "mlp")) \
+        if m.shared_experts else 0
+    # Block input h: the shared experts' matmuls keep it; the fp32 router keeps h.float()
+    # (h itself in fp32, a new fp32 copy otherwise).
+    kept = _norm(plan, B, S, D, c) + (c * x_full if m.shared_experts or c == FP32 else 0) \
+        + (FP32 * x_full if c != FP32 else 0)
+    routing = FP32 * T * E + INT64 * T * k  # scores (softmax / sigmoid output), chosen experts
+    if m.router == "sigmoid":
+        routing += FP32 * T  # their sum, the probabilities' divisor
+    if m.norm_topk and k > 1:
+        routing += FP32 * (T * k + T)  # chosen scores and their sum
+    if m.balance == "aux":
+        routing += FP32 * Bl * E  # per-sequence counts, kept by the balance loss's product
+    if m.z_loss_coef:
+        routing += FP32 * (T * E + T)  # logits and logsumexp
+    # Slots: the sort order (T k) and two token indices of the kept slots (gather rows,
+    # scatter back); the rows the experts see (N = K received), under ep with their order
+    # and its inverse; 3 grouped-matmul offsets; the hidden (gate pre-activation, silu,
+    # up, product); the expert output, its gate, and the gated product (index_add keeps it).
+    N = K
+    slots = INT64 * (T * k + 2 * K) + c * N * D + 3 * 4 * E_l + 4 * c * N * F_l + c * (2 * K * D + K)
+    if ep > 1:
+        slots += 2 * INT64 * N
+    kept += routing + slots + 4 * c * shared
+    if checkpointing == "none":
+        return kept, kept
+    if checkpointing == "full":
+        return kept, 0
+    # selective (estimate): keep the routing decisions and the matmul outputs (routed and
+    # shared gate / up pre-activations, the expert output); recompute the rest.
+    return kept, FP32 * T * E + INT64 * T * k + FP32 * T * k + 2 * c * (N * F_l + shared) + c * K * D
 
 
 def per_rank_memory(plan: Plan, model, *, micro_batch: int, seq_len: int, precision: str = "fp32",
@@ -195,6 +286,15 @@ def per_rank_memory(plan: Plan, model, *, micro_batch: int, seq_len: int, precis
         lse = _local(plan, (B, Hq, S), ("batch", "q_heads", "seq"))
         layer = c * (2 * x_res + q + 2 * kv + q) + FP32 * lse + 2 * c * mlp
     recompute = 0 if activation_checkpointing == "none" else max(0, layer_none - layer)
+    moe_cfg = getattr(cfg, "moe", None) if family == "llama" else None
+    moe_ids = set(cfg.moe_layers) if moe_cfg is not None else set()
+    moe_layer = None
+    if moe_ids:  # an MoE block: the attention half as a dense block's, then the routed experts
+        moe_none, moe_kept = _moe_saved(plan, moe_cfg, B, S, D, c, activation_checkpointing)
+        moe_layer_none = attn + moe_none
+        moe_layer = moe_layer_none if activation_checkpointing == "none" else \
+            layer if activation_checkpointing == "full" else layer - 2 * c * mlp + moe_kept
+        recompute = max(recompute, 0 if activation_checkpointing == "none" else max(0, moe_layer_none - moe_layer))
 
     # Once per micro-batch: RoPE tables or position ids, embedding, final norm, loss.
     once = 0
@@ -212,7 +312,17 @@ def per_rank_memory(plan: Plan, model, *, micro_batch: int, seq_len: int, precis
         once += _norm(plan, B, S, D, c) + c * x_full
         loss = 2 * FP32 * logits + tokens * (INT64 + BOOL + 2 * FP32 + BOOL)
     names = set(plan.params if names is None else names)
-    layers = cfg.n_layers if layers is None else layers
+    if layers is None:
+        run = list(range(cfg.n_layers))
+    elif isinstance(layers, int):
+        run = list(range(layers)) if not moe_ids else None
+    else:
+        run = list(layers)
+    if run is None:  # a count of layers with MoE blocks somewhere: each as the larger kind
+        layers_bytes = layers * max(layer, moe_layer)
+    else:
+        n_moe = sum(i in moe_ids for i in run)
+        layers_bytes = (len(run) - n_moe) * layer + n_moe * (moe_layer or 0)
 
     # Weights autograd keeps, and the transient of gathering them.
     saved_weights = gathered_weights = 0
@@ -227,13 +337,18 @@ def per_rank_memory(plan: Plan, model, *, micro_batch: int, seq_len: int, precis
             layer_weights[group] = layer_weights.get(group, 0) + n * c
         if not new_copy or not _saved_in_backward(family, cfg, name):
             continue
+        if _router_copy(cfg, name, c):  # kept, eager or compiled
+            saved_weights += n * FP32
+            continue
         if gathered:
             gathered_weights += n * c if compiled else 0
         else:
             saved_weights += n * c
 
-    activations_per_layer = layer
-    activations = in_flight * (layers * layer + once + loss) + saved_weights + gathered_weights
+    # Per layer: a dense block's, or an MoE block's where every layer run is MoE.
+    all_moe = run is not None and bool(run) and all(i in moe_ids for i in run)
+    activations_per_layer = moe_layer if all_moe else layer
+    activations = in_flight * (layers_bytes + once + loss) + saved_weights + gathered_weights
     params = sum(p.bytes_per_rank for n, p in plan.params.items() if n in names)
     grads = sum(math.prod(p.local_shape) * FP32 for n, p in plan.params.items() if n in names)
     optimizer = 2 * grads
@@ -243,9 +358,10 @@ def per_rank_memory(plan: Plan, model, *, micro_batch: int, seq_len: int, precis
     return {
         "params": params, "grads": grads, "optimizer": optimizer, "activations": activations,
         "peak": peak,
-        "activations_per_layer": activations_per_layer, "activations_layers": in_flight * layers * layer,
+        "activations_per_layer": activations_per_layer, "activations_layers": in_flight * layers_bytes,
         "activations_once": once, "loss_saved": loss, "saved_weights": saved_weights,
         "gathered_weights": gathered_weights, "recompute": recompute, "transient": transient,
         "transient_layer_weights": max(layer_weights.values(), default=0), "logits": loss_logits,
         "attention_kernel": attention,
+        **({"activations_per_moe_layer": moe_layer} if moe_layer is not None else {}),
     }

@@ -101,11 +101,12 @@ def pipeline_estimate(plan: Plan, model, *, schedule: str, virtual: int, layout:
         first, has_head = any(st.has_embedding for st in mine), any(st.has_head for st in mine)
         memory = per_rank_memory(sub, model, micro_batch=micro_batch, seq_len=seq_len, precision=precision,
                                  activation_checkpointing=activation_checkpointing, compiled=compiled,
-                                 device=device, names=names, layers=max(st.n_layers for st in mine),
+                                 device=device, names=names,
+                                 layers=list(range(*max(mine, key=lambda st: st.n_layers).layers)),
                                  embedding=first, head=has_head, in_flight=max(1, timing.peak_in_flight[r]))
         collectives = [e for e in step_collectives(sub, model, micro_batch_rows=micro_batch * data, seq_len=seq_len,
                                                    micro_steps=micro_steps, precision=precision, compiled=compiled,
-                                                   layers=sum(st.n_layers for st in mine), embedding=first,
+                                                   layers=[i for st in mine for i in range(*st.layers)], embedding=first,
                                                    head=has_head)
                        if not (e["phase"] == "optimizer" and e["op"] == "all_reduce_sum")]
         # Per micro-batch: an activation out of every stage but the last, a gradient back
@@ -121,6 +122,9 @@ def pipeline_estimate(plan: Plan, model, *, schedule: str, virtual: int, layout:
                             for op in ("send", "recv")]
         collectives += [{"axis": world_axis, "op": "all_reduce_sum", "phase": "optimizer", "count": 1, "bytes": 4},
                         {"axis": "pp", "op": "all_reduce_sum", "phase": "optimizer", "count": 1, "bytes": 4}]
+        if getattr(model.cfg, "moe", None) is not None:  # MoE metrics: worst imbalance, summed terms
+            collectives[-1] = {**collectives[-1], "count": 2, "bytes": 4 + 8}
+            collectives.append({"axis": "pp", "op": "all_reduce_max", "phase": "optimizer", "count": 1, "bytes": 4})
         order = ("forward", "backward", "optimizer")
         collectives.sort(key=lambda e: (order.index(e["phase"]), e["axis"] == "world", e["axis"], e["op"]))
         ranks.append({"pp_rank": r, "stages": [st.index for st in mine],
