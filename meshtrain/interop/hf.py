@@ -2,6 +2,11 @@
 parameters (in memory, or streamed from a DCP checkpoint) to safetensors, and import of
 safetensors weights as plain tensors or as DTensors laid out by a Plan.
 
+A llama-family model exports as LlamaForCausalLM, or, with per-head q/k norms and/or
+mixture-of-experts blocks, as Qwen3ForCausalLM, MixtralForCausalLM or
+Qwen3MoeForCausalLM; all four import. hf_moe.py has that choice, their extra tensors
+(attention norms, experts) and config keys, and what cannot be exported.
+
 Name and layout mapping (ours -> transformers):
 
   llama (LlamaForCausalLM; both store Linear weights (out, in), and our RoPE already uses
@@ -36,6 +41,7 @@ prefix (as the original GPT-2 release has them). Weights are read with
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import itertools
 import json
@@ -74,13 +80,21 @@ INDEX_FILE = "model.safetensors.index.json"
 
 @dataclass(frozen=True)
 class Piece:
-    """Where one of our parameters lies inside a Hugging Face tensor: HF dim j holds our
-    dim perm[j], starting at offset[j] (non-zero only in a fused tensor)."""
+    """Where (part of) one of our parameters lies inside a Hugging Face tensor: the HF
+    tensor holds ours[lead] (all of ours when lead is empty; e.g. lead (j,): expert j of
+    a stacked expert weight), whose dim perm[j] is HF dim j, starting at offset[j]
+    (non-zero only in a fused tensor). `shape` is our whole parameter's."""
 
     ours: str
     shape: tuple[int, ...]
     perm: tuple[int, ...]
     offset: tuple[int, ...]
+    lead: tuple[int, ...] = ()
+
+    @property
+    def sub_shape(self) -> tuple[int, ...]:
+        """The shape of ours[lead]."""
+        return self.shape[len(self.lead):]
 
     @property
     def inverse_perm(self) -> tuple[int, ...]:
@@ -90,11 +104,11 @@ class Piece:
         return tuple(inv)
 
     def hf_index(self, index: tuple[slice, ...]) -> tuple[slice, ...]:
-        """The HF slices holding ours[index] (slices with start/stop, step 1)."""
+        """The HF slices holding ours[lead][index] (slices with start/stop, step 1)."""
         return tuple(slice(o + index[d].start, o + index[d].stop) for o, d in zip(self.offset, self.perm))
 
     def region(self) -> tuple[slice, ...]:
-        return self.hf_index(tuple(slice(0, n) for n in self.shape))
+        return self.hf_index(tuple(slice(0, n) for n in self.sub_shape))
 
 
 @dataclass(frozen=True)
@@ -107,11 +121,17 @@ class HFTensor:
     def plain(self) -> bool:
         """One piece, same layout: the HF tensor is our parameter as it is."""
         p = self.pieces[0]
-        return len(self.pieces) == 1 and p.perm == tuple(range(len(p.shape)))
+        return len(self.pieces) == 1 and not p.lead and p.perm == tuple(range(len(p.shape)))
 
 
-def hf_layout(arch: str, family_cfg) -> list[HFTensor]:
-    """The Hugging Face tensors of this model, in file order, each with its pieces."""
+def hf_layout(arch: str, family_cfg, experts: str = "hub") -> list[HFTensor]:
+    """The Hugging Face tensors of this model, in file order, each with its pieces.
+    `experts`: MoE blocks' experts one tensor per expert and weight ("hub", what export
+    writes) or fused as transformers holds them in memory ("fused"; see hf_moe)."""
+    from . import hf_moe
+
+    if experts not in ("hub", "fused"):
+        raise ValueError(f"experts={experts!r}: choose hub or fused")
     cfg = _family_cfg(arch, family_cfg)
     specs = _specs(arch, cfg)
 
@@ -125,13 +145,20 @@ def hf_layout(arch: str, family_cfg) -> list[HFTensor]:
 
     out: list[HFTensor] = []
     if arch == "llama":
+        hf_moe.check_layout(cfg)
+        model_type, moe_layers = hf_moe.model_type(cfg), cfg.moe_layers
         out.append(same("model.embed_tokens.weight", "tok_emb"))
         for i in range(cfg.n_layers):
             p, h = f"layers.{i}.", f"model.layers.{i}."
             out += [same(h + "input_layernorm.weight", p + "attn_norm")]
             out += [same(h + f"self_attn.{w}_proj.weight", p + f"attn.w{w}") for w in "qkvo"]
+            if cfg.qk_norm:
+                out += [same(h + f"self_attn.{w}_norm.weight", p + f"attn.{w}_norm") for w in "qk"]
             out += [same(h + "post_attention_layernorm.weight", p + "mlp_norm")]
-            out += [same(h + f"mlp.{w}_proj.weight", p + f"mlp.w_{w}") for w in ("gate", "up", "down")]
+            if i in moe_layers:
+                out += hf_moe.expert_tensors(cfg, model_type, i, specs, experts)
+            else:
+                out += [same(h + f"mlp.{w}_proj.weight", p + f"mlp.w_{w}") for w in ("gate", "up", "down")]
         out.append(same("model.norm.weight", "norm"))
     else:
         d = cfg.dim
@@ -151,8 +178,12 @@ def hf_layout(arch: str, family_cfg) -> list[HFTensor]:
         out += [same("transformer.ln_f.weight", "norm"), same("transformer.ln_f.bias", "norm_bias")]
     if not cfg.tie_embeddings:
         out.append(same("lm_head.weight", "output"))
-    covered = [piece.ours for t in out for piece in t.pieces]
-    assert sorted(covered) == sorted(specs), "hf_layout does not cover every parameter exactly once"
+    covered = collections.Counter((piece.ours, piece.lead) for t in out for piece in t.pieces)
+    split = {name for name, lead in covered if lead}  # one tensor per expert: ours[j] for every j
+    absent = set(hf_moe.absent(specs))
+    expected = collections.Counter((name, lead) for name in specs if name not in absent
+                                   for lead in ([(j,) for j in range(specs[name].shape[0])] if name in split else [()]))
+    assert covered == expected, "hf_layout does not cover every parameter exactly once"
     return out
 
 
@@ -190,13 +221,20 @@ def _family_cfg(arch: str, family_cfg):
 
 def to_hf_config(arch: str, family_cfg, *, dtype: str = "bf16", bos_token_id: int | None = None,
                  eos_token_id: int | None = None) -> dict:
-    """config.json for transformers (LlamaForCausalLM / GPT2LMHeadModel). Llama RoPE is
-    written in the transformers 4.x form (rope_theta, rope_scaling with rope_type
-    "llama3"), which transformers 5 also reads. GPT-2 dropouts are 0: our model has none."""
+    """config.json for transformers (LlamaForCausalLM, Qwen3ForCausalLM,
+    MixtralForCausalLM or Qwen3MoeForCausalLM for the llama family, as hf_moe.model_type
+    chooses; GPT2LMHeadModel). Llama-family RoPE is written in the transformers 4.x form
+    (rope_theta, rope_scaling with rope_type "llama3"), which transformers 5 also reads.
+    GPT-2 dropouts are 0: our model has none. A ConfigError names what the target cannot
+    represent (hf_moe.check_exportable)."""
+    from . import hf_moe
+
     cfg = _family_cfg(arch, family_cfg)
     if dtype not in DTYPES:
         raise ConfigError(f"dtype={dtype!r}: choose one of {', '.join(DTYPES)}")
-    common = {"architectures": [ARCHITECTURES[arch]], "model_type": arch,
+    model_type = hf_moe.check_exportable(cfg) if arch == "llama" else arch
+    cls = ARCHITECTURES[arch] if model_type == arch else hf_moe.MODEL_TYPES[model_type][0]
+    common = {"architectures": [cls], "model_type": model_type,
               "torch_dtype": _TORCH_DTYPE_NAMES[DTYPES[dtype]], "vocab_size": cfg.vocab_size,
               "tie_word_embeddings": bool(cfg.tie_embeddings), "initializer_range": cfg.init_std, "use_cache": True}
     if arch == "llama":
@@ -213,6 +251,10 @@ def to_hf_config(arch: str, family_cfg, *, dtype: str = "bf16", bos_token_id: in
                   "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps,
                   "rope_theta": float(cfg.rope_theta), "rope_scaling": rope_scaling, "attention_bias": False,
                   "attention_dropout": 0.0, "mlp_bias": False, "pretraining_tp": 1}
+        if model_type != "llama":
+            for key in ("attention_bias", "mlp_bias", "pretraining_tp"):
+                del config[key]
+            config.update(hf_moe.config_keys(cfg, model_type))
     else:
         config = {**common, "n_embd": cfg.dim, "n_layer": cfg.n_layers, "n_head": cfg.n_heads,
                   "n_inner": cfg.ffn_dim, "n_positions": cfg.max_seq_len, "n_ctx": cfg.max_seq_len,
@@ -228,16 +270,23 @@ def to_hf_config(arch: str, family_cfg, *, dtype: str = "bf16", bos_token_id: in
 
 def from_hf_config(config: Mapping, source: str = "config.json") -> dict:
     """Our ModelConfig fields (arch, dim, n_layers, n_heads, n_kv_heads, ffn_dim,
-    vocab_size, max_seq_len, rope_theta, norm_eps, tie_embeddings, rope_scaling) for a
-    transformers config.json dict. Unsupported architectures or features are a one-line
-    ConfigError naming the key (`source` prefixes it)."""
+    vocab_size, max_seq_len, rope_theta, norm_eps, tie_embeddings, rope_scaling; for
+    Qwen3 / Mixtral / Qwen3-MoE also qk_norm, head_dim (when not dim / n_heads) and moe,
+    a dict of all model.moe fields) for a transformers config.json dict. Unsupported
+    architectures or features are a one-line ConfigError naming the key (`source`
+    prefixes it)."""
+    from . import hf_moe
+
     if not isinstance(config, Mapping):
         raise ConfigError(f"{source}: expected a JSON object, got {type(config).__name__}")
-    arch = _detect_arch(config, source)
+    model_type = _detect_model_type(config, source)
     if config.get("quantization_config"):
         raise ConfigError(f"{source}: quantization_config is set: quantized weights cannot be imported; use an "
                           "unquantized (fp32/bf16/fp16) checkpoint")
-    fields = _llama_fields(config, source) if arch == "llama" else _gpt2_fields(config, source)
+    arch = "gpt2" if model_type == "gpt2" else "llama"
+    fields = _gpt2_fields(config, source) if arch == "gpt2" else _llama_fields(config, source, model_type)
+    if model_type in hf_moe.MODEL_TYPES:
+        fields = hf_moe.import_fields(config, model_type, fields, source)
     try:
         _family_cfg(arch, fields)  # the family's own checks (divisibility, even head dim)
     except ConfigError as e:
@@ -258,18 +307,24 @@ def read_hf_config(hf_dir: str | os.PathLike) -> dict:
     return from_hf_config(config, str(path))
 
 
-def _detect_arch(config: Mapping, source: str) -> str:
+def _detect_model_type(config: Mapping, source: str) -> str:
+    """The transformers model_type: llama, gpt2, or one of hf_moe.MODEL_TYPES."""
+    from . import hf_moe
+
     model_type = config.get("model_type")
     archs = config.get("architectures") or []
     if isinstance(archs, str):
         archs = [archs]
-    allowed = {"llama": ("LlamaForCausalLM", "LlamaModel"), "gpt2": ("GPT2LMHeadModel", "GPT2Model")}
+    allowed = {"llama": ("LlamaForCausalLM", "LlamaModel"), "gpt2": ("GPT2LMHeadModel", "GPT2Model"),
+               **hf_moe.MODEL_TYPES}
     arch = model_type if model_type in allowed else None
     if arch is None and model_type is None:
         arch = next((a for a, names in allowed.items() for n in archs if n in names), None)
     if arch is None:
         raise ConfigError(f"{source}: model_type={model_type!r} (architectures {list(archs)}) is not supported: "
-                          "meshtrain imports llama (LlamaForCausalLM) and gpt2 (GPT2LMHeadModel) checkpoints only")
+                          "meshtrain imports llama (LlamaForCausalLM), qwen3 (Qwen3ForCausalLM), mixtral "
+                          "(MixtralForCausalLM), qwen3_moe (Qwen3MoeForCausalLM) and gpt2 (GPT2LMHeadModel) "
+                          "checkpoints only")
     other = [n for n in archs if n not in allowed[arch]]
     if other:
         raise ConfigError(f"{source}: architectures={list(archs)}: {other[0]} is not supported for model_type "
@@ -309,11 +364,15 @@ def _refuse(config: Mapping, key: str, ok: Callable[[Any], bool], default: Any, 
         raise ConfigError(f"{source}: {key}={json.dumps(value)} is not supported: {why}")
 
 
-def _llama_fields(config: Mapping, source: str) -> dict:
+def _llama_fields(config: Mapping, source: str, model_type: str = "llama") -> dict:
+    """The fields llama, qwen3, mixtral and qwen3_moe share (hf_moe adds the rest)."""
+    from . import hf_moe
+
+    defaults = hf_moe.DEFAULTS[model_type]
     dim = _get(config, ("hidden_size",), _REQUIRED, source)
     n_heads = _get(config, ("num_attention_heads",), _REQUIRED, source)
     n_kv = _get(config, ("num_key_value_heads",), n_heads, source)
-    head_dim = _get(config, ("head_dim",), None, source)
+    head_dim = _get(config, ("head_dim",), None, source) if model_type == "llama" else None
     if head_dim is not None and n_heads and head_dim * n_heads != dim:
         raise ConfigError(f"{source}: head_dim={head_dim} differs from hidden_size / num_attention_heads = "
                           f"{dim} / {n_heads}: meshtrain's llama derives the head size from dim and n_heads, so "
@@ -323,17 +382,19 @@ def _llama_fields(config: Mapping, source: str) -> dict:
     for key in ("attention_bias", "mlp_bias"):
         _refuse(config, key, lambda v: v is False, False, f"meshtrain's llama has no biases; only {key} false "
                 "checkpoints can be imported", source)
-    max_seq_len = _get(config, ("max_position_embeddings",), 2048, source)
-    theta, scaling = _llama_rope(config, source, max_seq_len)
+    max_seq_len = _get(config, ("max_position_embeddings",), defaults["max_position_embeddings"], source)
+    theta, scaling = _llama_rope(config, source, max_seq_len, defaults["rope_theta"])
     return {"arch": "llama", "dim": dim, "n_layers": _get(config, ("num_hidden_layers",), _REQUIRED, source),
             "n_heads": n_heads, "n_kv_heads": n_kv, "ffn_dim": _get(config, ("intermediate_size",), _REQUIRED, source),
             "vocab_size": _get(config, ("vocab_size",), _REQUIRED, source), "max_seq_len": max_seq_len,
-            "rope_theta": theta, "norm_eps": float(_get(config, ("rms_norm_eps",), 1e-6, source, float)),
+            "rope_theta": theta,
+            "norm_eps": float(_get(config, ("rms_norm_eps",), defaults["rms_norm_eps"], source, float)),
             "tie_embeddings": bool(_get(config, ("tie_word_embeddings",), False, source, bool)),
             "rope_scaling": scaling}
 
 
-def _llama_rope(config: Mapping, source: str, max_seq_len: int) -> tuple[float, dict | None]:
+def _llama_rope(config: Mapping, source: str, max_seq_len: int,
+                default_theta: float = 10000.0) -> tuple[float, dict | None]:
     """(rope_theta, our rope_scaling) from transformers 4.x keys (rope_theta, rope_scaling)
     or 5.x ones (rope_parameters)."""
     key = "rope_scaling" if config.get("rope_scaling") else "rope_parameters"
@@ -342,7 +403,7 @@ def _llama_rope(config: Mapping, source: str, max_seq_len: int) -> tuple[float, 
         raise ConfigError(f"{source}: {key}={json.dumps(rope)} is not supported: only one RoPE for all layers "
                           "(a flat mapping) can be imported")
     theta = rope.get("rope_theta", config.get("rope_theta"))
-    theta = 10000.0 if theta is None else theta
+    theta = default_theta if theta is None else theta
     if isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta <= 0:
         raise ConfigError(f"{source}: rope_theta={theta!r} must be a positive number")
     partial = rope.get("partial_rotary_factor", config.get("partial_rotary_factor"))
@@ -395,6 +456,15 @@ def _model_fields(arch: str, cfg) -> dict:
               "max_seq_len": cfg.max_seq_len, "rope_theta": getattr(cfg, "rope_theta", None),
               "norm_eps": cfg.norm_eps, "tie_embeddings": cfg.tie_embeddings,
               "rope_scaling": getattr(cfg, "rope_scaling", None)}
+    if arch == "llama":
+        from . import hf_moe
+
+        if cfg.qk_norm:
+            fields["qk_norm"] = True
+        if cfg.attn_head_dim is not None:
+            fields["head_dim"] = cfg.attn_head_dim
+        if cfg.moe is not None:
+            fields["moe"] = hf_moe.moe_dict(cfg.moe)
     return fields
 
 
@@ -461,7 +531,8 @@ def export_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike, dty
     parameter, whatever the model's size or max_shard_bytes: about three fp32 copies (the
     bytes DCP reads, the tensor torch.load makes of them, the target they are copied
     into) plus the converted tensor when the dtype or layout changes (for GPT-2's fused
-    c_attn, the whole (d, 3d) tensor). Measured (tests/test_hf.py): exporting a 100 MiB
+    c_attn, the whole (d, 3d) tensor; a stacked expert weight is read once and kept while
+    its per-expert tensors are written). Measured (tests/test_hf.py): exporting a 100 MiB
     checkpoint whose largest parameter is 4 MiB raises peak RSS by about 20 MiB.
     Nothing is written under `out` unless the export completes.
     Returns a summary dict: out, checkpoint, step, arch, dtype, files, total_bytes, config.
@@ -547,11 +618,13 @@ def _export(arch: str, cfg, fetch: Callable[[str], torch.Tensor], out, dtype: st
     if isinstance(max_shard_bytes, bool) or not isinstance(max_shard_bytes, int) or max_shard_bytes < 1:
         raise ConfigError(f"export max_shard_bytes={max_shard_bytes!r} must be a positive integer (bytes)")
     torch_dtype = DTYPES[dtype]
+    to_hf_config(arch, cfg, dtype=dtype)  # what the target cannot hold: refused before any work
     layout = hf_layout(arch, cfg)
     tok_files, tok_bos, tok_eos = _tokenizer_files(tokenizer)
     bos = tok_bos if bos is None else bos
     eos = tok_eos if eos is None else eos
     config = to_hf_config(arch, cfg, dtype=dtype, bos_token_id=bos, eos_token_id=eos)
+    fetch = _split_cache(layout, fetch)
     shards = _plan_shards(layout, torch_dtype, max_shard_bytes)
     files = [SINGLE_FILE] if len(shards) == 1 else \
         [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
@@ -608,6 +681,24 @@ def _plan_shards(layout: list[HFTensor], dtype: torch.dtype, max_bytes: int) -> 
     return shards
 
 
+def _split_cache(layout: list[HFTensor], fetch: Callable[[str], torch.Tensor]) -> Callable[[str], torch.Tensor]:
+    """`fetch`, keeping the last parameter that is split over several HF tensors (a
+    stacked expert weight, one HF tensor per expert, which the layout lists in a row) so
+    that it is fetched once, not once per expert. Others are fetched each time, as before."""
+    split = {p.ours for t in layout for p in t.pieces if p.lead}
+    kept: dict[str, torch.Tensor] = {}
+
+    def cached(name: str) -> torch.Tensor:
+        if name not in kept:
+            kept.clear()
+            if name not in split:
+                return fetch(name)
+            kept[name] = fetch(name)
+        return kept[name]
+
+    return cached
+
+
 def _assemble(t: HFTensor, fetch: Callable[[str], torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
     """The HF tensor `t` in `dtype`, fetching its pieces one at a time."""
     if t.plain:
@@ -618,7 +709,7 @@ def _assemble(t: HFTensor, fetch: Callable[[str], torch.Tensor], dtype: torch.dt
     for piece in t.pieces:
         src = fetch(piece.ours)
         _check_piece(piece, src)
-        buf[piece.region()].copy_(src.permute(piece.perm))
+        buf[piece.region()].copy_(src[piece.lead].permute(piece.perm))
         del src
     return buf
 
@@ -709,38 +800,92 @@ def load_hf_params(hf_dir: str | os.PathLike, arch: str, family_cfg, plan=None, 
 
     Without `plan`: full fp32 tensors on `device`. With `plan` (and `mesh`, the
     DeviceMesh; built from plan.mesh when None): fp32 DTensors laid out by the plan, as
-    init_params makes them (requires_grad=True), each rank reading only the elements of
-    its own local shard with `get_slice` (for GPT-2's fused c_attn and transposed Conv1D
-    weights, the matching rows and columns of the file's tensor). `names`: load only these
-    parameters (a pipeline stage's), still checking that the file has all of them.
+    init_params makes them (requires_grad as the spec's `trainable`), each rank reading
+    only the elements of its own local shard with `get_slice` (for GPT-2's fused c_attn
+    and transposed Conv1D weights, the matching rows and columns of the file's tensor;
+    for stacked expert weights, only the tensors of the rank's experts). `names`: load
+    only these parameters (a pipeline stage's), still checking that the file has all of
+    them. Parameters no HF file holds (the aux-free expert_bias) come back as zeros.
     """
     cfg = _family_cfg(arch, family_cfg)
     hf_dir = Path(hf_dir)
     if check_config and (hf_dir / "config.json").is_file():
         check_same_model(hf_dir, arch, cfg)
-    layout = hf_layout(arch, cfg)
     with _WeightFiles(hf_dir) as files:
+        layout = _pick_layout(files, arch, cfg)
         where = files.match(layout, arch, cfg.tie_embeddings)
         specs = _specs(arch, cfg)
         wanted = set(specs if names is None else names)
+        pieces = _pieces_of(layout)
         if plan is None:
-            out = {}
-            for t in layout:
-                for piece in t.pieces:
-                    if piece.ours in wanted:
-                        full = tuple(slice(0, n) for n in piece.shape)
-                        out[piece.ours] = files.read(where[t.name], piece, full).to(device)
-            return {name: out[name] for name in specs if name in wanted}
-        return _load_planned(files, where, layout, specs, plan, mesh, device, wanted)
+            return {name: _read_param(files, where, pieces.get(name, ()), tuple(slice(0, n) for n in spec.shape))
+                    .to(device) for name, spec in specs.items() if name in wanted}
+        return _load_planned(files, where, pieces, specs, plan, mesh, device, wanted)
+
+
+def _pick_layout(files: "_WeightFiles", arch: str, cfg) -> list[HFTensor]:
+    """The layout the files hold: for MoE models, experts per expert (the hub's, what
+    save_pretrained writes) or fused (save_pretrained(save_original_format=False))."""
+    layout = hf_layout(arch, cfg)
+    if arch != "llama" or cfg.moe is None or not cfg.moe_layers:
+        return layout
+    fused = hf_layout(arch, cfg, experts="fused")
+    i = cfg.moe_layers[0]
+    probe = f"model.layers.{i}.mlp.experts.gate_up_proj"
+    return fused if probe in files.names or probe[len("model."):] in files.names else layout
+
+
+def _pieces_of(layout: list[HFTensor]) -> dict[str, list[tuple[str, Piece]]]:
+    """Our parameter -> the (HF tensor, piece) pairs holding it."""
+    out: dict[str, list[tuple[str, Piece]]] = {}
+    for t in layout:
+        for piece in t.pieces:
+            out.setdefault(piece.ours, []).append((t.name, piece))
+    return out
+
+
+def _read_param(files: "_WeightFiles", where, pieces, index: tuple[slice, ...]) -> torch.Tensor:
+    """ours[index] (fp32) from the HF tensors holding it, reading only those elements: a
+    parameter split over tensors (one per expert) reads only the experts in `index`. No
+    pieces: a parameter the files do not hold (hf_moe.absent), zeros."""
+    if len(pieces) == 1 and not pieces[0][1].lead:
+        hf_name, piece = pieces[0]
+        return files.read(where[hf_name], piece, index)
+    out = torch.zeros(tuple(s.stop - s.start for s in index), dtype=torch.float32)
+    for hf_name, piece in pieces:
+        n = len(piece.lead)
+        if all(s.start <= j < s.stop for s, j in zip(index, piece.lead)):
+            at = tuple(j - s.start for s, j in zip(index, piece.lead))
+            out[at] = files.read(where[hf_name], piece, index[n:])
+    return out
 
 
 def check_same_model(hf_dir: Path, arch: str, cfg) -> None:
+    """`<hf_dir>/config.json` describes the model `cfg` (a family config): the same
+    architecture and shapes. Free to differ: max_seq_len (llama), ffn_dim when every
+    block is MoE, and model.moe's training-only fields (balance, aux_coef, z_loss_coef,
+    capacity_factor, bias_update_rate)."""
+    from . import hf_moe
+
+    cfg = _family_cfg(arch, cfg)
     theirs = read_hf_config(hf_dir)
     ours = _model_fields(arch, cfg)
+    extra: list[tuple[str, Any, Any]] = []
+    if arch == "llama":
+        their_moe = theirs.pop("moe", None)
+        ours.pop("moe", None)
+        extra.append(("qk_norm", theirs.pop("qk_norm", False), ours.pop("qk_norm", False)))
+        extra.append(("head_dim", theirs.pop("head_dim", None) or theirs["dim"] // theirs["n_heads"], cfg.head_dim))
+        ours.pop("head_dim", None)
+        extra += hf_moe.same_structure(their_moe, cfg)
+        if their_moe is not None and not hf_moe.dense_blocks(their_moe, cfg.n_layers):
+            del theirs["ffn_dim"]  # every block is MoE: unused
+    diffs = []
     for key, value in theirs.items():
         if key == "max_seq_len" and arch == "llama":
             continue  # not a weight shape; RoPE works at any length
-        mine = ours[key]
+        diffs.append((key, value, ours[key]))
+    for key, value, mine in diffs + extra:
         same = math.isclose(value, mine, rel_tol=1e-6) if isinstance(value, float) and isinstance(mine, (int, float)) \
             else value == mine
         if not same:
@@ -846,7 +991,7 @@ class _WeightFiles:
         return block.permute(piece.inverse_perm).to(torch.float32).contiguous()
 
 
-def _load_planned(files: _WeightFiles, where, layout, specs, plan, mesh, device, wanted) -> dict[str, torch.Tensor]:
+def _load_planned(files: _WeightFiles, where, pieces, specs, plan, mesh, device, wanted) -> dict[str, torch.Tensor]:
     from torch._prims_common import make_contiguous_strides_for
     from torch.distributed.tensor import DTensor
 
@@ -854,24 +999,26 @@ def _load_planned(files: _WeightFiles, where, layout, specs, plan, mesh, device,
         missing = sorted(set(specs) ^ set(plan.params))[0]
         raise ConfigError(f"plan and model config differ at parameter {missing}: make the plan from this model's "
                           "specs (make_plan(build(arch, cfg).specs, ...))")
+    from ..parallel.mesh import device_mesh_for
+
     if mesh is None:
         mesh = plan.mesh.build()
-    piece_of = {p.ours: (t.name, p) for t in layout for p in t.pieces}
+    device_mesh_for(mesh, plan.mesh.experts())  # built on every rank, holding experts or not
     out = {}
     for name, pp in plan.params.items():
         if name not in wanted:
             continue
         spec = pp.spec
-        hf_name, piece = piece_of[name]
-        runs = [_runs(_local_indices(n, d, mesh, pp.placements)) for d, n in enumerate(spec.shape)]
+        mesh_of = device_mesh_for(mesh, pp.mesh)
+        runs = [_runs(_local_indices(n, d, mesh_of, pp.placements)) for d, n in enumerate(spec.shape)]
         local = torch.empty(tuple(sum(r[2] for r in dim_runs) for dim_runs in runs), dtype=spec.dtype)
         for combo in itertools.product(*runs):
             local_index = tuple(slice(lo, lo + n) for lo, _, n in combo)
             global_index = tuple(slice(go, go + n) for _, go, n in combo)
-            local[local_index] = files.read(where[hf_name], piece, global_index)
-        dt = DTensor.from_local(local.to(device), mesh, pp.placements, run_check=False,
+            local[local_index] = _read_param(files, where, pieces.get(name, ()), global_index)
+        dt = DTensor.from_local(local.to(device), mesh_of, pp.placements, run_check=False,
                                 shape=torch.Size(spec.shape), stride=make_contiguous_strides_for(spec.shape))
-        out[name] = dt.requires_grad_(True) if dt.is_floating_point() else dt
+        out[name] = dt.requires_grad_(spec.trainable) if dt.is_floating_point() else dt
     return out
 
 
