@@ -31,10 +31,11 @@ BALANCES = ("aux", "aux_free", "none")
 STEPS, BATCH, SEQ = 4, 8, 16
 LOSS_RTOL, PARAM_ATOL = 1e-5, 1e-5
 
-# name: (mesh sizes, sequence parallel). ep is folded from fsdp x cp.
+# name: (mesh sizes, sequence parallel[, balance modes]). ep is folded from fsdp x cp.
 LAYOUTS = {
     2: {"ep2": ({"fsdp": 2, "ep": 2}, False)},
-    4: {"ep2_fsdp2": ({"fsdp": 4, "ep": 2}, False), "ep2_tp2_sp": ({"fsdp": 2, "tp": 2, "ep": 2}, True)},
+    4: {"ep2_fsdp2": ({"fsdp": 4, "ep": 2}, False), "ep2_tp2_sp": ({"fsdp": 2, "tp": 2, "ep": 2}, True),
+        "ep4_fsdp2_cp2": ({"fsdp": 2, "cp": 2, "ep": 4}, False, ("aux",))},
 }
 
 
@@ -72,8 +73,8 @@ def single_process(balance: str):
 def train_layouts(world: int):
     """Runs on every rank: each layout of this world size, with each balancing mode."""
     out = {}
-    for name, (sizes, sp) in LAYOUTS[world].items():
-        for balance in BALANCES:
+    for name, (sizes, sp, *modes) in LAYOUTS[world].items():
+        for balance in modes[0] if modes else BALANCES:
             model = build("llama", config(balance))
             plan = make_plan(model.specs, Rules.default(sp=sp), MeshSpec(**sizes), world=world)
             mesh = plan.mesh.build()

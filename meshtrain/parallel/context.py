@@ -264,7 +264,7 @@ class ShardedContext:
         weights = [w.to_local(grad_placements=[Partial() if a in ("dp", "fsdp", "cp") else p
                                                for a, p in zip(names, w.placements)])
                    for w in (w_gate, w_up, w_down)]
-        rows, gates = x.reshape(-1, d), gates
+        rows = x.reshape(-1, d)
         tp_split = "tp" in names and isinstance(w_gate.placements[names.index("tp")], Shard)
         if tp_split:
             group = expert_mesh.get_group("tp")

@@ -45,7 +45,7 @@ from ..parallel.context import ShardedContext
 from ..parallel.plan import without_pp
 from ..train.optim import AdamW, local
 from ..train.schedule import LRSchedule
-from ..train.step import PRECISIONS, TrainState, _full, aux_objective, make_update, moe_step
+from ..train.step import PRECISIONS, TrainState, aux_objective, full_value, make_update, moe_step
 from .partition import Stage
 from .schedule import B, BI, BW, F, RECV_B, RECV_F, SEND_B, SEND_F, Schedule, forward_only
 
@@ -275,10 +275,10 @@ def _moe_metrics(state: TrainState, pipe: _Pipe, moe: _MoeTerms, moe_layers) -> 
     if moe.load:
         order = sorted(moe.load)
         layers = [i for s in order for i in range(*pipe.stages[s].layers) if i in moe_layers]
-        load = torch.cat([_full(moe.load[s]) for s in order])
+        load = torch.cat([full_value(moe.load[s]) for s in order])
         stats[0] = moe_step(state, pipe.model.cfg.moe, layers, load).max()
     if moe.total is not None:
-        stats[1] = _full(moe.total)
+        stats[1] = full_value(moe.total)
     imbalance = stats[:1].clone()
     dist.all_reduce(imbalance, op=dist.ReduceOp.MAX, group=pipe.group)
     dist.all_reduce(stats, group=pipe.group)

@@ -42,6 +42,8 @@ def make_train_step(model: ModelDef, plan=None, device_mesh=None, *, optimizer: 
     is the mean over every target token of the global batch (targets < 0 are ignored).
     With no plan the step runs on one device. `compile` True wraps the loss and the update
     in torch.compile(fullgraph=True) with inductor; a string names another backend.
+    Metrics: loss, grad_norm, lr; with MoE blocks also expert_imbalance and (when a balance
+    loss or z-loss is on) aux_loss, the terms added to the objective.
     """
     if compile and plan is not None:
         check_compile_with_cp(plan.mesh)
@@ -81,11 +83,11 @@ def make_train_step(model: ModelDef, plan=None, device_mesh=None, *, optimizer: 
             objective.backward()
             total = _add(total, loss.detach())
         norm, lr = apply_update(state)
-        metrics = {"loss": float(_full(total)), "grad_norm": float(norm), "lr": lr}
+        metrics = {"loss": float(full_value(total)), "grad_norm": float(norm), "lr": lr}
         if load is not None:
-            metrics["expert_imbalance"] = float(moe_step(state, *moe, _full(load)).max())
+            metrics["expert_imbalance"] = float(moe_step(state, *moe, full_value(load)).max())
             if aux_total is not None:
-                metrics["aux_loss"] = float(_full(aux_total))
+                metrics["aux_loss"] = float(full_value(aux_total))
         return metrics
 
     return step
@@ -174,7 +176,7 @@ def make_eval_step(model: ModelDef, plan=None, device_mesh=None, *, precision: s
     @torch.no_grad()
     def evaluate(params: dict, batch: dict) -> float:
         tokens, targets = batch["tokens"], batch["targets"]
-        total = sum(_full(loss_sum(params, tokens[m], targets[m])[0]) for m in range(len(tokens)))
+        total = sum(full_value(loss_sum(params, tokens[m], targets[m])[0]) for m in range(len(tokens)))
         return float(total) / (batch.get("num_targets") or _count_targets(targets))
 
     return evaluate
@@ -203,10 +205,11 @@ def _compiled(fn, compile: bool | str):
     return torch.compile(fn, fullgraph=True, backend="inductor" if compile is True else compile)
 
 
-def _full(x: torch.Tensor) -> torch.Tensor:
+def full_value(x: torch.Tensor) -> torch.Tensor:
+    """The whole value of a tensor that may be a DTensor (gathered or reduced)."""
     return x.full_tensor() if hasattr(x, "full_tensor") else x
 
 
 def _count_targets(targets) -> int:
     """Target tokens (>= 0) in the whole global batch, also when each rank holds a part."""
-    return int(sum(_full((t >= 0).sum()).item() for t in targets))
+    return int(sum(full_value((t >= 0).sum()).item() for t in targets))
