@@ -87,9 +87,13 @@ def _chunks(path: str):
 
 
 def _encode_parallel(chunks, workers: int, encoder: "_Encoder", writer: IndexedWriter) -> None:
-    # fork where there is one: workers start at once instead of re-importing torch.
-    methods = mp.get_all_start_methods()
-    ctx = mp.get_context("fork" if "fork" in methods else None)
+    # forkserver where there is one: workers fork from a clean server process that has
+    # imported this module once. Forking the caller directly can deadlock a worker on a
+    # lock some thread of the caller held at the fork (seen under pytest once compile
+    # and collective threads had run in the same process).
+    ctx = mp.get_context("forkserver" if "forkserver" in mp.get_all_start_methods() else None)
+    if ctx.get_start_method() == "forkserver":
+        ctx.set_forkserver_preload([__name__])
     with ctx.Pool(workers, initializer=_start_worker, initargs=(encoder,)) as pool:
         # A bounded window of chunks in flight keeps memory flat on any input size;
         # imap returns them in order, so the first bad line raises first, as with one worker.
