@@ -329,9 +329,7 @@ class RunConfig:
         moe = self.model.moe
         if moe is None:
             return None
-        fields = dataclasses.asdict(moe) if dataclasses.is_dataclass(moe) else dict(moe)
-        return MoeConfig(**{**fields, "layers": tuple(fields["layers"]) if isinstance(fields["layers"], list)
-                            else fields["layers"]})
+        return MoeConfig(**(dataclasses.asdict(moe) if dataclasses.is_dataclass(moe) else moe))
 
     def model_def(self):
         from ..models import build
@@ -487,7 +485,7 @@ def _validate_moe(e: MoeSection, n_layers: int) -> None:
         _check_float(e.capacity_factor, "model.moe.capacity_factor", positive=True)
     from ..models.moe import MoeConfig
 
-    if not MoeConfig(layers=tuple(e.layers) if isinstance(e.layers, list) else e.layers).moe_layers(n_layers):
+    if not MoeConfig(layers=e.layers).moe_layers(n_layers):
         raise ConfigError(f"model.moe.layers={e.layers!r} selects no block of model.n_layers={n_layers}: choose "
                           "some, or set model.moe null")
 

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-import torch.nn.functional as F
 
 from .experts import capacity_keep, expert_capacity, expert_swiglu, sort_by_expert
 
@@ -115,20 +114,22 @@ def routed_experts(x: torch.Tensor, idx: torch.Tensor, gates: torch.Tensor, w_ga
     order, counts = sort_by_expert(idx, n + 1)
     counts = counts[:n]
     kept = order[:int(counts.sum())] if cfg.capacity_factor is not None else order
-    rows = x[kept // k]
+    token = kept // k
+    rows = x[token]
     if exchange is not None:
         rows, local_counts = exchange.dispatch(rows, counts)
         out = exchange.combine(expert_swiglu(rows, w_gate, w_up, w_down, local_counts))
     else:
         out = expert_swiglu(rows, w_gate, w_up, w_down, counts)
     out = out * gates.flatten()[kept].unsqueeze(-1).to(out.dtype)
-    return torch.zeros_like(x).index_add(0, kept // k, out)
+    return torch.zeros_like(x).index_add(0, token, out)
 
 
 def sequence_stats(probs: torch.Tensor, idx: torch.Tensor, num_experts: int):
     """Per sequence (batch, E): the summed router probabilities and the slots routed to
     each expert, over this rank's positions. probs (batch, seq, E), idx (batch, seq, k)."""
-    counts = F.one_hot(idx.flatten(1), num_experts).sum(1).to(probs.dtype)
+    slots = idx.flatten(1)
+    counts = probs.new_zeros(probs.shape[0], num_experts).scatter_add_(1, slots, probs.new_ones(slots.shape))
     return probs.sum(1), counts
 
 

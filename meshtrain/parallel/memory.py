@@ -52,16 +52,17 @@ its experts receive N = K rows (as many as it sends). E experts, E_l = E / ep lo
   router (fp32)    4*E scores (softmax / sigmoid output), 8*k chosen experts; sigmoid:
                    4 (their sum); norm_topk with k > 1: 4*k chosen scores + 4 their sum;
                    balance aux: 4*E per sequence (the counts); z-loss: 4*E logits + 4
-  slots            8*k the sort order; 2 x 8 per kept slot (gather and scatter indices);
+  slots            8*k the sort order; 8 per kept slot (its token, the gather and the
+                   scatter index);
                    per received row c*D (the rows the experts multiply), 4*c*F_l (gate
                    pre-activation, silu, up, product); per kept slot 2*c*D (expert output,
                    and the gated product that index_add keeps) + c (its gate); ep > 1:
                    2 x 8 per received row (arrival order and its inverse); 3 x 4*E_l offsets
   shared experts   4*c*Fs                                                          [seq]
 
-Router and expert weights are used as local tensors (to_local), so autograd keeps them as
-plain tensors, which eager steps do not swap for shards: when gathered or cast (bf16)
-they are kept (`saved_weights`; the router as its fp32 copy), eager or compiled. The
+Router and expert weights are used as local tensors (to_local); eager steps swap those
+for their shard as they do any gathered weight. Under bf16 the router's fp32 copy is
+kept (`saved_weights`), eager or compiled. The
 expert bias (aux_free) is added, never kept. Checkpointing of MoE blocks: full keeps the
 layer input; selective (an estimate) keeps the attention part as above, the router
 scores, chosen experts and gates, and the matmul outputs (routed and shared gate / up
@@ -215,12 +216,12 @@ def _moe_saved(plan: Plan, m, B: int, S: int, D: int, c: int, checkpointing: str
         routing += FP32 * Bl * E  # per-sequence counts, kept by the balance loss's product
     if m.z_loss_coef:
         routing += FP32 * (T * E + T)  # logits and logsumexp
-    # Slots: the sort order (T k) and two token indices of the kept slots (gather rows,
+    # Slots: the sort order (T k) and the token index of the kept slots (gather rows,
     # scatter back); the rows the experts see (N = K received), under ep with their order
     # and its inverse; 3 grouped-matmul offsets; the hidden (gate pre-activation, silu,
     # up, product); the expert output, its gate, and the gated product (index_add keeps it).
     N = K
-    slots = INT64 * (T * k + 2 * K) + c * N * D + 3 * 4 * E_l + 4 * c * N * F_l + c * (2 * K * D + K)
+    slots = INT64 * (T * k + K) + c * N * D + 3 * 4 * E_l + 4 * c * N * F_l + c * (2 * K * D + K)
     if ep > 1:
         slots += 2 * INT64 * N
     kept += routing + slots + 4 * c * shared

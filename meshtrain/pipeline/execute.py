@@ -45,7 +45,7 @@ from ..parallel.context import ShardedContext
 from ..parallel.plan import without_pp
 from ..train.optim import AdamW, local
 from ..train.schedule import LRSchedule
-from ..train.step import PRECISIONS, TrainState, aux_objective, full_value, make_update, moe_step
+from ..train.step import PRECISIONS, MoeTerms, TrainState, full_value, make_update, moe_step
 from .partition import Stage
 from .schedule import B, BI, BW, F, RECV_B, RECV_F, SEND_B, SEND_F, Schedule, forward_only
 
@@ -119,38 +119,17 @@ class _Pipe:
                                   stride=make_contiguous_strides_for(shape))
 
 
-class _MoeTerms:
-    """What this rank's MoE blocks leave over one step: each stage's objective terms per
-    micro-batch (differentiated with the stage's output) and tokens per expert."""
-
-    def __init__(self, n_sequences: int, n_positions: int):
-        self.n_sequences, self.n_positions = n_sequences, n_positions
-        self.extra: dict[tuple, torch.Tensor] = {}
-        self.load: dict[int, torch.Tensor] = {}
-        self.total = None
-
-    def take(self, pipe: "_Pipe", stage: int, key: tuple) -> None:
-        aux = pipe.ctx.moe_aux()
-        if aux is None:
-            return
-        balance, z, load = aux
-        self.load[stage] = load.detach() if stage not in self.load else self.load[stage] + load.detach()
-        extra = aux_objective(balance, z, self.n_sequences, self.n_positions)
-        if extra is not None:
-            self.extra[key] = extra
-            self.total = extra.detach() if self.total is None else self.total + extra.detach()
-
-    def outputs(self, key: tuple, out: torch.Tensor, grad):
-        """The tensors a backward starts from, and their gradients (`grad` None: the loss)."""
-        grad = torch.ones_like(out) if grad is None else grad  # the last stage's loss
-        extra = self.extra.pop(key, None)
-        if extra is None:
-            return [out], [grad]
-        return [out, extra], [grad, torch.ones_like(extra)]
+def _backward_roots(out: torch.Tensor, grad, extra):
+    """The tensors a stage's backward starts from and their gradients: its output (the
+    last stage's loss when `grad` is None) and its MoE blocks' objective term, if any."""
+    grad = torch.ones_like(out) if grad is None else grad
+    if extra is None:
+        return [out], [grad]
+    return [out, extra], [grad, torch.ones_like(extra)]
 
 
 def _run(pipe: _Pipe, actions, params: dict, tokens, targets, n_tokens: int, *, train: bool,
-         timings: list | None = None, moe: _MoeTerms | None = None) -> torch.Tensor:
+         timings: list | None = None, moe: MoeTerms | None = None) -> torch.Tensor:
     """Walk this rank's actions; returns the loss (this rank's share: zero off the last stage).
     `timings`: append (kind, stage, seconds) for every compute action (host time: exact on
     CPU, launch time only on an asynchronous device). `moe` collects MoE blocks' terms."""
@@ -159,7 +138,8 @@ def _run(pipe: _Pipe, actions, params: dict, tokens, targets, n_tokens: int, *, 
     local_shape, spec = pipe.boundary(rows, seq)
     inputs, outputs, out_grads, in_grads, split, pending = {}, {}, {}, {}, {}, []
     loss = torch.zeros((), dtype=torch.float32, device=tokens[0].device)
-    moe = moe or _MoeTerms(1, 1)
+    moe = moe or MoeTerms(1, 1)  # forward-only: the MoE records are drained, not used
+    extras = {}  # (stage, micro-batch) -> its MoE objective term
 
     def weights(stage: Stage):
         return [params[n] for n in stage.params + stage.shared]
@@ -184,18 +164,22 @@ def _run(pipe: _Pipe, actions, params: dict, tokens, targets, n_tokens: int, *, 
                 if s == last:
                     out = pipe.ctx.cross_entropy_sum(out, targets[j]) / n_tokens
                     loss += local(out.detach())
-                moe.take(pipe, s, key)
+                extra = moe.add(pipe.ctx.moe_aux(), s)
+                if extra is not None and train:
+                    extras[key] = extra
             if train or s != last:
                 outputs[key] = out
             if not train:
                 inputs.pop(key, None)
         elif a.kind == B:
-            outs, grads = moe.outputs(key, outputs.pop(key), None if s == last else out_grads.pop(key))
+            outs, grads = _backward_roots(outputs.pop(key), None if s == last else out_grads.pop(key),
+                                          extras.pop(key, None))
             torch.autograd.backward(outs, grads)
             if s > 0:
                 in_grads[key] = inputs.pop(key).grad
         elif a.kind == BI:
-            outs, grads = moe.outputs(key, outputs.pop(key), None if s == last else out_grads.pop(key))
+            outs, grads = _backward_roots(outputs.pop(key), None if s == last else out_grads.pop(key),
+                                          extras.pop(key, None))
             if s == 0:  # no input gradient: the whole backward is weight work, deferred to BW
                 split[key] = (outs, grads)
             else:
@@ -245,8 +229,7 @@ def make_pipeline_step(model: ModelDef, stages: list[Stage], schedule: Schedule,
                               f"{data_ranks} data-parallel ranks (dp x fsdp); use a multiple of {data_ranks}")
         n_tokens = batch.get("num_targets") or int(sum((t >= 0).sum() for t in targets))
         timings = [] if record_timings else None
-        n_sequences = sum(t.shape[0] for t in tokens)
-        moe = _MoeTerms(n_sequences, n_sequences * tokens[0].shape[1])
+        moe = MoeTerms.of(tokens)
         loss = _run(pipe, actions, state.params, tokens, targets, n_tokens, train=True, timings=timings, moe=moe)
         update_start = time.perf_counter()
         for n in tied_here:  # both copies get the sum of both contributions, in one order
@@ -268,7 +251,7 @@ def make_pipeline_step(model: ModelDef, stages: list[Stage], schedule: Schedule,
     return step
 
 
-def _moe_metrics(state: TrainState, pipe: _Pipe, moe: _MoeTerms, moe_layers) -> dict:
+def _moe_metrics(state: TrainState, pipe: _Pipe, moe: MoeTerms, moe_layers) -> dict:
     """Bias updates and load imbalance of this rank's MoE blocks; the metrics of all of
     them (max imbalance, summed terms) over the pp group."""
     stats = torch.zeros(2)  # (worst imbalance, objective terms) of this rank's stages

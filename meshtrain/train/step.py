@@ -66,28 +66,21 @@ def make_train_step(model: ModelDef, plan=None, device_mesh=None, *, optimizer: 
             raise ConfigError(f"batch: {tokens[0].shape[0]} sequences per micro-step cannot be split evenly over "
                               f"{data_ranks} data-parallel ranks (dp x fsdp); use a multiple of {data_ranks}")
         n_tokens = batch.get("num_targets") or _count_targets(targets)
-        n_sequences = sum(t.shape[0] for t in tokens)
-        total = aux_total = load = None
+        terms = MoeTerms.of(tokens)
+        total = None
         for micro in range(len(tokens)):
             with scope():
                 lm, aux = loss_sum(state.params, tokens[micro], targets[micro])
                 loss = lm / n_tokens
-                objective = loss
-                if aux is not None:
-                    balance, z, micro_load = aux
-                    load = _add(load, micro_load.detach())
-                    extra = aux_objective(balance, z, n_sequences, n_sequences * tokens[micro].shape[1])
-                    if extra is not None:
-                        objective = loss + extra
-                        aux_total = _add(aux_total, extra.detach())
-            objective.backward()
+                extra = terms.add(aux)
+            (loss if extra is None else loss + extra).backward()
             total = _add(total, loss.detach())
         norm, lr = apply_update(state)
         metrics = {"loss": float(full_value(total)), "grad_norm": float(norm), "lr": lr}
-        if load is not None:
-            metrics["expert_imbalance"] = float(moe_step(state, *moe, full_value(load)).max())
-            if aux_total is not None:
-                metrics["aux_loss"] = float(full_value(aux_total))
+        if terms.load:
+            metrics["expert_imbalance"] = float(moe_step(state, *moe, full_value(terms.load[0])).max())
+        if terms.total is not None:
+            metrics["aux_loss"] = float(full_value(terms.total))
         return metrics
 
     return step
@@ -97,11 +90,35 @@ def _add(a, b):
     return b if a is None else a + b
 
 
-def aux_objective(balance, z, n_sequences: int, n_positions: int):
-    """The MoE terms of the objective: the balance loss averaged over the global batch's
-    sequences, the z-loss over its positions (None when neither is in use)."""
-    terms = ([balance / n_sequences] if balance is not None else []) + ([z / n_positions] if z is not None else [])
-    return sum(terms) if terms else None
+class MoeTerms:
+    """One step's MoE terms: `add(ctx.moe_aux() output, key)` returns the objective term to
+    differentiate with that micro-batch (the balance loss averaged over the global batch's
+    sequences, the z-loss over its positions; None when neither is in use), and keeps
+    tokens per expert by `key` (a pipeline's stage) and the total of the terms."""
+
+    def __init__(self, n_sequences: int, n_positions: int):
+        self.n_sequences, self.n_positions = n_sequences, n_positions
+        self.load: dict[int, torch.Tensor] = {}
+        self.total = None
+
+    @staticmethod
+    def of(tokens) -> "MoeTerms":
+        """For a global batch given as micro-batches of (batch, seq) tokens."""
+        n_sequences = sum(t.shape[0] for t in tokens)
+        return MoeTerms(n_sequences, n_sequences * tokens[0].shape[1])
+
+    def add(self, aux, key: int = 0):
+        if aux is None:
+            return None
+        balance, z, load = aux
+        self.load[key] = _add(self.load.get(key), load.detach())
+        parts = ([balance / self.n_sequences] if balance is not None else []) + \
+            ([z / self.n_positions] if z is not None else [])
+        if not parts:
+            return None
+        extra = sum(parts)
+        self.total = _add(self.total, extra.detach())
+        return extra
 
 
 def moe_step(state: TrainState, cfg, layers, load: torch.Tensor) -> torch.Tensor:
