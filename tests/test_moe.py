@@ -34,7 +34,9 @@ LOSS_RTOL, PARAM_ATOL = 1e-5, 1e-5
 # name: (mesh sizes, sequence parallel[, balance modes]). ep is folded from fsdp x cp.
 LAYOUTS = {
     2: {"ep2": ({"fsdp": 2, "ep": 2}, False)},
-    4: {"ep2_fsdp2": ({"fsdp": 4, "ep": 2}, False), "ep2_tp2_sp": ({"fsdp": 2, "tp": 2, "ep": 2}, True),
+    # World 4 runs the modes whose reductions the layout changes (ep2 runs all three).
+    4: {"ep2_fsdp2": ({"fsdp": 4, "ep": 2}, False, ("aux",)),
+        "ep2_tp2_sp": ({"fsdp": 2, "tp": 2, "ep": 2}, True, ("aux", "aux_free")),
         "ep4_fsdp2_cp2": ({"fsdp": 2, "cp": 2, "ep": 4}, False, ("aux",))},
 }
 
