@@ -15,10 +15,11 @@ from typing import Any, Mapping
 
 from ..errors import ConfigError
 
-PRECISIONS = ("fp32", "bf16")
+PRECISIONS = ("fp32", "bf16", "fp8")
+FP8_RECIPES = ("tensorwise", "rowwise")
+CHECKPOINTING = ("none", "selective", "full")
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb")
 BYTES_VOCAB = 258  # the bytes tokenizer: 256 byte values, BOS and EOS
-NOT_YET = "is not implemented yet"
 
 
 @dataclass
@@ -146,11 +147,13 @@ class TrainConfig:
     grad_clip: float | None = 1.0
     """Clip the global gradient norm to this value; 0 or null: no clipping."""
     precision: str = "fp32"
-    """Compute precision: fp32, or bf16 (parameters, gradients and optimizer state stay fp32)."""
+    """Compute precision: fp32; bf16; or fp8 (bf16, with the GEMMs of every linear except the embedding, head and MoE router in fp8, dynamically scaled). Parameters, gradients and optimizer state stay fp32."""
+    fp8_recipe: str = "tensorwise"
+    """Scaling of the fp8 GEMMs (train.precision fp8): tensorwise (one scale per tensor) or rowwise (one per row along the contracted dim)."""
     compile: bool = False
     """Compile the loss and the optimizer update with torch.compile (inductor, fullgraph)."""
     activation_checkpointing: str = "none"
-    """Recompute activations in the backward pass. Only none: not implemented yet."""
+    """Recompute activations in backward to save memory: none; selective (keep matmul and attention outputs, recompute norms, activations and the rest); full (keep only each block's input, recompute the block)."""
     log_every: int = 1
     """Log step, loss, lr, grad_norm and tokens/s every this many steps (and at the last step)."""
     eval_every: int = 0
@@ -296,12 +299,13 @@ class RunConfig:
         """The Plan of this config for `world` ranks (None: the product of the fixed sizes,
         with a -1 axis taken as `fill`)."""
         from ..parallel.plan import make_plan
-        from ..train.step import check_compile_with_cp
+        from ..train.step import check_compile_with_checkpointing, check_compile_with_cp
 
         plan = make_plan(self.model_def().specs, self.rules(), self.mesh_spec(fill=fill), world=world,
                          cp_comm=self.parallel.cp_comm)
         if self.train.compile:
             check_compile_with_cp(plan.mesh)
+            check_compile_with_checkpointing(self.model.moe is not None, self.train.activation_checkpointing)
         return plan
 
     # --- what the run is built from ----------------------------------------------
@@ -550,6 +554,9 @@ def _validate_pipeline(cfg: "RunConfig") -> None:
     schedule fits the micro-batch count (with fsdp=-1 the count is rechecked once the
     world size is known)."""
     p, t = cfg.parallel, cfg.train
+    from ..pipeline.execute import check_checkpointing
+
+    check_checkpointing(p.pp_schedule, t.activation_checkpointing)
     if t.compile:
         raise ConfigError(f"parallel.pp={p.pp} with train.compile true: the pipeline executor runs eager; set "
                           "train.compile false")
@@ -599,9 +606,8 @@ def _validate_train(t: TrainConfig) -> None:
         _check_float(t.grad_clip, "train.grad_clip", minimum=0.0)
     _choice(t.precision, "train.precision", PRECISIONS)
     _check_bool(t.compile, "train.compile")
-    if t.activation_checkpointing != "none":
-        raise ConfigError(f"train.activation_checkpointing={t.activation_checkpointing!r}: activation "
-                          f"checkpointing {NOT_YET}; set it to none")
+    _choice(t.fp8_recipe, "train.fp8_recipe", FP8_RECIPES)
+    _choice(t.activation_checkpointing, "train.activation_checkpointing", CHECKPOINTING)
 
 
 def _validate_data(d: DataConfig) -> None:

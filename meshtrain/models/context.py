@@ -21,7 +21,9 @@ from typing import Mapping, Protocol, Sequence
 import torch
 import torch.nn.functional as F
 
+from .losses import cross_entropy_sum
 from .moe import balance_loss, route, routed_experts, sequence_stats, z_loss
+from .policy import Policy
 
 Axes = Sequence[str | None]
 
@@ -36,6 +38,14 @@ class ModelContext(Protocol):
 
     def embedding(self, ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
         """Rows of `table` (vocab, embed) for `ids`; the table may be split on vocab."""
+
+    def linear(self, x: torch.Tensor, params: Mapping[str, torch.Tensor], name: str,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x @ params[name].T (+ bias), in the precision the run's policy gives `name`
+        (fp8 GEMMs under train.precision fp8, except where its rules say otherwise)."""
+
+    def remat(self, fn, *args):
+        """fn(*args), a transformer block, under the run's activation-checkpointing policy."""
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Causal attention; q (batch, seq, q_heads, head_dim), k/v (batch, seq, kv_heads,
@@ -65,11 +75,12 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
 
 
 class _CastParams(Mapping):
-    def __init__(self, params, dtype):
-        self._params, self._dtype = params, dtype
+    def __init__(self, params, policy: Policy):
+        self._params, self._policy = params, policy
 
     def __getitem__(self, name):
-        return self._params[name].to(self._dtype)
+        dtype = self._policy.param_dtype(name)
+        return self._params[name] if dtype is None else self._params[name].to(dtype)
 
     def __iter__(self):
         return iter(self._params)
@@ -79,15 +90,28 @@ class _CastParams(Mapping):
 
 
 class LocalContext:
-    """One device, no layout: every call is the plain computation, in `compute_dtype`
-    when given (parameters stay in their own dtype and are cast where used)."""
+    """One device, no layout: every call is the plain computation, under `policy` (a
+    Policy, or just a compute dtype; parameters stay in their own dtype and are cast where
+    used)."""
 
-    def __init__(self, compute_dtype: torch.dtype | None = None):
-        self.compute_dtype = compute_dtype
+    def __init__(self, policy: Policy | torch.dtype | None = None):
+        self.policy = Policy.coerce(policy)
         self._moe = MoeRecords()
 
     def bind(self, params):
-        return params if self.compute_dtype is None else _CastParams(params, self.compute_dtype)
+        return params if self.policy.dtype is None else _CastParams(params, self.policy)
+
+    def linear(self, x, params, name, bias=None):
+        recipe = self.policy.fp8_recipe(name)
+        if recipe is None:
+            return F.linear(x, params[name], bias)
+        from .fp8 import fp8_linear
+
+        out = fp8_linear(x, params[name], recipe)
+        return out if bias is None else out + bias
+
+    def remat(self, fn, *args):
+        return self.policy.remat(fn, *args)
 
     def constrain(self, x, axes):
         return x
@@ -99,9 +123,7 @@ class LocalContext:
         return causal_attention(q, k, v)
 
     def cross_entropy_sum(self, logits, targets):
-        valid = targets.flatten() >= 0
-        per_token = F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten().clamp(min=0), reduction="none")
-        return (per_token * valid).sum()
+        return cross_entropy_sum(logits, targets)
 
     def moe(self, h, cfg, router, bias, w_gate, w_up, w_down):
         b, s, d = h.shape
@@ -123,6 +145,8 @@ class MoeRecords:
         self.balance, self.z, self.load = [], [], []
 
     def add(self, balance: torch.Tensor | None, z: torch.Tensor | None, load: torch.Tensor) -> None:
+        if _recomputing():  # activation checkpointing runs the block again in backward
+            return
         for kept, value in ((self.balance, balance), (self.z, z), (self.load, load)):
             if value is not None:
                 kept.append(value)
@@ -134,3 +158,9 @@ class MoeRecords:
         self.balance, self.z, self.load = [], [], []
         return out
 
+
+
+def _recomputing() -> bool:
+    """Inside backward: a checkpointed block being recomputed (compiled steps recompute
+    inside their graph, without running Python again)."""
+    return not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1

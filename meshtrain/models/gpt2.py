@@ -121,30 +121,34 @@ def forward_stage(cfg: GPT2Config, params: Mapping[str, torch.Tensor], x: torch.
         pos = ctx.constrain(ctx.embedding(positions, p["pos_emb"]), ("seq_sp", None))
         x = x + pos
     for i in range(*layers):
-        x = x + _attention(cfg, p, f"layers.{i}.", x, ctx)
-        x = x + _mlp(cfg, p, f"layers.{i}.", x, ctx)
+        x = ctx.remat(_block, cfg, p, f"layers.{i}.", x, ctx)
     if not last:
         return x
     x = ctx.constrain(layer_norm(x, p["norm"], p["norm_bias"], cfg.norm_eps), ("batch", "seq", None))
-    logits = F.linear(x, p["tok_emb" if cfg.tie_embeddings else "output"])
+    logits = ctx.linear(x, p, "tok_emb" if cfg.tie_embeddings else "output")
     return ctx.constrain(logits, ("batch", "seq", "vocab"))
+
+
+def _block(cfg, p, prefix, x, ctx):
+    x = x + _attention(cfg, p, prefix, x, ctx)
+    return x + _mlp(cfg, p, prefix, x, ctx)
 
 
 def _attention(cfg, p, prefix, x, ctx):
     h = layer_norm(x, p[prefix + "attn_norm"], p[prefix + "attn_norm_bias"], cfg.norm_eps)
     h = ctx.constrain(h, ("batch", "seq", None))
     hd = cfg.head_dim
-    q, k, v = (ctx.constrain(F.linear(h, p[prefix + f"attn.w{w}"], p[prefix + f"attn.b{w}"]).unflatten(-1, (-1, hd)),
+    q, k, v = (ctx.constrain(ctx.linear(h, p, prefix + f"attn.w{w}", p[prefix + f"attn.b{w}"]).unflatten(-1, (-1, hd)),
                              ("batch", "seq", "q_heads", None)) for w in ("q", "k", "v"))
     out = ctx.attention(q, k, v).flatten(-2)
-    return ctx.constrain(F.linear(out, p[prefix + "attn.wo"]), ("batch", "seq_sp", None)) + p[prefix + "attn.bo"]
+    return ctx.constrain(ctx.linear(out, p, prefix + "attn.wo"), ("batch", "seq_sp", None)) + p[prefix + "attn.bo"]
 
 
 def _mlp(cfg, p, prefix, x, ctx):
     h = layer_norm(x, p[prefix + "mlp_norm"], p[prefix + "mlp_norm_bias"], cfg.norm_eps)
     h = ctx.constrain(h, ("batch", "seq", None))
-    up = F.gelu(F.linear(h, p[prefix + "mlp.w_up"], p[prefix + "mlp.b_up"]), approximate="tanh")
-    return ctx.constrain(F.linear(up, p[prefix + "mlp.w_down"]), ("batch", "seq_sp", None)) + p[prefix + "mlp.b_down"]
+    up = F.gelu(ctx.linear(h, p, prefix + "mlp.w_up", p[prefix + "mlp.b_up"]), approximate="tanh")
+    return ctx.constrain(ctx.linear(up, p, prefix + "mlp.w_down"), ("batch", "seq_sp", None)) + p[prefix + "mlp.b_down"]
 
 
 # --------------------------------------------------------------------------- decoding

@@ -149,37 +149,44 @@ def forward_stage(cfg: LlamaConfig, params: Mapping[str, torch.Tensor], x: torch
     # LocalContext (the ShardedContext moves constants to the mesh's device itself).
     cos, sin = rope_cos_sin(seq_len, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, x.device)
     cos, sin = (ctx.constrain(t.to(x.dtype), ("seq", None)) for t in (cos, sin))
-    moe_layers = cfg.moe_layers
     for i in range(*layers):
-        x = x + _attention(cfg, p, f"layers.{i}.", x, cos, sin, ctx)
-        if i in moe_layers:
-            x = x + _moe(cfg, p, f"layers.{i}.", x, ctx)
-        else:
-            x = x + _mlp(p, f"layers.{i}.", x, cfg.norm_eps, ctx)
+        x = ctx.remat(_block, cfg, p, i, x, cos, sin, ctx)
     if not last:
         return x
     x = ctx.constrain(rms_norm(x, p["norm"], cfg.norm_eps), ("batch", "seq", None))
-    logits = F.linear(x, p["tok_emb" if cfg.tie_embeddings else "output"])
+    logits = ctx.linear(x, p, "tok_emb" if cfg.tie_embeddings else "output")
     return ctx.constrain(logits, ("batch", "seq", "vocab"))
+
+
+def _block(cfg, p, i, x, cos, sin, ctx):
+    prefix = f"layers.{i}."
+    x = x + _attention(cfg, p, prefix, x, cos, sin, ctx)
+    if i in cfg.moe_layers:
+        return x + _moe(cfg, p, prefix, x, ctx)
+    return x + _mlp(p, prefix, x, cfg.norm_eps, ctx)
 
 
 def _attention(cfg, p, prefix, x, cos, sin, ctx):
     h = ctx.constrain(rms_norm(x, p[prefix + "attn_norm"], cfg.norm_eps), ("batch", "seq", None))
     hd = cfg.head_dim
-    q = ctx.constrain(F.linear(h, p[prefix + "attn.wq"]).unflatten(-1, (-1, hd)), ("batch", "seq", "q_heads", None))
-    k = ctx.constrain(F.linear(h, p[prefix + "attn.wk"]).unflatten(-1, (-1, hd)), ("batch", "seq", "kv_heads", None))
-    v = ctx.constrain(F.linear(h, p[prefix + "attn.wv"]).unflatten(-1, (-1, hd)), ("batch", "seq", "kv_heads", None))
+    q = ctx.constrain(ctx.linear(h, p, prefix + "attn.wq").unflatten(-1, (-1, hd)), ("batch", "seq", "q_heads", None))
+    k = ctx.constrain(ctx.linear(h, p, prefix + "attn.wk").unflatten(-1, (-1, hd)), ("batch", "seq", "kv_heads", None))
+    v = ctx.constrain(ctx.linear(h, p, prefix + "attn.wv").unflatten(-1, (-1, hd)), ("batch", "seq", "kv_heads", None))
     if cfg.qk_norm:
         q = rms_norm(q, p[prefix + "attn.q_norm"], cfg.norm_eps)
         k = rms_norm(k, p[prefix + "attn.k_norm"], cfg.norm_eps)
     out = ctx.attention(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v).flatten(-2)
-    return ctx.constrain(F.linear(out, p[prefix + "attn.wo"]), ("batch", "seq_sp", None))
+    return ctx.constrain(ctx.linear(out, p, prefix + "attn.wo"), ("batch", "seq_sp", None))
+
+
+def _swiglu(p, prefix, h, ctx):
+    gate = F.silu(ctx.linear(h, p, prefix + "w_gate")) * ctx.linear(h, p, prefix + "w_up")
+    return ctx.linear(gate, p, prefix + "w_down")
 
 
 def _mlp(p, prefix, x, eps, ctx):
     h = ctx.constrain(rms_norm(x, p[prefix + "mlp_norm"], eps), ("batch", "seq", None))
-    gate = F.silu(F.linear(h, p[prefix + "mlp.w_gate"])) * F.linear(h, p[prefix + "mlp.w_up"])
-    return ctx.constrain(F.linear(gate, p[prefix + "mlp.w_down"]), ("batch", "seq_sp", None))
+    return ctx.constrain(_swiglu(p, prefix + "mlp.", h, ctx), ("batch", "seq_sp", None))
 
 
 def _moe(cfg, p, prefix, x, ctx):
@@ -189,8 +196,7 @@ def _moe(cfg, p, prefix, x, ctx):
     bias = p[e + "expert_bias"] if m.balance == "aux_free" else None
     out = ctx.moe(h, m, p[e + "router"], bias, p[e + "w_gate"], p[e + "w_up"], p[e + "w_down"])
     if m.shared_experts:
-        out = out + F.linear(F.silu(F.linear(h, p[e + "shared.w_gate"])) * F.linear(h, p[e + "shared.w_up"]),
-                             p[e + "shared.w_down"])
+        out = out + _swiglu(p, e + "shared.", h, ctx)
     return ctx.constrain(out, ("batch", "seq_sp", None))
 
 

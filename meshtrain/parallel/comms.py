@@ -68,6 +68,7 @@ from torch.distributed.tensor import Shard
 
 from ..errors import ConfigError
 from ..models import ModelDef
+from ..models.policy import keeps_fp32
 from .plan import Plan
 
 R, P = ("R",), ("P",)
@@ -176,7 +177,7 @@ class _Walker:
         pp = self.plan.params[name]
         spec, mesh = pp.spec, pp.mesh
         stored, compute = self.stored(name), self.compute(name)
-        shape, c = spec.shape, self.c or spec.dtype.itemsize
+        shape, c = spec.shape, spec.dtype.itemsize if keeps_fp32(name) else self.c or spec.dtype.itemsize
         self.redistribute("fwd", shape, stored, compute, c, mesh=mesh)
         if self.eager and stored != compute:
             self.redistribute("bwd", shape, stored, compute, c, n=saves, mesh=mesh)
@@ -300,9 +301,8 @@ def _llama_moe_block(w: _Walker, cfg, p: str):
     if m.balance == "aux_free":
         w.use(e + "expert_bias", [h], saves=0)  # not trainable: no gradient
     # Router and expert weights are used as local tensors (to_local); the eager runtime
-    # swaps those for their shard too. The router's matmul keeps it only in fp32 (in bf16
-    # it keeps its own fp32 copy).
-    w.use(e + "router", [h], saves=int(not w.c or w.c == FP32))
+    # swaps those for their shard too. The router is used in fp32 (models.policy).
+    w.use(e + "router", [h])
     token_dims = {i for i, q in enumerate(h) if q[0] == "S"}
     partial_tokens = tuple(P if i in token_dims else R for i in range(len(h)))
     if m.balance == "aux":  # per-sequence sums (prob, counts) added up over cp, then the scalar over the batch
@@ -433,8 +433,8 @@ def step_collectives(plan: Plan, model: ModelDef, *, micro_batch_rows: int, seq_
     family = model.family.__name__.rsplit(".", 1)[-1]
     if family not in FAMILIES:
         raise ConfigError(f"collective estimate: no table for model family {family!r}")
-    if precision not in ("fp32", "bf16"):
-        raise ConfigError(f"train.precision={precision!r}: choose fp32 or bf16")
+    if precision not in ("fp32", "bf16", "fp8"):
+        raise ConfigError(f"train.precision={precision!r}: choose fp32, bf16 or fp8")
     c = _check_batch(plan, micro_batch_rows, precision)
     kinds = _block_kinds(model, layers)
     if kinds["moe"] and family not in MOE_BLOCKS:
@@ -479,7 +479,7 @@ def _check_batch(plan: Plan, micro_batch_rows: int, precision: str):
     if micro_batch_rows % data:
         raise ConfigError(f"{micro_batch_rows} sequences per micro-step cannot be split over {data} "
                           "data-parallel ranks (dp x fsdp)")
-    return 2 if precision == "bf16" else None
+    return 2 if precision in ("bf16", "fp8") else None  # fp8: bf16 gathers and activations
 
 
 def expert_exchange(plan: Plan, model: ModelDef, *, micro_batch_rows: int, seq_len: int,
@@ -494,8 +494,8 @@ def expert_exchange(plan: Plan, model: ModelDef, *, micro_batch_rows: int, seq_l
     moe_layers = getattr(cfg, "moe_layers", ()) or ()
     if not moe_layers or plan.mesh.experts().ep == 1:
         return None
-    if precision not in ("fp32", "bf16"):
-        raise ConfigError(f"train.precision={precision!r}: choose fp32 or bf16")
+    if precision not in ("fp32", "bf16", "fp8"):
+        raise ConfigError(f"train.precision={precision!r}: choose fp32, bf16 or fp8")
     c = _check_batch(plan, micro_batch_rows, precision) or 4
     w = _Walker(plan, micro_batch_rows, seq_len, c, eager=True)
     ep, m = plan.mesh.experts().ep, cfg.moe

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
+from functools import partial
 from typing import Mapping, Sequence
 
 import torch
@@ -30,6 +31,8 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from ..errors import ConfigError
 from ..models.context import MoeRecords, causal_attention
+from ..models.losses import cross_entropy_sum
+from ..models.policy import Policy
 from ..models.moe import balance_loss, route, routed_experts, sequence_stats, z_loss
 from .cp_attention import context_parallel_attention, zigzag_order
 from .expert_parallel import AllToAllExchange, CopyToTensorParallel
@@ -118,14 +121,15 @@ class _BoundParams(Mapping):
         context = self._context
         placements = context.plan.params[name].compute_placements()
         shard = self._params[name]
-        gathered = _UseParam.apply(shard, placements, context.compute_dtype)
+        dtype = context.policy.param_dtype(name)
+        gathered = _UseParam.apply(shard, placements, dtype)
         if placements == tuple(shard.placements) or torch.compiler.is_compiling():
             # Nothing was gathered; or saved-tensor hooks cannot be traced, and compiled
             # steps keep gathered weights for backward (reshard_after_forward=False).
             return gathered
         local = gathered._local_tensor
         # A weak reference: once the gathered tensor dies its storage may be reused.
-        context._gathered[local.untyped_storage().data_ptr()] = (weakref.ref(local), shard, placements)
+        context._gathered[local.untyped_storage().data_ptr()] = (weakref.ref(local), shard, placements, dtype)
         return gathered
 
     def __iter__(self):
@@ -136,8 +140,8 @@ class _BoundParams(Mapping):
 
 
 class ShardedContext:
-    def __init__(self, plan: Plan, device_mesh: DeviceMesh, compute_dtype: torch.dtype | None = None):
-        self.plan, self.mesh, self.compute_dtype = plan, device_mesh, compute_dtype
+    def __init__(self, plan: Plan, device_mesh: DeviceMesh, policy: Policy | torch.dtype | None = None):
+        self.plan, self.mesh, self.policy = plan, device_mesh, Policy.coerce(policy)
         self._gathered: dict[int, tuple] = {}  # storage of a gathered parameter -> its shard
         self._cp_dim = plan.mesh.axes.index("cp") if "cp" in plan.mesh.axes else None
         self._moe = MoeRecords()
@@ -156,10 +160,10 @@ class ShardedContext:
             # pending collective's result, which have no storage of their own.
             if type(local) is torch.Tensor and local.device.type != "meta":
                 ptr = local.untyped_storage().data_ptr()
-                ref, shard, placements = self._gathered.get(ptr, (lambda: None, None, None))
+                ref, *gathered = self._gathered.get(ptr, (lambda: None,))
                 alive = ref()
                 if alive is not None and alive.untyped_storage().data_ptr() == ptr:
-                    return _Regather(shard, placements, self.compute_dtype, t)
+                    return _Regather(*gathered, t)
             return t
 
         def unpack(t):
@@ -209,6 +213,61 @@ class ShardedContext:
         shape = (*ids.shape, rows.shape[1])
         return DTensor.from_local(out, self.mesh, placements, run_check=False, shape=shape,
                                   stride=make_contiguous_strides_for(shape))
+
+    def linear(self, x: DTensor, params, name: str, bias: DTensor | None = None) -> DTensor:
+        recipe = self.policy.fp8_recipe(name)
+        if recipe is None:
+            return torch.nn.functional.linear(x, params[name], bias)
+        out = self._fp8_linear(x, params[name], recipe)
+        return out if bias is None else out + bias
+
+    def _fp8_linear(self, x: DTensor, w: DTensor, recipe: str) -> DTensor:
+        """fp8 GEMMs on local shards, quantised with the scales one process would use: each
+        amax is all-reduced (max) over the mesh dims that split the dims it was taken
+        over. Per mesh dim, x split on a token dim gives an output split the same way; a
+        column-parallel w (split on out features) an output split on its last dim; a
+        row-parallel pair (x and w split on in features) a partial sum."""
+        from ..models.fp8 import fp8_linear
+
+        last = x.ndim - 1
+        x_dims = {"rows": set(), "cols": set()}  # mesh dims splitting x as (tokens, in)
+        w_dims = {"rows": set(), "cols": set()}  # ... and w as (out, in)
+        out_placements = []
+        for i, (px, pw) in enumerate(zip(x.placements, w.placements)):
+            x_split = isinstance(px, Shard) and ("cols" if px.dim == last else "rows")
+            w_split = isinstance(pw, Shard) and ("cols" if pw.dim == 1 else "rows")
+            if px.is_partial() or pw.is_partial() or (x_split == "cols") != (w_split == "cols") \
+                    or (x_split == "rows" and w_split):
+                raise ConfigError(f"fp8 linear: unsupported layout of input {x.placements} and weight "
+                                  f"{w.placements} on mesh dim {i}: use train.precision bf16 for this plan")
+            if x_split:
+                x_dims[x_split].add(i)
+            if w_split:
+                w_dims[w_split].add(i)
+            out_placements.append(Shard(last) if w_split == "rows" else Partial() if x_split == "cols"
+                                  else px)
+        # The gradients of local operands: partial sums over the dims the other operand
+        # splits on its own rows.
+        x_local = x.to_local(grad_placements=[Partial() if i in w_dims["rows"] else p
+                                              for i, p in enumerate(x.placements)])
+        w_local = w.to_local(grad_placements=[Partial() if i in x_dims["rows"] else p
+                                              for i, p in enumerate(w.placements)])
+        # Dims of the operands as fp8_linear names them: x (M, K), w (N, K), grad (M, N).
+        split = {"x": (x_dims["rows"], x_dims["cols"]), "w": (w_dims["rows"], w_dims["cols"]),
+                 "grad": (x_dims["rows"], w_dims["rows"])}
+
+        def allmax(t, operand, over):
+            for i in sorted(set().union(*(split[operand][d] for d in over))):
+                t = funcol.all_reduce(t, "max", (self.mesh, i))
+            return t
+
+        out = fp8_linear(x_local, w_local, recipe, allmax)
+        shape = (*x.shape[:-1], w.shape[0])
+        return DTensor.from_local(out, self.mesh, out_placements, run_check=False, shape=shape,
+                                  stride=make_contiguous_strides_for(shape))
+
+    def remat(self, fn, *args):
+        return self.policy.remat(fn, *args)
 
     def attention(self, q: DTensor, k: DTensor, v: DTensor) -> DTensor:
         """Causal attention on local shards: heads split by tp need nothing; a sequence
@@ -281,32 +340,21 @@ class ShardedContext:
         return self._moe.take()
 
     def cross_entropy_sum(self, logits: DTensor, targets: torch.Tensor) -> DTensor:
-        """Vocab-parallel cross entropy: each rank works on its vocab slice; three small
-        reductions over the vocab axes (max, and the sum of exp and target logit stacked in
-        one), so the full-vocab logits are never gathered. Returns a replicated scalar."""
+        """Vocab-parallel cross entropy (models.losses): each rank works on its vocab slice,
+        a chunk of rows at a time; two small reductions over the vocab axes (the row max,
+        then the sum of exp and the target logit stacked), so the full-vocab logits are
+        never gathered and no fp32 copy of them is made. Returns a replicated scalar."""
         vocab_dim = logits.ndim - 1
         targets = self.constrain(targets, ("batch", "seq")).to_local()
-        local = logits.to_local().float()
+        local = logits.to_local()
         vocab_mesh_dims = [i for i, p in enumerate(logits.placements) if isinstance(p, Shard) and p.dim == vocab_dim]
-        start = 0
+        start, all_max, all_sum = 0, None, None
         if vocab_mesh_dims:
             (i,) = vocab_mesh_dims  # default rules shard vocab on one axis
             start = self.mesh.get_local_rank(i) * local.shape[-1]
-        valid = targets >= 0
-        index = (targets - start).clamp(0, local.shape[-1] - 1)
-        in_slice = valid & (targets >= start) & (targets < start + local.shape[-1])
-        row_max = local.detach().amax(-1)
-        for i in vocab_mesh_dims:
-            row_max = funcol.all_reduce(row_max, "max", (self.mesh, i))
-        sum_exp = (local - row_max.unsqueeze(-1)).exp().sum(-1)
-        target_logit = local.gather(-1, index.unsqueeze(-1)).squeeze(-1) * in_slice
-        both = torch.stack([sum_exp, target_logit])
-        if vocab_mesh_dims:
-            placements = [Partial() if i in vocab_mesh_dims else Replicate() for i in range(self.mesh.ndim)]
-            both = DTensor.from_local(both, self.mesh, placements, run_check=False)
-            both = both.redistribute(self.mesh, [Replicate()] * self.mesh.ndim).to_local()
-        per_token = (both[0].log() + row_max - both[1]) * valid
-        total = per_token.sum()
+            all_max = partial(funcol.all_reduce, reduceOp="max", group=(self.mesh, i))
+            all_sum = partial(funcol.all_reduce, reduceOp="sum", group=(self.mesh, i))
+        total = cross_entropy_sum(local, targets, vocab_start=start, all_max=all_max, all_sum=all_sum)
         # Tokens are split over the batch and sequence axes: the loss is a sum over them.
         token_dims = {i for i, p in enumerate(logits.placements) if isinstance(p, Shard) and p.dim < vocab_dim}
         placements = [Partial() if i in token_dims else Replicate() for i in range(self.mesh.ndim)]

@@ -30,10 +30,10 @@ per layer, per token:
                           the product (w_down's input)
 
 Once per micro-batch: RoPE cos and sin (S x hd each, c); the final norm (4*D + 4 + c*D)
-and the output matmul's input (c*D); the loss, which never gathers the vocab: the local
-logits slice in fp32 twice (itself, kept by the target `gather`, and its exp: 2*4*V/tp
-per token), the target index (int64), two bool masks and the stacked (sum_exp,
-target_logit) pair (2 fp32); the vocab-parallel embedding's
+and the output matmul's input (c*D); the loss (models.losses), which never gathers the
+vocab and makes no fp32 copy of the logits: the local logits slice itself (c*V/tp per
+token), the fp32 log-sum-exp per token, and under cp the targets (int64; this rank's
+zigzag copy); the vocab-parallel embedding's
 clamped ids (int64) and mask (bool). GPT-2 differs where its forward does: LayerNorm
 keeps the centred fp32 input (4*D), no GQA, learned positions, and the MLP keeps 2*F
 (GELU input, GELU output).
@@ -99,8 +99,8 @@ Activation checkpointing (not in the runtime yet, so these are estimates only):
 
 Peak = params + grads + optimizer + activations + recompute + the largest transient:
 one layer's gathered weights in the compute dtype (fsdp gathers a layer's weights at a
-time; under bf16 a non-gathered weight is cast per use) or the loss's logits (the local
-logits slice in c bytes plus its fp32 copy). Grads are counted as resident for the whole
+time; under bf16 a non-gathered weight is cast per use) or the loss's (the local logits
+slice and its gradient in c bytes, and one fp32 chunk of rows). Grads are counted as resident for the whole
 step (true from the second micro-step; an upper bound for the first). Allocator
 fragmentation, communication buffers and the CUDA context are not counted.
 """
@@ -110,10 +110,12 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
+from ..models.losses import CHUNK_ROWS
+from ..models.policy import keeps_fp32
 from .mesh import GATHERED_AXES
 from .plan import Plan
 
-_DTYPE_BYTES = {"fp32": 4, "bf16": 2}
+_DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp8": 2}  # fp8: bf16 activations, fp8 GEMM operands transient
 FP32, INT64, BOOL = 4, 8, 1
 
 
@@ -173,12 +175,6 @@ def _attention_saved(plan, B, S, Hq, Hkv, hd, c, kernel: str) -> int:
         return c * (q + 2 * kv + q) + FP32 * lse
     probs = _local(plan, (B, Hq, S, S), ("batch", "q_heads", "seq", None))
     return c * (4 * q + probs)  # q, k and v at Hq heads, output copy; probabilities
-
-
-def _router_copy(cfg, name: str, c: int) -> bool:
-    """An MoE router in a low-precision run: its fp32 matmul keeps an fp32 copy of it (no
-    parameter storage, so the eager runtime cannot swap it for the shard)."""
-    return bool(getattr(cfg, "moe", None)) and name.endswith(".moe.router") and c != FP32
 
 
 def _moe_saved(plan: Plan, m, B: int, S: int, D: int, c: int, checkpointing: str) -> tuple[int, int]:
@@ -248,7 +244,7 @@ def per_rank_memory(plan: Plan, model, *, micro_batch: int, seq_len: int, precis
     layers per micro-batch, the embedding and the head/loss only where it holds them, and
     keeps the activations of `in_flight` micro-batches at once (the schedule's peak)."""
     if precision not in _DTYPE_BYTES:
-        raise ValueError(f"precision={precision!r}: choose fp32 or bf16")
+        raise ValueError(f"precision={precision!r}: choose fp32, bf16 or fp8")
     if activation_checkpointing not in ("none", "full", "selective"):
         raise ValueError(f"activation_checkpointing={activation_checkpointing!r}: choose none, full or selective")
     if device not in ("cpu", "cuda"):
@@ -311,7 +307,7 @@ def per_rank_memory(plan: Plan, model, *, micro_batch: int, seq_len: int, precis
     loss = 0
     if head:
         once += _norm(plan, B, S, D, c) + c * x_full
-        loss = 2 * FP32 * logits + tokens * (INT64 + BOOL + 2 * FP32 + BOOL)
+        loss = c * logits + tokens * (FP32 + (INT64 if mesh.cp > 1 else 0))
     names = set(plan.params if names is None else names)
     if layers is None:
         run = list(range(cfg.n_layers))
@@ -332,19 +328,17 @@ def per_rank_memory(plan: Plan, model, *, micro_batch: int, seq_len: int, precis
         if name not in names:
             continue
         gathered, n = _is_gathered(plan, name), _compute_numel(plan, name)
-        new_copy = gathered or c != FP32  # otherwise the parameter itself is used
+        width = FP32 if keeps_fp32(name) else c  # the router stays fp32
+        new_copy = gathered or width != FP32  # otherwise the parameter itself is used
         if new_copy:
             group = name.split(".")[1] if name.startswith("layers.") else name
-            layer_weights[group] = layer_weights.get(group, 0) + n * c
+            layer_weights[group] = layer_weights.get(group, 0) + n * width
         if not new_copy or not _saved_in_backward(family, cfg, name):
             continue
-        if _router_copy(cfg, name, c):  # kept, eager or compiled
-            saved_weights += n * FP32
-            continue
         if gathered:
-            gathered_weights += n * c if compiled else 0
+            gathered_weights += n * width if compiled else 0
         else:
-            saved_weights += n * c
+            saved_weights += n * width
 
     # Per layer: a dense block's, or an MoE block's where every layer run is MoE.
     all_moe = run is not None and bool(run) and all(i in moe_ids for i in run)
@@ -353,7 +347,8 @@ def per_rank_memory(plan: Plan, model, *, micro_batch: int, seq_len: int, precis
     params = sum(p.bytes_per_rank for n, p in plan.params.items() if n in names)
     grads = sum(math.prod(p.local_shape) * FP32 for n, p in plan.params.items() if n in names)
     optimizer = 2 * grads
-    loss_logits = logits * (c + (FP32 if c != FP32 else 0)) if head else 0
+    rows = min(tokens, CHUNK_ROWS)
+    loss_logits = 2 * c * logits + FP32 * logits // tokens * rows if head else 0
     transient = max(max(layer_weights.values(), default=0), loss_logits)
     peak = params + grads + optimizer + activations + recompute + transient
     return {

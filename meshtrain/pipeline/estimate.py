@@ -88,7 +88,7 @@ def pipeline_estimate(plan: Plan, model, *, schedule: str, virtual: int, layout:
     timing = simulate(sched, stage_costs=stage_costs_from_partition(stages))
     sub = without_pp(plan)
     data = sub.mesh.dp * sub.mesh.fsdp
-    c = 2 if precision == "bf16" else 4
+    c = 2 if precision in ("bf16", "fp8") else 4
     boundary = c * math.prod(sub.activation(RESIDUAL).local_shape((micro_batch * data, seq_len, model.cfg.dim),
                                                                   sub.mesh))
     tied_bytes = math.prod(sub.params["tok_emb"].local_shape) * 4 if model.cfg.tie_embeddings else 0

@@ -41,11 +41,12 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from ..errors import ConfigError
 from ..models import ModelDef
 from ..models.context import LocalContext
+from ..models.policy import Policy
 from ..parallel.context import ShardedContext
 from ..parallel.plan import without_pp
 from ..train.optim import AdamW, local
 from ..train.schedule import LRSchedule
-from ..train.step import PRECISIONS, MoeTerms, TrainState, full_value, make_update, moe_step
+from ..train.step import MoeTerms, TrainState, full_value, make_update, moe_step
 from .partition import Stage
 from .schedule import B, BI, BW, F, RECV_B, RECV_F, SEND_B, SEND_F, Schedule, forward_only
 
@@ -73,21 +74,27 @@ def local_stage_layout(plan, device_mesh, stages: list[Stage]):
     return names, without_pp(plan), device_mesh[rest]
 
 
+def check_checkpointing(schedule: str, activation_checkpointing: str) -> None:
+    """Selective checkpointing lets a block's saved tensors be used by one backward only,
+    and zero-bubble runs two per block (input gradients, then weight gradients)."""
+    if activation_checkpointing == "selective" and schedule in ("zb", "zbh1"):
+        raise ConfigError("train.activation_checkpointing=selective with parallel.pp_schedule=zb: a selectively "
+                          "checkpointed block can be backpropagated once, and zero-bubble splits its backward "
+                          "in two; use activation_checkpointing full, or pp_schedule 1f1b")
+
+
 class _Pipe:
     """This rank's place in the pipeline: its context, pp peers and the boundary layout."""
 
-    def __init__(self, model: ModelDef, stages: list[Stage], pp: int, plan, device_mesh, precision: str):
-        if precision not in PRECISIONS:
-            raise ConfigError(f"train.precision={precision!r}: choose one of {', '.join(PRECISIONS)}")
+    def __init__(self, model: ModelDef, stages: list[Stage], pp: int, plan, device_mesh, policy: Policy):
         self.model, self.stages = model, stages
         if plan is None or device_mesh is None or plan.mesh.pp != pp or pp < 2:
             raise ConfigError(f"a pipeline step needs the plan and device mesh of a layout with parallel.pp={pp} "
                               ">= 2 (parallel.pp 1 runs make_train_step)")
-        dtype = PRECISIONS[precision]
         self.rank, self.group = device_mesh.get_local_rank("pp"), device_mesh.get_group("pp")
         _, self.plan, self.mesh = local_stage_layout(plan, device_mesh, stages)
-        self.ctx = LocalContext(dtype) if self.mesh is None else ShardedContext(self.plan, self.mesh, dtype)
-        self.dtype = dtype or torch.float32
+        self.ctx = LocalContext(policy) if self.mesh is None else ShardedContext(self.plan, self.mesh, policy)
+        self.dtype = policy.dtype or torch.float32
 
     def peer(self, pp_rank: int) -> int:
         """The global rank of pp rank `pp_rank` at this rank's coordinates on the other axes."""
@@ -202,7 +209,8 @@ def _run(pipe: _Pipe, actions, params: dict, tokens, targets, n_tokens: int, *, 
 
 def make_pipeline_step(model: ModelDef, stages: list[Stage], schedule: Schedule, plan, device_mesh, *,
                        optimizer: AdamW = AdamW(), lr_schedule: LRSchedule | None = None,
-                       precision: str = "fp32", grad_clip: float | None = 1.0,
+                       precision: str = "fp32", grad_clip: float | None = 1.0, fp8_recipe: str = "tensorwise",
+                       activation_checkpointing: str = "none",
                        record_timings: bool = False) -> Callable[[TrainState, dict], dict]:
     """`step(state, batch) -> metrics` for this rank; `plan` and `device_mesh` are the whole
     layout's, pp included. record_timings: metrics["timings"] lists (kind, stage, seconds)
@@ -210,7 +218,10 @@ def make_pipeline_step(model: ModelDef, stages: list[Stage], schedule: Schedule,
     exchange, norm and optimizer step (for the bench; host time). state.params holds `stage_param_names(stages, pp_rank)` (DTensors on the
     non-pp sub-mesh when there is one); batch as for make_train_step (full
     (micro_steps, batch, seq) tensors on every rank)."""
-    pipe = _Pipe(model, stages, schedule.pp, plan, device_mesh, precision)
+    if any(a.kind == BI for rank in schedule.ranks for a in rank):
+        check_checkpointing("zb", activation_checkpointing)
+    pipe = _Pipe(model, stages, schedule.pp, plan, device_mesh,
+                 Policy.of(precision, fp8_recipe, activation_checkpointing))
     apply_update = make_update(optimizer, lr_schedule or LRSchedule(lr=optimizer.lr, kind="constant"), grad_clip)
     actions = schedule.ranks[pipe.rank]
     data_ranks = pipe.plan.mesh.dp * pipe.plan.mesh.fsdp if pipe.plan is not None else 1
@@ -272,10 +283,10 @@ def _moe_metrics(state: TrainState, pipe: _Pipe, moe: MoeTerms, moe_layers) -> d
 
 
 def make_pipeline_eval(model: ModelDef, stages: list[Stage], pp: int, micro_steps: int, plan, device_mesh, *,
-                       precision: str = "fp32") -> Callable[[dict, dict], float]:
+                       precision: str = "fp32", fp8_recipe: str = "tensorwise") -> Callable[[dict, dict], float]:
     """`evaluate(params, batch) -> mean loss per target token`, forwards only, the same on
     every rank."""
-    pipe = _Pipe(model, stages, pp, plan, device_mesh, precision)
+    pipe = _Pipe(model, stages, pp, plan, device_mesh, Policy.of(precision, fp8_recipe))
     actions = forward_only(pp, len(stages) // pp, micro_steps).ranks[pipe.rank]
 
     @torch.no_grad()

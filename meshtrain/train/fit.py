@@ -135,7 +135,7 @@ class _Run:
         self.dp_size = plan.mesh.dp * plan.mesh.fsdp
         self.accumulation = cfg.accumulation_steps(self.dp_size)
         self.micro_rows = t.global_batch // self.accumulation  # sequences per micro-step, all ranks
-        options = dict(precision=t.precision, compile=t.compile)
+        options = dict(precision=t.precision, compile=t.compile, fp8_recipe=t.fp8_recipe)
         init_from = cfg.model.init_from if self.resume is None else None  # a checkpoint wins
         if init_from:
             _check_init_from(cfg)
@@ -195,9 +195,11 @@ class _Run:
         schedule = build_schedule(p.pp_schedule, plan.mesh.pp, self.accumulation, p.pp_virtual)
         self.step_fn = execute.make_pipeline_step(model, stages, schedule, plan, self.mesh,
                                                   optimizer=options["optimizer"], lr_schedule=options["schedule"],
-                                                  precision=t.precision, grad_clip=options["grad_clip"])
+                                                  precision=t.precision, grad_clip=options["grad_clip"],
+                                                  fp8_recipe=t.fp8_recipe,
+                                                  activation_checkpointing=t.activation_checkpointing)
         self.eval_fn = execute.make_pipeline_eval(model, stages, plan.mesh.pp, self.accumulation, plan, self.mesh,
-                                                  precision=t.precision)
+                                                  precision=t.precision, fp8_recipe=t.fp8_recipe)
         self.rows = _RowSlice(sub_plan, sub_mesh, self.micro_rows, t.seq_len)
         return params
 
@@ -381,7 +383,10 @@ class _Run:
         return (f"[bold]meshtrain fit[/] {cfg.model.arch} {n_params / 1e6:.2f}M params | world {self.ranks.world} "
                 f"({mesh}) on {self.device.type} | batch {t.global_batch} x {t.seq_len} tokens = "
                 f"{self.accumulation} micro-step(s) of {t.micro_batch} per data-parallel rank x {self.dp_size} | "
-                f"{t.precision}{', compiled' if t.compile else ''} | {self.run_dir}")
+                f"{t.precision}{f' {t.fp8_recipe}' if t.precision == 'fp8' else ''}"
+                f"{', compiled' if t.compile else ''}"
+                f"{'' if t.activation_checkpointing == 'none' else f', {t.activation_checkpointing} recompute'}"
+                f" | {self.run_dir}")
 
 
 class _StopSignal:
@@ -460,4 +465,5 @@ def _step_options(cfg: RunConfig) -> dict:
     return dict(optimizer=AdamW(lr=t.lr, weight_decay=t.weight_decay),
                 schedule=LRSchedule(lr=t.lr, min_lr=t.min_lr, warmup_steps=t.warmup_steps, total_steps=t.steps,
                                     kind=t.lr_schedule),
-                precision=t.precision, grad_clip=t.grad_clip or None, compile=t.compile)
+                precision=t.precision, grad_clip=t.grad_clip or None, compile=t.compile, fp8_recipe=t.fp8_recipe,
+                activation_checkpointing=t.activation_checkpointing)

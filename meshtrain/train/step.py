@@ -11,11 +11,9 @@ import torch
 from ..errors import ConfigError
 from ..models import ModelDef
 from ..models.context import LocalContext
+from ..models.policy import Policy
 from .optim import AdamW, adamw_update, all_reduce_sum, grad_norm_squared_local, init_state, local, replica_count
 from .schedule import LRSchedule
-
-PRECISIONS = {"fp32": None, "bf16": torch.bfloat16}
-
 
 @dataclass
 class TrainState:
@@ -30,7 +28,9 @@ class TrainState:
 
 def make_train_step(model: ModelDef, plan=None, device_mesh=None, *, optimizer: AdamW = AdamW(),
                     schedule: LRSchedule | None = None, precision: str = "fp32", grad_clip: float | None = 1.0,
-                    compile: bool | str = False) -> Callable[[TrainState, dict], dict]:
+                    compile: bool | str = False, fp8_recipe: str = "tensorwise",
+                    activation_checkpointing: str = "none", policy: Policy | None = None
+                    ) -> Callable[[TrainState, dict], dict]:
     """Build `step(state, batch) -> metrics`.
 
     batch["tokens"] and batch["targets"] are (micro_steps, batch, seq) tensors, or lists of
@@ -40,14 +40,19 @@ def make_train_step(model: ModelDef, plan=None, device_mesh=None, *, optimizer: 
     batch["num_targets"]: the number of targets >= 0 in the whole global batch, when the
     caller knows it (otherwise it is counted, with a collective when ranks hold parts). Gradients accumulate over micro-steps; the loss
     is the mean over every target token of the global batch (targets < 0 are ignored).
-    With no plan the step runs on one device. `compile` True wraps the loss and the update
-    in torch.compile(fullgraph=True) with inductor; a string names another backend.
+    With no plan the step runs on one device. precision fp32, bf16 or fp8 (bf16 with fp8
+    GEMMs of `fp8_recipe`), activation_checkpointing none, selective or full: see
+    models.policy (`policy`, when given, replaces those three). `compile` True wraps the loss and the update in
+    torch.compile(fullgraph=True) with inductor; a string names another backend.
     Metrics: loss, grad_norm, lr; with MoE blocks also expert_imbalance and (when a balance
     loss or z-loss is on) aux_loss, the terms added to the objective.
     """
     if compile and plan is not None:
         check_compile_with_cp(plan.mesh)
-    ctx = _context(plan, device_mesh, precision)
+    policy = policy or Policy.of(precision, fp8_recipe, activation_checkpointing)
+    if compile:
+        check_compile_with_checkpointing(getattr(model.cfg, "moe", None) is not None, policy.checkpointing)
+    ctx = _context(plan, device_mesh, policy)
     schedule = schedule or LRSchedule(lr=optimizer.lr, kind="constant")
     scope = getattr(ctx, "regather_in_backward", contextlib.nullcontext)
     data_ranks = plan.mesh.dp * plan.mesh.fsdp if plan is not None else 1
@@ -144,6 +149,15 @@ def check_compile_with_cp(mesh) -> None:
                           f"but the mesh also has {others}: set train.compile false, or use cp alone")
 
 
+def check_compile_with_checkpointing(moe: bool, activation_checkpointing: str) -> None:
+    """MoE blocks record their balance terms from inside the block, a side effect dynamo
+    does not allow inside a checkpointed region (torch 2.13)."""
+    if moe and activation_checkpointing != "none":
+        raise ConfigError(f"train.compile with train.activation_checkpointing={activation_checkpointing} and MoE "
+                          "blocks (model.moe) is not supported: set train.compile false, or activation_checkpointing "
+                          "none")
+
+
 def make_update(optimizer: AdamW, schedule: LRSchedule, grad_clip: float | None, compile: bool | str = False):
     """The optimizer half of a step, shared by the plain and the pipelined step:
     `apply(state, uncounted=()) -> (grad_norm, lr)` takes the global gradient norm (each
@@ -183,10 +197,10 @@ def make_update(optimizer: AdamW, schedule: LRSchedule, grad_clip: float | None,
 
 
 def make_eval_step(model: ModelDef, plan=None, device_mesh=None, *, precision: str = "fp32",
-                   compile: bool | str = False) -> Callable[[dict, dict], float]:
+                   compile: bool | str = False, fp8_recipe: str = "tensorwise") -> Callable[[dict, dict], float]:
     """Build `evaluate(params, batch) -> mean loss per target token`, without gradients;
     the batch is given as for the train step (micro-steps bound the memory used)."""
-    loss_sum = _loss_sum(model, _context(plan, device_mesh, precision))
+    loss_sum = _loss_sum(model, _context(plan, device_mesh, Policy.of(precision, fp8_recipe)))
     if compile:
         loss_sum = _compiled(loss_sum, compile)
 
@@ -199,14 +213,12 @@ def make_eval_step(model: ModelDef, plan=None, device_mesh=None, *, precision: s
     return evaluate
 
 
-def _context(plan, device_mesh, precision: str):
-    if precision not in PRECISIONS:
-        raise ConfigError(f"train.precision={precision!r}: choose one of {', '.join(PRECISIONS)}")
+def _context(plan, device_mesh, policy: Policy):
     if plan is None:
-        return LocalContext(PRECISIONS[precision])
+        return LocalContext(policy)
     from ..parallel.context import ShardedContext
 
-    return ShardedContext(plan, device_mesh, PRECISIONS[precision])
+    return ShardedContext(plan, device_mesh, policy)
 
 
 def _loss_sum(model: ModelDef, ctx):

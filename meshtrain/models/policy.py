@@ -1,0 +1,96 @@
+"""How a context runs the model's compute: the dtype parameters are cast to where they are
+used, which linears run their GEMMs in fp8, and what backward recomputes instead of
+keeping. Chosen by train.precision, train.fp8_recipe and train.activation_checkpointing;
+master parameters, gradients and optimizer state stay fp32 whatever the policy.
+
+The precision rules are by parameter name, here and nowhere else:
+  - the MoE router and its bias keep fp32: their logits pick experts, a discrete choice
+    that bf16 rounding of the weight would change;
+  - the embedding, the head and the router never run in fp8 (the embedding is a lookup,
+    the head's and router's outputs are logits); every other linear does under fp8.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from ..errors import ConfigError
+
+PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp8": torch.bfloat16}
+FP8_RECIPES = ("tensorwise", "rowwise")
+CHECKPOINTING = ("none", "selective", "full")
+
+KEEP_FP32 = ("router", "expert_bias")  # the last component of a parameter's name
+NO_FP8 = ("tok_emb", "output", "router")
+
+
+def _leaf(name: str) -> str:
+    return name.rsplit(".", 1)[-1]
+
+
+def keeps_fp32(name: str) -> bool:
+    """Whether parameter `name` is used in fp32 whatever the compute dtype."""
+    return _leaf(name) in KEEP_FP32
+
+
+@dataclass(frozen=True)
+class Policy:
+    dtype: torch.dtype | None = None  # None: parameters are used in their own dtype
+    fp8: str | None = None  # the fp8 recipe, or None
+    checkpointing: str = "none"
+
+    @staticmethod
+    def of(precision: str = "fp32", fp8_recipe: str = "tensorwise", activation_checkpointing: str = "none") -> "Policy":
+        if precision not in PRECISIONS:
+            raise ConfigError(f"train.precision={precision!r}: choose one of {', '.join(PRECISIONS)}")
+        if fp8_recipe not in FP8_RECIPES:
+            raise ConfigError(f"train.fp8_recipe={fp8_recipe!r}: choose one of {', '.join(FP8_RECIPES)}")
+        if activation_checkpointing not in CHECKPOINTING:
+            raise ConfigError(f"train.activation_checkpointing={activation_checkpointing!r}: choose one of "
+                              f"{', '.join(CHECKPOINTING)}")
+        return Policy(PRECISIONS[precision], fp8_recipe if precision == "fp8" else None, activation_checkpointing)
+
+    @staticmethod
+    def coerce(policy: "Policy | torch.dtype | None") -> "Policy":
+        """A Policy, or just a compute dtype (None: fp32) for the plain policy."""
+        return policy if isinstance(policy, Policy) else Policy(policy)
+
+    def param_dtype(self, name: str) -> torch.dtype | None:
+        """The dtype parameter `name` is used in (None: its own)."""
+        return None if keeps_fp32(name) else self.dtype
+
+    def fp8_recipe(self, name: str) -> str | None:
+        """The fp8 recipe of the linear whose weight is `name`, or None for a plain one."""
+        return None if self.fp8 is None or _leaf(name) in NO_FP8 else self.fp8
+
+    def remat(self, fn, *args):
+        """fn(*args) (a transformer block) under the checkpointing policy: none keeps every
+        activation; full keeps only the block's inputs and recomputes the block in
+        backward; selective keeps the outputs of matmuls and attention (the expensive
+        ops) and recomputes the rest (norms, RoPE, activations, casts, gathers)."""
+        if self.checkpointing == "none":
+            return fn(*args)
+        if self.checkpointing == "full":
+            return checkpoint(fn, *args, use_reentrant=False)
+        # A partial, not a lambda: dynamo traces checkpoint only with such a context_fn.
+        return checkpoint(fn, *args, use_reentrant=False,
+                          context_fn=partial(create_selective_checkpoint_contexts, _save_expensive))
+
+
+_aten = torch.ops.aten
+_EXPENSIVE_ATEN = {_aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten._scaled_mm.default,
+                   _aten._scaled_dot_product_flash_attention.default,
+                   _aten._scaled_dot_product_efficient_attention.default,
+                   _aten._scaled_dot_product_cudnn_attention.default,
+                   _aten._scaled_dot_product_flash_attention_for_cpu.default}
+
+
+def _save_expensive(ctx, op, *args, **kwargs):
+    # Our own ops (meshtrain::grouped_linear, meshtrain::cp_attention) are GEMM and
+    # attention kernels too.
+    expensive = op in _EXPENSIVE_ATEN or getattr(op, "namespace", None) == "meshtrain"
+    return CheckpointPolicy.MUST_SAVE if expensive else CheckpointPolicy.PREFER_RECOMPUTE

@@ -1,0 +1,59 @@
+"""The compiled step is one graph per function (the loss, the update), compiled once: no
+graph breaks (fullgraph) and no recompilation as the learning rate, the step count and the
+batches change from step to step. Dynamo's own counters are read, so a recompile or a
+second graph anywhere in the step fails the test. Recompilation is decided by dynamo's
+guards, before any backend: aot_eager (AOTAutograd, no code generation) keeps it quick;
+inductor's step is compared with eager in test_equivalence."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from meshtrain.models import build
+from meshtrain.models.spec import init_slice
+from meshtrain.train.optim import AdamW
+from meshtrain.train.schedule import LRSchedule
+from meshtrain.train.step import TrainState, make_train_step
+from test_equivalence import CFG, batches
+
+
+def _compiled_run(steps: int, **options):
+    torch._dynamo.reset()
+    counters.clear()
+    model = build("llama", CFG)
+    params = {n: init_slice(s, n, seed=0).requires_grad_() for n, s in model.specs.items()}
+    step = make_train_step(model, optimizer=AdamW(lr=3e-4),
+                           schedule=LRSchedule(lr=3e-4, min_lr=3e-5, warmup_steps=2, total_steps=steps),
+                           compile="aot_eager", **options)
+    state = TrainState.create(params)
+    graphs = []
+    for batch in batches(micro_steps=2, steps=steps):
+        step(state, batch)
+        graphs.append(counters["stats"]["unique_graphs"])
+    return graphs
+
+
+@pytest.mark.parametrize("options", [{}, {"precision": "bf16", "activation_checkpointing": "selective"}],
+                         ids=["fp32", "bf16_selective"])
+def test_compiled_step_compiles_once(options):
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        graphs = _compiled_run(4, **options)
+    assert graphs == [2] * 4, f"graphs after each step: {graphs} (the loss and the update, once each)"
+    assert not counters["graph_break"], dict(counters["graph_break"])
+
+
+def test_the_counter_sees_a_recompile():
+    """Guards the test above: a step whose Python changes a traced constant every call
+    (a float learning rate instead of a tensor) is caught as a recompile."""
+    torch._dynamo.reset()
+    counters.clear()
+
+    @torch.compile(fullgraph=True, backend="aot_eager")
+    def scaled(x, lr: float):
+        return x * lr
+
+    for lr in (1.0, 2.0, 3.0):
+        scaled(torch.ones(2), lr)
+    assert counters["stats"]["unique_graphs"] > 1
