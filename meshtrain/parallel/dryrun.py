@@ -223,28 +223,31 @@ def _over_capacity(cfg, world: int, gpu: str, peak: float) -> str:
 
     fits = []
     t, p = cfg.train, cfg.parallel
-    # Activation checkpointing is not offered until the trainer has it (issue 9).
-    for tp in (p.tp, 2 * p.tp, 4 * p.tp, 8 * p.tp):
-        for micro in sorted({t.micro_batch, max(1, t.micro_batch // 2), 1}, reverse=True):
-            if (tp, micro) == (p.tp, t.micro_batch):
-                continue
-            alt = dataclasses.replace(cfg, parallel=dataclasses.replace(p, tp=tp, fsdp=-1),
-                                      train=dataclasses.replace(t, micro_batch=micro))
-            try:
-                alt_peak = dry_run(alt.validate(), world, gpu, suggest=False).memory["peak"]
-            except ConfigError:
-                continue
-            if alt_peak <= GPU_MEMORY[gpu]:
-                fits.append(f"--parallel.tp {tp} --parallel.fsdp -1 --train.micro_batch {micro} "
-                            f"({human_bytes(alt_peak)})")
-            if len(fits) == 3:
-                break
+    # Cheapest change first: recompute at the same layout, then more tp / smaller micro-batches.
+    ac_now = t.activation_checkpointing
+    candidates = [(p.tp, t.micro_batch, ac) for ac in ("selective", "full") if ac != ac_now]
+    candidates += [(tp, micro, ac_now) for tp in (p.tp, 2 * p.tp, 4 * p.tp, 8 * p.tp)
+                   for micro in sorted({t.micro_batch, max(1, t.micro_batch // 2), 1}, reverse=True)
+                   if (tp, micro) != (p.tp, t.micro_batch)]
+    for tp, micro, ac in candidates:
+        alt = dataclasses.replace(cfg, parallel=dataclasses.replace(p, tp=tp, fsdp=-1 if tp != p.tp else p.fsdp),
+                                  train=dataclasses.replace(t, micro_batch=micro, activation_checkpointing=ac))
+        try:
+            alt_peak = dry_run(alt.validate(), world, gpu, suggest=False).memory["peak"]
+        except ConfigError:
+            continue
+        if alt_peak <= GPU_MEMORY[gpu]:
+            change = f"--train.activation_checkpointing {ac}" if ac != ac_now else \
+                f"--parallel.tp {tp} --parallel.fsdp -1 --train.micro_batch {micro}"
+            fits.append(f"{change} ({human_bytes(alt_peak)})")
+        if len(fits) == 3:
+            break
     if fits:
-        hint = "; ".join(fits[:3])
+        hint = "; ".join(fits)
     else:
-        hint = (f"none with tp x2..x8 or a smaller micro_batch; the activations alone take "
-                f"{human_bytes(dry_run(cfg, world, gpu, suggest=False).memory['activations'])} per rank, which "
-                "needs activation checkpointing or context parallelism (not in meshtrain yet); pipeline "
-                "parallelism does not help here, since 1F1B keeps pp micro-batches of L/pp layers on rank 0")
+        hint = (f"none with activation checkpointing, tp x2..x8 or a smaller micro_batch; the activations alone "
+                f"take {human_bytes(dry_run(cfg, world, gpu, suggest=False).memory['activations'])} per rank: "
+                "split the sequence with parallel.cp; pipeline parallelism does not help here, since 1F1B keeps "
+                "pp micro-batches of L/pp layers on rank 0")
     return (f"peak memory {human_bytes(peak)} per rank exceeds the {gpu} ({human_bytes(GPU_MEMORY[gpu])}): "
             f"layouts that fit at world {world}: {hint}")
