@@ -35,8 +35,9 @@ def _compiled_run(steps: int, **options):
     return graphs
 
 
-@pytest.mark.parametrize("options", [{}, {"precision": "bf16", "activation_checkpointing": "selective"}],
-                         ids=["fp32", "bf16_selective"])
+@pytest.mark.parametrize("options", [{}, {"precision": "fp8", "fp8_recipe": "rowwise",
+                                          "activation_checkpointing": "selective"}],
+                         ids=["fp32", "fp8_rowwise_selective"])
 def test_compiled_step_compiles_once(options):
     with torch._dynamo.config.patch(error_on_recompile=True):
         graphs = _compiled_run(4, **options)
