@@ -20,6 +20,7 @@ Reported: median tokens/s over rounds, min-max, ratio to ref-eager, load average
 
     python bench/step_cpu.py                        # defaults: dim 256, 4 layers, 8 x 128 tokens
     python bench/step_cpu.py --json out.json --profile
+    python bench/step_cpu.py --tiny --json out.json   # CI: seconds (plus one inductor compile)
 """
 
 from __future__ import annotations
@@ -52,31 +53,41 @@ LOSS_RTOL = 1e-5
 # element by up to lr); a wrong update rule (e.g. decay on the norm scales) gives > 1e-2.
 UPDATE_RTOL = 1e-2
 
+FULL = dict(dim=256, layers=4, heads=8, kv_heads=4, ffn=688, vocab=512, batch=8, seq=128, micro=1,
+            warmup=3, steps=5, rounds=10)
+TINY = dict(dim=64, layers=2, heads=4, kv_heads=2, ffn=176, vocab=256, batch=4, seq=64, micro=1,
+            warmup=2, steps=2, rounds=2)
+
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    m = p.add_argument_group("model and batch")
-    m.add_argument("--dim", type=int, default=256)
-    m.add_argument("--layers", type=int, default=4)
-    m.add_argument("--heads", type=int, default=8)
-    m.add_argument("--kv-heads", type=int, default=4)
-    m.add_argument("--ffn", type=int, default=688)
-    m.add_argument("--vocab", type=int, default=512)
-    m.add_argument("--batch", type=int, default=8, help="sequences per step (global batch)")
-    m.add_argument("--seq", type=int, default=128)
-    m.add_argument("--micro", type=int, default=1, help="micro-batches per step (gradient accumulation)")
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p.add_argument("--tiny", action="store_true", help="a small config for CI (seconds; ref-compiled skipped)")
+    m = p.add_argument_group("model and batch (defaults below; --tiny: dim 64, 2 layers, 4 x 64 tokens)")
+    for flag in ("dim", "layers", "heads", "kv-heads", "ffn", "vocab"):
+        m.add_argument(f"--{flag}", type=int, default=None, help=f"default {FULL[flag.replace('-', '_')]}")
+    m.add_argument("--batch", type=int, default=None, help="sequences per step (global batch; default 8)")
+    m.add_argument("--seq", type=int, default=None, help="default 128")
+    m.add_argument("--micro", type=int, default=None, help="micro-batches per step (gradient accumulation; default 1)")
     r = p.add_argument_group("measurement")
-    r.add_argument("--warmup", type=int, default=3, help="untimed steps per implementation (compile + loss check)")
-    r.add_argument("--steps", type=int, default=5, help="timed steps per implementation per round")
-    r.add_argument("--rounds", type=int, default=10, help="measurement rounds (order alternates each round)")
+    r.add_argument("--warmup", type=int, default=None, help="untimed steps per implementation (compile + loss check; "
+                   "default 3)")
+    r.add_argument("--steps", type=int, default=None, help="timed steps per implementation per round (default 5)")
+    r.add_argument("--rounds", type=int, default=None, help="measurement rounds, the order alternating (default 10)")
     r.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     r.add_argument("--no-ref-compile", action="store_true", help="skip ref-compiled (saves its compile time)")
+    r.add_argument("--backend", default="inductor",
+                   help="torch.compile backend of the compiled runs (aot_eager: a smoke test without codegen)")
     r.add_argument("--no-ours-eager", action="store_true", help="skip ours-eager")
     r.add_argument("--profile", action="store_true",
                    help="after measuring, profile 3 steps of each and print where the time goes")
     r.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = p.parse_args(argv)
+    for k, v in (TINY if args.tiny else FULL).items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    if args.tiny:
+        args.no_ref_compile = True
     if args.warmup < 1 or args.steps < 1 or args.rounds < 1:
         p.error("--warmup, --steps and --rounds must be >= 1")
     if args.batch % args.micro:
@@ -120,12 +131,12 @@ def build_runners(args, cfg, init, batches, optimizer) -> dict[str, Runner]:
         module = ReferenceLlama.from_config(cfg)
         load_meshtrain_params(module, init)
         opt = make_optimizer(module, optimizer.lr, optimizer.betas, optimizer.eps, optimizer.weight_decay)
-        forward = torch.compile(module) if compile else module
+        forward = torch.compile(module, backend=args.backend) if compile else module
         step = make_reference_step(module, opt, grad_clip=1.0, forward=forward)
         runners[name] = Runner(name, step, lambda: {meshtrain_name(n): p for n, p in module.named_parameters()},
                                batches)
 
-    ours("ours-compiled", True)
+    ours("ours-compiled", True if args.backend == "inductor" else args.backend)
     if not args.no_ours_eager:
         ours("ours-eager", False)
     ref(BASELINE, False)
@@ -317,7 +328,7 @@ def main(argv=None) -> int:
             "command": " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]), "env": env,
             "config": {k: v for k, v in vars(args).items() if k != "json"} | {"params": n_params,
                                                                              "tokens_per_step": tokens_per_step},
-            "check": check, "results": rows, "ratio_ours_compiled_vs_ref_eager": ratio,
+            "check": check, "results": rows, "ratio": ratio, "ratio_ours_compiled_vs_ref_eager": ratio,
             "paired_ratio_ours_compiled_vs_ref_eager": paired,
             "loadavg_1min": loads, "recompiled_graphs_during_measurement": recompiled, "profile_ms_per_step": prof,
             "profile_top_kernels": kernels,
