@@ -21,6 +21,7 @@ from typing import Mapping, Protocol, Sequence
 import torch
 import torch.nn.functional as F
 
+from .fp8 import fp8_linear
 from .losses import cross_entropy_sum
 from .moe import balance_loss, route, routed_experts, sequence_stats, z_loss
 from .policy import Policy
@@ -105,8 +106,6 @@ class LocalContext:
         recipe = self.policy.fp8_recipe(name)
         if recipe is None:
             return F.linear(x, params[name], bias)
-        from .fp8 import fp8_linear
-
         out = fp8_linear(x, params[name], recipe)
         return out if bias is None else out + bias
 

@@ -31,6 +31,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from ..errors import ConfigError
 from ..models.context import MoeRecords, causal_attention
+from ..models.fp8 import fp8_linear
 from ..models.losses import cross_entropy_sum
 from ..models.policy import Policy
 from ..models.moe import balance_loss, route, routed_experts, sequence_stats, z_loss
@@ -227,8 +228,6 @@ class ShardedContext:
         over. Per mesh dim, x split on a token dim gives an output split the same way; a
         column-parallel w (split on out features) an output split on its last dim; a
         row-parallel pair (x and w split on in features) a partial sum."""
-        from ..models.fp8 import fp8_linear
-
         last = x.ndim - 1
         x_dims = {"rows": set(), "cols": set()}  # mesh dims splitting x as (tokens, in)
         w_dims = {"rows": set(), "cols": set()}  # ... and w as (out, in)
