@@ -134,15 +134,17 @@ def test_context_parallel_fit_through_the_cli_matches_one_process(tmp_path):
 @pytest.mark.slow
 def test_expert_parallel_fit_through_the_cli_matches_one_process(tmp_path):
     """configs/tiny-moe.yaml (8 experts, top 2, a shared expert; ep 2 folded from fsdp 2)
-    shrunk like the reference, balanced aux-free: the loss, the z-loss and the expert load
-    imbalance of each step are one process's; its step-2 checkpoint (expert shards, the
-    experts' bias) resumes in one process on the same curve."""
+    shrunk like the reference, balanced aux-free, with full activation checkpointing (the
+    recomputed blocks redo their all-to-alls and must not count their load twice): the
+    loss, the z-loss and the expert load imbalance of each step are one process's (no
+    checkpointing); its step-2 checkpoint (expert shards, the experts' bias) resumes in
+    one process on the same curve."""
     moe = ROOT / "configs" / "tiny-moe.yaml"
     common = [*SMALL, *STEPS4, "--model.moe.balance", "aux_free"]
     one = ["--parallel.nproc_per_node", "1", "--parallel.fsdp", "1", "--parallel.ep", "1"]
     run_dir = tmp_path / "ep2"
     proc = run_cli("fit", "--config", str(moe), *common, "--checkpoint.every", "2", "--run_dir", str(run_dir),
-                   env={"MESHTRAIN_DIST_TIMEOUT": "120"}, timeout=400)
+                   "--train.activation_checkpointing", "full", env={"MESHTRAIN_DIST_TIMEOUT": "120"}, timeout=400)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "experts ep=2" in proc.stdout
     plan = json.loads((run_dir / "plan.json").read_text())
@@ -172,7 +174,8 @@ def _free_port() -> int:
 @pytest.mark.slow
 def test_pipeline_fit_through_the_cli_matches_one_process(tmp_path):
     """pp 2 x fsdp 2 on 4 self-launched ranks (1F1B, 4 micro-batches of 2 split over 2
-    fsdp ranks): the loss curve and the validation loss of one process, an export
+    fsdp ranks, selective activation checkpointing): the loss curve and the validation
+    loss of one process (no checkpointing), an export
     (through the final checkpoint, since no rank holds every stage) with its weights, and
     its step-2 checkpoint resumed by one process continuing the same curve."""
     from safetensors.torch import load_file
@@ -181,6 +184,7 @@ def test_pipeline_fit_through_the_cli_matches_one_process(tmp_path):
     proc = run_cli("fit", "--config", str(TINY), *SMALL, *STEPS4, "--parallel.nproc_per_node", "4",
                    "--parallel.pp", "2", "--parallel.fsdp", "2", "--train.global_batch", "16",
                    "--train.micro_batch", "2", "--train.eval_every", "2", "--checkpoint.export", "true",
+                   "--train.activation_checkpointing", "selective",
                    "--checkpoint.every", "2", "--run_dir", str(run_dir), env={"MESHTRAIN_DIST_TIMEOUT": "120"},
                    timeout=400)
     assert proc.returncode == 0, proc.stdout + proc.stderr
