@@ -9,15 +9,17 @@
 
 Every key of the YAML file can be overridden with a dotted flag. Bad input (a config
 value, a dataset, a checkpoint) is printed as one line without a traceback and exits with
-status 2, as argument errors do. A rank that fails in a self-launched run is reported
-with its own traceback, first, and the command exits 1.
+status 2, as argument errors do. A run stopped by its own safeguards (non-finite losses)
+prints one line and exits 1. A rank that fails in a self-launched run is reported with its
+own traceback, first, and the command exits 1 (3 for a rank the watchdog found stalled,
+when it runs under torchrun).
 """
 
 from __future__ import annotations
 
 import sys
 
-from .errors import ConfigError
+from .errors import ConfigError, TrainingError
 
 EXIT_CONFIG = 2
 
@@ -127,6 +129,9 @@ def main(argv: list[str] | None = None) -> int:
     except CheckpointError as e:
         print(f"meshtrain: checkpoint error: {e}", file=sys.stderr)
         return EXIT_CONFIG
+    except TrainingError as e:
+        print(f"meshtrain: training stopped: {e}", file=sys.stderr)
+        return 1
     except RankFailed as e:
         print(f"meshtrain: {e}\n{e.report['traceback']}", file=sys.stderr)
         return 1

@@ -25,10 +25,8 @@ from typing import Any, Callable
 
 import torch.distributed as dist
 
-from .errors import ConfigError
+from .errors import ConfigError, TrainingError
 
-# Seconds a collective may wait for a peer before the run fails instead of hanging.
-DEFAULT_DIST_TIMEOUT_S = 600
 _REPORT_DIR = "MESHTRAIN_FAILURE_DIR"  # where self-launched ranks leave their error
 
 
@@ -62,8 +60,9 @@ def detect(nproc_per_node: int) -> Ranks | None:
     return Ranks(0, 1, 0, False)
 
 
-def dist_timeout() -> datetime.timedelta:
-    return datetime.timedelta(seconds=float(os.environ.get("MESHTRAIN_DIST_TIMEOUT", DEFAULT_DIST_TIMEOUT_S)))
+def dist_timeout(seconds: float) -> datetime.timedelta:
+    """The process group's timeout (parallel.collective_timeout_s)."""
+    return datetime.timedelta(seconds=seconds)
 
 
 class RankFailed(RuntimeError):
@@ -101,8 +100,8 @@ def launch(fn: Callable[..., Any], args: tuple, nproc: int) -> list[Any] | None:
     with tempfile.TemporaryDirectory(prefix="meshtrain-ranks-") as reports:
         try:
             results = elastic_launch(config, _run_rank)(reports, fn, args)
-        except ChildFailedError:
-            first = _first_failure(Path(reports))
+        except ChildFailedError as e:
+            first = _killed(e) or _first_failure(Path(reports))
             if first is None:
                 raise
             _raise_bad_input(first)
@@ -120,26 +119,51 @@ def launch(fn: Callable[..., Any], args: tuple, nproc: int) -> list[Any] | None:
 
 
 def _run_rank(reports: str, fn: Callable[..., Any], args: tuple) -> Any:
+    os.environ[_REPORT_DIR] = reports
     try:
         return fn(*args)
     except BaseException as e:
         bad_input = next((name for name, cls in _bad_input_errors().items() if isinstance(e, cls)), None)
-        report = {"rank": int(os.environ.get("RANK", -1)), "time": time.time(), "type": type(e).__name__,
-                  "message": str(e), "bad_input": bad_input, "traceback": traceback.format_exc()}
-        Path(reports, f"rank{report['rank']}.json").write_text(json.dumps(report))
+        report_failure({"rank": int(os.environ.get("RANK", -1)), "time": time.time(), "type": type(e).__name__,
+                        "message": str(e), "bad_input": bad_input, "traceback": traceback.format_exc()})
         raise
 
 
+def report_failure(report: dict) -> bool:
+    """Leave this rank's error for our launcher, which shows the first one; False when
+    there is no such launcher (torchrun, one process) and the rank must print it."""
+    reports = os.environ.get(_REPORT_DIR)
+    if not reports:
+        return False
+    if not Path(reports, f"rank{report['rank']}.json").exists():
+        Path(reports, f"rank{report['rank']}.json").write_text(json.dumps(report))
+    return True
+
+
+def _killed(error) -> dict | None:
+    """A rank that died by a signal (SIGKILL from the OOM killer, a segfault) leaves no
+    report; its peers then fail on the broken connection and do. It is the cause."""
+    for rank, failure in sorted(error.failures.items()):
+        if failure.exitcode is not None and failure.exitcode < 0:
+            name = failure.signal_name()
+            return {"rank": rank, "time": 0.0, "type": name, "bad_input": None, "traceback": "",
+                    "message": f"the process was killed by {name} (no Python error: killed from outside, e.g. by "
+                               "the out-of-memory killer, or it crashed in native code); the other ranks stopped "
+                               "when they lost it"}
+    return None
+
+
 def _bad_input_errors() -> dict[str, type]:
-    """The errors that mean bad input (the CLI exits 2 with their one-line message)."""
+    """The errors the CLI prints as their one-line message: bad input (exit 2) and a run
+    stopped by its own safeguards (exit 1)."""
     from .data.errors import DataError
     from .train.checkpoint import CheckpointError
 
-    return {"config": ConfigError, "data": DataError, "checkpoint": CheckpointError}
+    return {"config": ConfigError, "data": DataError, "checkpoint": CheckpointError, "training": TrainingError}
 
 
 def _raise_bad_input(report: dict) -> None:
-    """Raise a rank's bad-input error again here, as the same class, without its traceback."""
+    """Raise a rank's one-line error again here, as the same class, without its traceback."""
     if report.get("bad_input"):
         raise _bad_input_errors()[report["bad_input"]](report["message"]) from None
 

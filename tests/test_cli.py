@@ -255,7 +255,7 @@ def test_two_ranks_under_torchrun_match_one_process(single_run, tmp_path):
     run_dir = tmp_path / "fsdp2"
     proc = run_cli("fit", "--config", str(TINY), *SMALL, "--parallel.fsdp", "2", "--run_dir", str(run_dir),
                    launcher=["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"],
-                   env={"MESHTRAIN_DIST_TIMEOUT": "120"}, timeout=400)
+                   timeout=400)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.count("step 3/3") == 1  # rank 0 logs, rank 1 does not
     plan = json.loads((run_dir / "plan.json").read_text())

@@ -69,7 +69,7 @@ def test_init_from_starts_from_the_exported_weights(exported, tmp_path, nproc):
     run_dir = tmp_path / "from_hf"
     layout = ["--parallel.nproc_per_node", str(nproc), "--parallel.fsdp", "1", "--parallel.tp", str(nproc)]
     proc = run_cli("fit", "--config", str(TINY), *SMALL, "--train.steps", "1", "--model.init_from",
-                   str(exported / "export"), *layout, "--run_dir", str(run_dir), env={"MESHTRAIN_DIST_TIMEOUT": "120"})
+                   str(exported / "export"), *layout, "--run_dir", str(run_dir))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     cfg = RunConfig.from_dict(__import__("yaml").safe_load((exported / "config.yaml").read_text()))
     params = load_hf_params(exported / "export", cfg.model.arch, cfg.family_config())

@@ -56,10 +56,10 @@ def four_ranks(tmp_path_factory):
     checkpoint, then resumed to step 4 by the same command without stop_at."""
     run_dir = tmp_path_factory.mktemp("four")
     common = ["fit", "--config", str(TINY4), *SMALL, *STEPS4, "--checkpoint.every", "2", "--run_dir", str(run_dir)]
-    first = run_cli(*common, "--train.stop_at", "2", env={"MESHTRAIN_DIST_TIMEOUT": "120"}, timeout=400)
+    first = run_cli(*common, "--train.stop_at", "2", timeout=400)
     assert first.returncode == 0, first.stdout + first.stderr
     assert [r["step"] for r in read_metrics(run_dir)] == [1, 2]
-    second = run_cli(*common, env={"MESHTRAIN_DIST_TIMEOUT": "120"}, timeout=400)
+    second = run_cli(*common, timeout=400)
     assert second.returncode == 0, second.stdout + second.stderr
     return run_dir, first, second
 
@@ -97,7 +97,7 @@ def test_resume_in_another_layout_continues_the_same_run(four_ranks, tmp_path, l
     run_dir = tmp_path / layout
     shutil.copytree(four_ranks[0] / "checkpoints" / "step_00000002", run_dir / "checkpoints" / "step_00000002")
     proc = run_cli("fit", "--config", str(TINY4), *SMALL, *STEPS4, "--parallel.nproc_per_node", str(nproc),
-                   *parallel, "--run_dir", str(run_dir), env={"MESHTRAIN_DIST_TIMEOUT": "120"}, timeout=400)
+                   *parallel, "--run_dir", str(run_dir), timeout=400)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "resumed from" in proc.stdout
     assert [r["step"] for r in read_metrics(run_dir)] == [3, 4]
@@ -116,7 +116,7 @@ def test_context_parallel_fit_through_the_cli_matches_one_process(tmp_path):
     run_dir = tmp_path / "cp2"
     proc = run_cli("fit", "--config", str(ROOT / "configs" / "tiny-cp2.yaml"), *SMALL, *STEPS4,
                    "--checkpoint.export", "true", "--run_dir", str(run_dir),
-                   env={"MESHTRAIN_DIST_TIMEOUT": "120"}, timeout=400)
+                   timeout=400)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     plan = json.loads((run_dir / "plan.json").read_text())
     assert plan["mesh"] == {"cp": 2} and plan["cp_comm"] == "ring"
@@ -144,7 +144,7 @@ def test_expert_parallel_fit_through_the_cli_matches_one_process(tmp_path):
     one = ["--parallel.nproc_per_node", "1", "--parallel.fsdp", "1", "--parallel.ep", "1"]
     run_dir = tmp_path / "ep2"
     proc = run_cli("fit", "--config", str(moe), *common, "--checkpoint.every", "2", "--run_dir", str(run_dir),
-                   "--train.activation_checkpointing", "full", env={"MESHTRAIN_DIST_TIMEOUT": "120"}, timeout=400)
+                   "--train.activation_checkpointing", "full", timeout=400)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "experts ep=2" in proc.stdout
     plan = json.loads((run_dir / "plan.json").read_text())
@@ -185,7 +185,7 @@ def test_pipeline_fit_through_the_cli_matches_one_process(tmp_path):
                    "--parallel.pp", "2", "--parallel.fsdp", "2", "--train.global_batch", "16",
                    "--train.micro_batch", "2", "--train.eval_every", "2", "--checkpoint.export", "true",
                    "--train.activation_checkpointing", "selective",
-                   "--checkpoint.every", "2", "--run_dir", str(run_dir), env={"MESHTRAIN_DIST_TIMEOUT": "120"},
+                   "--checkpoint.every", "2", "--run_dir", str(run_dir),
                    timeout=400)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert json.loads((run_dir / "plan.json").read_text())["mesh"] == {"pp": 2, "fsdp": 2}
@@ -220,7 +220,7 @@ def test_two_nodes_on_loopback_train_exactly_as_one_node(four_ranks, tmp_path):
                 "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{port}", "--rdzv_id", "loopback",
                 "-m", "meshtrain.cli", "fit", "--config", str(TINY4), *SMALL, *STEPS4,
                 "--parallel.nproc_per_node", "2", "--run_dir", str(run_dir)]
-    env = {**_env(), "MESHTRAIN_DIST_TIMEOUT": "120"}
+    env = _env()
     nodes = [subprocess.Popen(torchrun, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True, start_new_session=True) for _ in range(2)]
     try:
@@ -306,7 +306,7 @@ def test_sigterm_checkpoints_exits_0_and_the_resume_continues_the_curve(tmp_path
             "--parallel.fsdp", str(nproc)]
     run_dir = tmp_path / "preempted"
     cmd = [sys.executable, "-m", "meshtrain.cli", *args, "--run_dir", str(run_dir)]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env={**_env(), "MESHTRAIN_DIST_TIMEOUT": "120"}, text=True,
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     try:
         deadline = time.monotonic() + 300
@@ -322,9 +322,9 @@ def test_sigterm_checkpoints_exits_0_and_the_resume_continues_the_curve(tmp_path
     assert f"stopped by SIGTERM after step {stopped}" in out
     assert checkpoint.latest(run_dir / "checkpoints").name == f"step_{stopped:08d}"
     until = ["--train.stop_at", str(stopped + 3)]  # the same 400-step schedule, 3 more steps
-    resumed = run_cli(*args, *until, "--run_dir", str(run_dir), env={"MESHTRAIN_DIST_TIMEOUT": "120"})
+    resumed = run_cli(*args, *until, "--run_dir", str(run_dir))
     assert resumed.returncode == 0 and "resumed from" in resumed.stdout, resumed.stdout + resumed.stderr
-    reference = run_cli(*args, *until, "--run_dir", str(tmp_path / "reference"), env={"MESHTRAIN_DIST_TIMEOUT": "120"})
+    reference = run_cli(*args, *until, "--run_dir", str(tmp_path / "reference"))
     assert reference.returncode == 0, reference.stderr
     assert [r["step"] for r in read_metrics(run_dir)] == list(range(1, stopped + 4))
     assert losses(run_dir).tolist() == losses(tmp_path / "reference").tolist()

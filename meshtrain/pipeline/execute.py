@@ -250,11 +250,11 @@ def make_pipeline_step(model: ModelDef, stages: list[Stage], schedule: Schedule,
             dist.recv(other, src=tied_peer, tag=_TIED_TAG)
             work.wait()
             g.copy_(g + other if pipe.rank == 0 else other + g)
-        norm, lr = apply_update(state, uncounted=tied)
         dist.all_reduce(loss, group=pipe.group)  # only the last stage's rank holds a non-zero loss
-        metrics = {"loss": float(loss), "grad_norm": float(norm), "lr": lr}
+        norm, lr, updated = apply_update(state, uncounted=tied, loss=float(loss))
+        metrics = {"loss": float(loss), "grad_norm": float(norm), "lr": lr, "skipped": not updated}
         if moe_layers:
-            metrics.update(_moe_metrics(state, pipe, moe, moe_layers))
+            metrics.update(_moe_metrics(state, pipe, moe, moe_layers, updated))
         if record_timings:
             metrics["timings"] = timings + [("update", -1, time.perf_counter() - update_start)]
         return metrics
@@ -262,7 +262,7 @@ def make_pipeline_step(model: ModelDef, stages: list[Stage], schedule: Schedule,
     return step
 
 
-def _moe_metrics(state: TrainState, pipe: _Pipe, moe: MoeTerms, moe_layers) -> dict:
+def _moe_metrics(state: TrainState, pipe: _Pipe, moe: MoeTerms, moe_layers, updated: bool) -> dict:
     """Bias updates and load imbalance of this rank's MoE blocks; the metrics of all of
     them (max imbalance, summed terms) over the pp group."""
     stats = torch.zeros(2)  # (worst imbalance, objective terms) of this rank's stages
@@ -270,7 +270,7 @@ def _moe_metrics(state: TrainState, pipe: _Pipe, moe: MoeTerms, moe_layers) -> d
         order = sorted(moe.load)
         layers = [i for s in order for i in range(*pipe.stages[s].layers) if i in moe_layers]
         load = torch.cat([full_value(moe.load[s]) for s in order])
-        stats[0] = moe_step(state, pipe.model.cfg.moe, layers, load).max()
+        stats[0] = moe_step(state, pipe.model.cfg.moe, layers, load, updated).max()
     if moe.total is not None:
         stats[1] = full_value(moe.total)
     imbalance = stats[:1].clone()

@@ -29,14 +29,16 @@ import torch.distributed as dist
 
 from .. import launch
 from ..config import RunConfig
-from ..errors import ConfigError
+from ..errors import ConfigError, TrainingError
 from ..models.spec import init_slice
 from ..parallel.cp_attention import zigzag_order
 from . import checkpoint
 from .metrics import Reporter, device_peak_tflops, flops_per_token, memory_gib
 from .optim import AdamW
 from .schedule import LRSchedule
+from .faults import Faults
 from .step import TrainState, make_eval_step, make_train_step
+from .watchdog import TRAIN_STEP, Watchdog
 
 
 def fit(cfg: RunConfig) -> list[dict]:
@@ -49,6 +51,7 @@ def fit(cfg: RunConfig) -> list[dict]:
         _open_data(cfg)
         if _resume_path(cfg) is None and cfg.model.init_from:
             _check_init_from(cfg)
+        _check_writable(Path(cfg.run_dir))
         results = launch.launch(_fit_rank, (cfg.to_dict(),), nproc)
         return [] if results is None else results[0]  # None: stopped by a signal, checkpointed
     model = cfg.model_def()
@@ -61,19 +64,44 @@ def fit(cfg: RunConfig) -> list[dict]:
         torch.cuda.set_device(device)
     created_group = False
     if ranks.world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if cuda else "gloo", timeout=launch.dist_timeout(),
+        dist.init_process_group("nccl" if cuda else "gloo",
+                                timeout=launch.dist_timeout(cfg.parallel.collective_timeout_s),
                                 **({"device_id": device} if cuda else {}))
         created_group = True
+    watchdog = None
+    if cfg.parallel.watchdog_s:
+        store = dist.distributed_c10d._get_default_store() if ranks.world > 1 else None
+        watchdog = Watchdog(ranks.rank, ranks.world, cfg.parallel.watchdog_s, store)
     try:
-        history = _Run(cfg, ranks, model, plan, device).train()
+        history = _Run(cfg, ranks, model, plan, device, watchdog).train()
         if created_group:
             # No rank tears its connections down while a peer still uses them: a gloo
             # rank torn down early intermittently aborted its peer at exit.
+            _mark(watchdog, 0, "the final barrier (every rank finishing)")
             dist.barrier()
         return history
     finally:
+        if watchdog is not None:
+            watchdog.stop()
         if created_group:
             dist.destroy_process_group()
+
+
+def _mark(watchdog: Watchdog | None, step: int, op: str) -> None:
+    if watchdog is not None:
+        watchdog.mark(step, op)
+
+
+def _check_writable(run_dir: Path) -> None:
+    """A run_dir that cannot be written fails now, before any step is spent."""
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        probe = run_dir / f".write-test-{os.getpid()}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(f"run_dir={str(run_dir)!r} cannot be written ({e.strerror or e}): make it writable, or set "
+                          "run_dir to a directory that is; nothing in it was changed") from None
 
 
 def _fit_rank(cfg_dict: dict) -> list[dict]:
@@ -126,12 +154,18 @@ def _resume_path(cfg: RunConfig, repair: bool = False) -> Path | None:
 class _Run:
     """One rank's training run: state, data, loop, evaluation, checkpoints, reports."""
 
-    def __init__(self, cfg: RunConfig, ranks: launch.Ranks, model, plan, device: torch.device):
+    def __init__(self, cfg: RunConfig, ranks: launch.Ranks, model, plan, device: torch.device,
+                 watchdog: Watchdog | None = None):
         self.cfg, self.ranks, self.model, self.plan, self.device = cfg, ranks, model, plan, device
+        self.watchdog, self.faults = watchdog, Faults(ranks.rank)
         t = cfg.train
+        _mark(watchdog, 0, "opening the data")
         self.data = _open_data(cfg)  # before anything is written: bad data costs nothing
+        _mark(watchdog, 0, "finding the checkpoint to resume from")
         self.resume = _resume_path(cfg, repair=True)
         self.run_dir = Path(cfg.run_dir)
+        _check_writable(self.run_dir)
+        _mark(watchdog, 0, "building the parameters")
         self.dp_size = plan.mesh.dp * plan.mesh.fsdp
         self.accumulation = cfg.accumulation_steps(self.dp_size)
         self.micro_rows = t.global_batch // self.accumulation  # sequences per micro-step, all ranks
@@ -207,6 +241,7 @@ class _Run:
 
     def train(self) -> list[dict]:
         cfg, t = self.cfg, self.cfg.train
+        _mark(self.watchdog, self.state.step, "loading the checkpoint")
         skipped = self._load_resume() if self.resume is not None else []
         stop = min(t.stop_at or t.steps, t.steps)
         rep = Reporter(self.ranks.rank == 0, self.run_dir, t.steps)
@@ -231,14 +266,21 @@ class _Run:
         first_step, start = self.state.step, time.perf_counter()
         last_time, last_step = start, first_step
         stop_signal = _StopSignal(self.device if self.ranks.world > 1 else None)
+        guard = _LossGuard(t)
         try:
             while self.state.step < stop:
-                metrics = self.step_fn(self.state, self._batch(self.data.train, self.consumed))
+                current = self.state.step + 1
+                _mark(self.watchdog, current, "reading the batch")
+                self.faults.before_batch(current)
+                batch = self._batch(self.data.train, self.consumed)
+                _mark(self.watchdog, current, TRAIN_STEP)
+                self.faults.poison_gradients(current, self.state.params)
+                metrics = self.step_fn(self.state, batch)
                 self.consumed += t.global_batch
                 done = self.state.step
-                if not math.isfinite(metrics["loss"]):
-                    raise FloatingPointError(f"the loss is {metrics['loss']} at step {done}: training diverged; "
-                                             f"try a lower train.lr or train.precision fp32")
+                note = guard.check(done, metrics)
+                if note:
+                    rep.print(f"[yellow]{note}[/]")
                 evaluate = t.eval_every and (done % t.eval_every == 0 or done == t.steps)
                 if done % t.log_every == 0 or done == stop or evaluate:
                     now = time.perf_counter()
@@ -249,7 +291,10 @@ class _Run:
                               "memory_gib": memory_gib(self.device), "elapsed_s": now - start,
                               "eta_s": (now - start) / (done - first_step) * (stop - done),
                               **{k: metrics[k] for k in ("aux_loss", "expert_imbalance") if k in metrics}}
+                    if guard.skipped:
+                        record["skipped_steps"] = guard.skipped
                     if evaluate:
+                        _mark(self.watchdog, done, "evaluation")
                         record["val_loss"] = self._evaluate()
                         record["val_ppl"] = math.exp(min(record["val_loss"], 700.0))
                     last_time, last_step = time.perf_counter(), done  # evaluation time is not training time
@@ -259,6 +304,7 @@ class _Run:
                 if every and (done % every == 0 or done == stop):
                     rep.print(f"checkpoint {self._save()}")
                     saved = True
+                _mark(self.watchdog, done, "agreeing on stop signals (a one-element all-reduce)")
                 received = stop_signal.received()
                 if received and done < stop:
                     # Preemption: a checkpoint at this step boundary, then a clean exit.
@@ -267,6 +313,7 @@ class _Run:
                               "to resume")
                     break
             if self.cfg.checkpoint.export and self.state.step >= stop:
+                _mark(self.watchdog, self.state.step, "export")
                 rep.print(f"exported to {self._export()}")
         finally:
             stop_signal.restore()
@@ -314,6 +361,7 @@ class _Run:
         return sum(losses) / len(losses)
 
     def _save(self) -> Path:
+        _mark(self.watchdog, self.state.step, "checkpoint save")
         extra = {"consumed_samples": self.consumed, "config": self.cfg.to_dict()}
         return checkpoint.save(self.run_dir / "checkpoints", self.state.step, self.state, extra,
                                self.cfg.checkpoint.keep_last)
@@ -387,6 +435,43 @@ class _Run:
                 f"{', compiled' if t.compile else ''}"
                 f"{'' if t.activation_checkpointing == 'none' else f', {t.activation_checkpointing} recompute'}"
                 f" | {self.run_dir}")
+
+
+class _LossGuard:
+    """train.nonfinite and train.spike_factor, applied to each step's metrics on every rank
+    alike (the loss and the gradient norm are global values)."""
+
+    WINDOW = 20  # steps of the mean a spike is measured against
+
+    def __init__(self, t):
+        self.t, self.in_a_row, self.skipped, self.recent = t, 0, 0, []
+
+    def check(self, step: int, metrics: dict) -> str | None:
+        """Raise TrainingError when the run must stop; return a warning line, or None."""
+        t, loss = self.t, metrics["loss"]
+        if metrics.get("skipped"):
+            what = f"the loss is {loss} and the gradient norm {metrics['grad_norm']} at step {step}"
+            if t.nonfinite == "abort":
+                raise TrainingError(f"{what} (train.nonfinite=abort); the weights were not updated with it. Lower "
+                                    "train.lr, use train.precision fp32 or a smaller train.grad_clip, or set "
+                                    "train.nonfinite skip to skip such steps")
+            self.in_a_row += 1
+            self.skipped += 1
+            if self.in_a_row > t.max_skipped:
+                raise TrainingError(f"{what}: {self.in_a_row} steps in a row were not finite, more than "
+                                    f"train.max_skipped={t.max_skipped}; the run diverged. Resume from the last "
+                                    "checkpoint with a lower train.lr, or raise train.max_skipped")
+            return (f"step {step} skipped: {what}; the parameters and optimizer state are unchanged "
+                    f"({self.in_a_row} in a row, {self.skipped} in this run; train.max_skipped={t.max_skipped})")
+        self.in_a_row = 0
+        note = None
+        if t.spike_factor and len(self.recent) >= 5:
+            mean = sum(self.recent) / len(self.recent)
+            if loss > t.spike_factor * mean:
+                note = (f"loss spike at step {step}: {loss:.4f} is {loss / mean:.2f} x the mean {mean:.4f} of the "
+                        f"previous {len(self.recent)} steps (train.spike_factor={t.spike_factor:g})")
+        self.recent = (self.recent + [loss])[-self.WINDOW:]
+        return note
 
 
 class _StopSignal:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -44,7 +45,8 @@ def make_train_step(model: ModelDef, plan=None, device_mesh=None, *, optimizer: 
     GEMMs of `fp8_recipe`), activation_checkpointing none, selective or full: see
     models.policy (`policy`, when given, replaces those three). `compile` True wraps the loss and the update in
     torch.compile(fullgraph=True) with inductor; a string names another backend.
-    Metrics: loss, grad_norm, lr; with MoE blocks also expert_imbalance and (when a balance
+    Metrics: loss, grad_norm, lr, skipped (True when the loss or the gradient norm was not
+    finite and the update was left out, see make_update); with MoE blocks also expert_imbalance and (when a balance
     loss or z-loss is on) aux_loss, the terms added to the objective.
     """
     if compile and plan is not None:
@@ -80,10 +82,11 @@ def make_train_step(model: ModelDef, plan=None, device_mesh=None, *, optimizer: 
                 extra = terms.add(aux)
             (loss if extra is None else loss + extra).backward()
             total = _add(total, loss.detach())
-        norm, lr = apply_update(state)
-        metrics = {"loss": float(full_value(total)), "grad_norm": float(norm), "lr": lr}
+        loss = float(full_value(total))
+        norm, lr, updated = apply_update(state, loss=loss)
+        metrics = {"loss": loss, "grad_norm": float(norm), "lr": lr, "skipped": not updated}
         if terms.load:
-            metrics["expert_imbalance"] = float(moe_step(state, *moe, full_value(terms.load[0])).max())
+            metrics["expert_imbalance"] = float(moe_step(state, *moe, full_value(terms.load[0]), updated).max())
         if terms.total is not None:
             metrics["aux_loss"] = float(full_value(terms.total))
         return metrics
@@ -126,13 +129,14 @@ class MoeTerms:
         return extra
 
 
-def moe_step(state: TrainState, cfg, layers, load: torch.Tensor) -> torch.Tensor:
+def moe_step(state: TrainState, cfg, layers, load: torch.Tensor, updated: bool = True) -> torch.Tensor:
     """After the update, for MoE blocks `layers` whose tokens per expert over the global
     batch are `load` (layers x E, the same on every rank): the aux-free bias moves toward
-    balance; returns each layer's load imbalance (max / mean)."""
+    balance (unless the step's update was skipped); returns each layer's load imbalance
+    (max / mean)."""
     from ..models.moe import expert_bias_step, imbalance
 
-    if cfg.balance == "aux_free":
+    if cfg.balance == "aux_free" and updated:
         with torch.no_grad():
             for j, i in enumerate(layers):
                 bias = local(state.params[f"layers.{i}.moe.expert_bias"])
@@ -160,23 +164,27 @@ def check_compile_with_checkpointing(moe: bool, activation_checkpointing: str) -
 
 def make_update(optimizer: AdamW, schedule: LRSchedule, grad_clip: float | None, compile: bool | str = False):
     """The optimizer half of a step, shared by the plain and the pipelined step:
-    `apply(state, uncounted=()) -> (grad_norm, lr)` takes the global gradient norm (each
-    rank's share of the squared norm, one scalar all-reduce over the world), clips, runs
-    AdamW on the local shards, advances state.step and clears the gradients. Parameters
-    named in `uncounted` (a second copy of a tied table) stay out of the norm."""
+    `apply(state, uncounted=(), loss=None) -> (grad_norm, lr, updated)` takes the global
+    gradient norm (each rank's share of the squared norm, one scalar all-reduce over the
+    world), clips, runs AdamW on the local shards, advances state.step and clears the
+    gradients. Parameters named in `uncounted` (a second copy of a tied table) stay out of
+    the norm. When the norm (or the given `loss`) is not finite, the parameters and the
+    optimizer state are left as they were and `updated` is False: the norm is global, so
+    every rank decides the same."""
 
-    def update(params, grads, exp_avg, exp_avg_sq, decay, replicas, lr, step, clip):
-        norm = all_reduce_sum(grad_norm_squared_local(grads, replicas)).sqrt()
+    def norm_of(grads, replicas):
+        return all_reduce_sum(grad_norm_squared_local(grads, replicas)).sqrt()
+
+    def update(params, grads, exp_avg, exp_avg_sq, decay, lr, step, norm, clip):
         if clip is not None:
             torch._foreach_mul_(grads, torch.clamp(clip / (norm + 1e-6), max=1.0))
         adamw_update(params, grads, exp_avg, exp_avg_sq, decay, lr, step,
                      optimizer.betas, optimizer.eps, optimizer.weight_decay)
-        return norm
 
     if compile:
-        update = _compiled(update, compile)
+        norm_of, update = _compiled(norm_of, compile), _compiled(update, compile)
 
-    def apply(state: TrainState, uncounted=()) -> tuple[torch.Tensor, float]:
+    def apply(state: TrainState, uncounted=(), loss: float | None = None) -> tuple[torch.Tensor, float, bool]:
         names = [n for n, p in state.params.items() if p.requires_grad]
         params = [local(state.params[n]).data for n in names]
         grads = [local(state.params[n].grad) for n in names]
@@ -187,11 +195,16 @@ def make_update(optimizer: AdamW, schedule: LRSchedule, grad_clip: float | None,
         lr = schedule(state.step)
         state.step += 1
         with torch.no_grad():
-            norm = update(params, grads, exp_avg, exp_avg_sq, decay, replicas,
-                          torch.tensor(lr, dtype=torch.float32), torch.tensor(float(state.step)), grad_clip)
+            norm = norm_of(grads, replicas)
+            # One host read per step (the metrics read the norm anyway): a NaN or inf must
+            # never reach the weights or the Adam moments.
+            updated = math.isfinite(float(norm)) and (loss is None or math.isfinite(loss))
+            if updated:
+                update(params, grads, exp_avg, exp_avg_sq, decay, torch.tensor(lr, dtype=torch.float32),
+                       torch.tensor(float(state.step)), norm, grad_clip)
         for n in names:
             state.params[n].grad = None
-        return norm, lr
+        return norm, lr, updated
 
     return apply
 
