@@ -11,9 +11,9 @@
 
 from __future__ import annotations
 
-import datetime
 import json
 import logging
+import multiprocessing
 import os
 import tempfile
 import time
@@ -60,11 +60,6 @@ def detect(nproc_per_node: int) -> Ranks | None:
     return Ranks(0, 1, 0, False)
 
 
-def dist_timeout(seconds: float) -> datetime.timedelta:
-    """The process group's timeout (parallel.collective_timeout_s)."""
-    return datetime.timedelta(seconds=seconds)
-
-
 class RankFailed(RuntimeError):
     """A self-launched rank failed; `report` is that rank's own error."""
 
@@ -87,9 +82,13 @@ def launch(fn: Callable[..., Any], args: tuple, nproc: int) -> list[Any] | None:
 
     # One thread per rank unless the user chose: ranks share this machine's cores.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # The ranks fork from a server that imports torch once (not once per rank): on a few
+    # cores, spawned ranks spend most of their start importing. The server runs no torch
+    # op, so no thread pool or device state is inherited.
+    multiprocessing.get_context("forkserver").set_forkserver_preload(["torch", "meshtrain.train.fit"])
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=uuid.uuid4().hex,
                           rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0,
-                          monitor_interval=0.1, start_method="spawn",
+                          monitor_interval=0.1, start_method="forkserver",
                           # Ranks that got a stop signal checkpoint first: give them time.
                           shutdown_timeout=int(os.environ.get("MESHTRAIN_SHUTDOWN_TIMEOUT", 300)))
     # The agent logs every rank's failure at length; we report the first one ourselves.

@@ -44,9 +44,15 @@ def _worker(fn, rank, world, port, queue, args, threads):
             dist.destroy_process_group()
 
 
+# Ranks fork from one server process that has imported these once: a spawned rank spends
+# seconds importing torch, and a suite launches ranks dozens of times.
+_PRELOAD = ["torch", "torch.distributed.tensor", "meshtrain", "meshtrain.parallel.context", "meshtrain.train.step"]
+
+
 def run_ranks(fn: Callable, world: int, *args: Any, timeout: float = 600, threads: int = 1) -> list[Any]:
     """fn(*args) on `world` gloo ranks; returns the results by rank."""
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
     queue = ctx.SimpleQueue()
     port = _free_port()
     procs = [ctx.Process(target=_worker, args=(fn, r, world, port, queue, args, threads), daemon=True)

@@ -15,6 +15,7 @@ before the config, the data and the checkpoint to resume from have been checked.
 
 from __future__ import annotations
 
+import datetime
 import math
 import os
 import shutil
@@ -65,7 +66,7 @@ def fit(cfg: RunConfig) -> list[dict]:
     created_group = False
     if ranks.world > 1 and not dist.is_initialized():
         dist.init_process_group("nccl" if cuda else "gloo",
-                                timeout=launch.dist_timeout(cfg.parallel.collective_timeout_s),
+                                timeout=datetime.timedelta(seconds=cfg.parallel.collective_timeout_s),
                                 **({"device_id": device} if cuda else {}))
         created_group = True
     watchdog = None
