@@ -170,3 +170,26 @@ def test_a_dead_rank_ends_the_job_promptly_with_its_own_error_first(tmp_path, fa
     # Startup and step 1 take seconds; the watchdog (600 s) and the collective timeout
     # (900 s) are far beyond this bound.
     assert elapsed < 120, elapsed
+
+
+def test_a_read_only_run_dir_fails_before_any_step_and_keeps_its_checkpoints(tmp_path, monkeypatch, capsys):
+    """We run as root, for whom chmod does not make a directory read-only: the file system
+    is made to refuse writes under run_dir instead (EROFS), as a read-only mount would."""
+    import errno
+    import pathlib
+
+    assert main([*ONE, "--train.steps", "2", "--checkpoint.every", "2", "--run_dir", str(tmp_path)]) == 0
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    capsys.readouterr()
+    write_text = pathlib.Path.write_text
+
+    def read_only(self, *args, **kwargs):
+        if tmp_path in self.parents:
+            raise OSError(errno.EROFS, "Read-only file system", str(self))
+        return write_text(self, *args, **kwargs)
+
+    monkeypatch.setattr(pathlib.Path, "write_text", read_only)
+    code = main([*ONE, "--train.steps", "4", "--checkpoint.every", "2", "--run_dir", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert code == 2 and "cannot be written (Read-only file system)" in err and "Traceback" not in err
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before

@@ -162,10 +162,10 @@ class _Run:
         t = cfg.train
         _mark(watchdog, 0, "opening the data")
         self.data = _open_data(cfg)  # before anything is written: bad data costs nothing
+        self.run_dir = Path(cfg.run_dir)
+        _check_writable(self.run_dir)  # before the leftovers of a crashed save are cleared
         _mark(watchdog, 0, "finding the checkpoint to resume from")
         self.resume = _resume_path(cfg, repair=True)
-        self.run_dir = Path(cfg.run_dir)
-        _check_writable(self.run_dir)
         _mark(watchdog, 0, "building the parameters")
         self.dp_size = plan.mesh.dp * plan.mesh.fsdp
         self.accumulation = cfg.accumulation_steps(self.dp_size)
