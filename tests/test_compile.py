@@ -58,3 +58,17 @@ def test_the_counter_sees_a_recompile():
     for lr in (1.0, 2.0, 3.0):
         scaled(torch.ones(2), lr)
     assert counters["stats"]["unique_graphs"] > 1
+
+
+def test_rope_tables_are_a_graph_constant():
+    """layers.rope_cos_sin is marked the way torch._dynamo.assume_constant_result marks a
+    function, without importing dynamo at start (see its comment)."""
+    from meshtrain.models.layers import rope_cos_sin
+
+    def probe():
+        pass
+
+    marked = torch._dynamo.assume_constant_result(probe)
+    flags = dict(vars(marked))
+    assert flags == {"_dynamo_marked_constant": True}, flags
+    assert all(getattr(rope_cos_sin, k) == v for k, v in flags.items())

@@ -47,14 +47,18 @@ def rope_table(seq_len: int, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torc
     return angles.cos(), angles.sin()
 
 
-# A function of the config alone: under torch.compile it becomes a constant of the graph
-# instead of being recomputed (in double precision, per element) inside every kernel
-# that applies it, which cost ~9% of a compiled step (docs/performance.md).
-@torch._dynamo.assume_constant_result
 def rope_cos_sin(seq_len: int, head_dim: int, theta: float, scaling: dict | None = None,
                  device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
     """The RoPE tables (seq_len, head_dim) on `device` (computed on the CPU, as decode's)."""
     return tuple(t.to(device) for t in rope_table(seq_len, rope_frequencies(head_dim, theta, scaling)))
+
+
+# A function of the config alone: under torch.compile it becomes a constant of the graph
+# instead of being recomputed (in double precision, per element) inside every kernel
+# that applies it, which cost ~9% of a compiled step (docs/performance.md). This is what
+# torch._dynamo.assume_constant_result does; importing dynamo for it cost every process
+# ~3 s at start (tests/test_compile.py checks the two agree).
+rope_cos_sin._dynamo_marked_constant = True
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
