@@ -193,3 +193,27 @@ def test_a_read_only_run_dir_fails_before_any_step_and_keeps_its_checkpoints(tmp
     err = capsys.readouterr().err
     assert code == 2 and "cannot be written (Read-only file system)" in err and "Traceback" not in err
     assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
+
+
+def test_a_full_disk_mid_run_stops_with_one_line_and_the_run_resumes(tmp_path, monkeypatch, capsys):
+    """metrics.jsonl cannot be appended to at step 3 (disk full): exit 1 with one line, the
+    step-2 checkpoint intact; run again (space freed), the run resumes from it."""
+    import builtins
+    import errno
+
+    opened = builtins.open
+
+    def full_at_step_3(path, mode="r", *args, **kwargs):
+        if str(path).endswith("metrics.jsonl") and mode == "a" and len(_records(tmp_path)) == 2:
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        return opened(path, mode, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", full_at_step_3)
+    args = [*ONE, "--train.steps", "4", "--checkpoint.every", "2", "--run_dir", str(tmp_path)]
+    assert main(args) == 1
+    err = capsys.readouterr().err
+    assert "metrics.jsonl (No space left on device)" in err and len(err.strip().splitlines()) == 1
+    monkeypatch.setattr(builtins, "open", opened)
+    assert main(args) == 0
+    assert "resumed from" in capsys.readouterr().out
+    assert [r["step"] for r in _records(tmp_path)] == [1, 2, 3, 4]

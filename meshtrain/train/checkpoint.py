@@ -19,6 +19,12 @@ Guarantees:
   then deletes checkpoints beyond `keep_last`. A crash at any moment leaves the previous
   latest checkpoint as the latest, or the new one complete; `cleanup_incomplete` removes
   the leftovers (and puts back a replaced checkpoint whose replacement never landed).
+- A save that fails on the disk (no space left, a read-only file system, any OSError
+  while creating, writing, fsyncing or renaming) raises one CheckpointError on every
+  rank: which checkpoint could not be written where, the OS reason, the latest complete
+  checkpoint (untouched: nothing older is deleted before the new one is final) and the
+  fix; the partial temporary directory is removed where the disk allows. Failing to
+  delete old checkpoints after the new one is final is a warning, not a failed save.
 - Any layout loads any other and a single process loads a sharded checkpoint: DCP
   reshards DTensors by global offsets. Parameter names and global shapes are checked
   first, and every failure is a `CheckpointError` naming the path and the fix.
@@ -36,6 +42,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import ctypes
+import errno
 import importlib
 import json
 import os
@@ -50,6 +57,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import filesystem as dcp_filesystem
 from torch.distributed.checkpoint.api import CheckpointException
 
 if TYPE_CHECKING:
@@ -95,17 +103,127 @@ def save(root: str | os.PathLike, step: int, state: TrainState, extra: dict, kee
     final = root / _name(step)
     tmp = root / f".tmp-{final.name}"
     rank, world = _rank_world()
-
-    # Rank 0 empties the temporary directory before anyone writes into it.
-    _on_rank0(lambda: _fresh_dir(tmp), f"create {tmp}")
-    with _quiet_dcp():
-        dcp.save(_tensors(state), storage_writer=dcp.FileSystemWriter(tmp, sync_files=True))
-    # An all_gather completes on no rank before every rank has finished dcp.save, so it
-    # is also the barrier between the tensor files and meta.json.
-    rng = _gather_rng()
-    meta = {"format": FORMAT_VERSION, "step": step, "world": world, "extra": extra_json, "rng": rng}
-    _on_rank0(lambda: _publish(root, tmp, final, meta, keep_last), f"finish checkpoint {final}")
+    doing = "creating its temporary directory"
+    try:
+        # Rank 0 empties the temporary directory before anyone writes into it.
+        _on_rank0(lambda: _fresh_dir(tmp), f"create {tmp}")
+        doing = "writing the tensor files"
+        writer = dcp.FileSystemWriter(tmp, sync_files=True)
+        writer.fs = _RecordingFileSystem()
+        try:
+            with _quiet_dcp():
+                dcp.save(_tensors(state), storage_writer=writer)
+        except CheckpointException as e:
+            # torch.save turns a failed write into "RuntimeError: ... unexpected pos": the
+            # OSError that a rank's stream saw says why, and every rank learns it.
+            error = _first_os_error(writer.fs.error) or _failure(e)[1]
+            if not isinstance(error, OSError):
+                raise
+            raise error from None
+        # An all_gather completes on no rank before every rank has finished dcp.save, so it
+        # is also the barrier between the tensor files and meta.json.
+        rng = _gather_rng()
+        meta = {"format": FORMAT_VERSION, "step": step, "world": world, "extra": extra_json, "rng": rng}
+        doing = f"writing {META} and renaming the directory into place"
+        _on_rank0(lambda: _publish(root, tmp, final, meta, keep_last), f"finish checkpoint {final}")
+    except OSError as e:
+        raise _not_written(root, final, tmp, e, doing) from None
     return final
+
+
+class _RecordingFileSystem(dcp_filesystem.FileSystem):
+    """DCP's file system, remembering the first OSError of a write to one of its streams."""
+
+    def __init__(self):
+        super().__init__()
+        self.error: OSError | None = None
+
+    @contextlib.contextmanager
+    def create_stream(self, path, mode):
+        with super().create_stream(path, mode) as stream:
+            yield _RecordingStream(stream, self, path) if "w" in mode or "a" in mode else stream
+
+
+class _RecordingStream:
+    def __init__(self, stream, fs: _RecordingFileSystem, path):
+        self._stream, self._fs, self._path = stream, fs, path
+
+    def _record(self, fn, *args):
+        try:
+            return fn(*args)
+        except OSError as e:
+            if self._fs.error is None:  # a buffered write's error does not name the file
+                self._fs.error = e if e.filename is not None or e.errno is None else \
+                    OSError(e.errno, e.strerror, os.fspath(self._path))
+            raise
+
+    def write(self, data):
+        return self._record(self._stream.write, data)
+
+    def flush(self):
+        return self._record(self._stream.flush)
+
+    def close(self):
+        return self._record(self._stream.close)
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
+def _first_os_error(mine: OSError | None) -> OSError | None:
+    """The OSError of the lowest rank that saw one (every rank calls this together)."""
+    _, world = _rank_world()
+    if world == 1:
+        return mine
+    reports = _all_gather_bytes(b"" if mine is None else json.dumps(_os_report(mine)).encode())
+    return next((_os_error(json.loads(r)) for r in reports if r), None)
+
+
+def _os_report(error: OSError) -> dict:
+    def text(name):
+        return None if name is None else os.fsdecode(name) if isinstance(name, (str, bytes)) else str(name)
+
+    return {"errno": error.errno, "strerror": error.strerror, "filename": text(error.filename),
+            "filename2": text(error.filename2), "message": str(error)}
+
+
+def _os_error(info: dict) -> OSError:
+    """The OSError an _os_report describes, as the same subclass (FileNotFoundError, ...)."""
+    if info["errno"] is None:
+        return OSError(info["message"])
+    return OSError(info["errno"], info["strerror"], info["filename"], None, info["filename2"])
+
+
+def _not_written(root: Path, final: Path, tmp: Path, error: OSError, doing: str) -> CheckpointError:
+    """The error of a save the disk refused (every rank builds the same one); rank 0
+    removes the partial temporary directory first, where the disk allows."""
+    rank, _ = _rank_world()
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    reason = os.strerror(error.errno) if error.errno else type(error).__name__
+    if error.errno in (errno.ENOSPC, errno.EDQUOT):
+        fix = f"free space on the disk of {root}, or copy the run_dir to another disk and point run_dir there"
+    elif error.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+        fix = f"make {root} writable, or copy the run_dir to a writable disk and point run_dir there"
+    else:
+        fix = "fix that, or copy the run_dir to another disk and point run_dir there"
+    intact, previous = _intact(root)
+    then = ("then run the command again (with no checkpoint it starts from the beginning)" if previous is None
+            else f"then run the command again to resume from {previous.name}")
+    return CheckpointError(f"checkpoint {final.name} could not be written under {root}: {reason} "
+                           f"({doing}: {error}); {intact}; {fix}, {then}")
+
+
+def _intact(root: Path) -> tuple[str, Path | None]:
+    """What a failed write or cleanup left of the complete checkpoints under root, in
+    words, and the latest of them."""
+    try:
+        previous = latest(root)
+    except OSError as e:
+        return f"no complete checkpoint was touched, but {root} cannot be listed ({e})", None
+    if previous is None:
+        return "no complete checkpoint exists there, so none is lost", None
+    return f"the previous checkpoints are intact, the latest complete one is {previous}", previous
 
 
 def _tensors(state) -> dict:
@@ -120,18 +238,20 @@ def _fresh_dir(path: Path) -> None:
 
 
 def _publish(root: Path, tmp: Path, final: Path, meta: dict, keep_last: int) -> None:
-    """Rank 0: meta.json last, then the atomic rename, then pruning."""
+    """Rank 0: meta.json last, then the atomic rename, then pruning. An OSError before
+    the new checkpoint is final leaves every complete checkpoint as it was; one after
+    it (deleting the replaced or the oldest ones) is only a warning."""
     with open(tmp / META, "w") as f:
         json.dump(meta, f, indent=1)
         f.write("\n")
         f.flush()
         os.fsync(f.fileno())
     _fsync_dir(tmp)
+    replaced = None  # where the checkpoint this one replaces went, to be deleted
     if not final.exists():
         _rename(tmp, final)
     elif _exchange(tmp, final):
-        _fsync_dir(root)
-        shutil.rmtree(tmp)  # now holds the replaced checkpoint
+        replaced = tmp
     else:
         # No atomic swap: move the old one aside first. A crash between the two renames
         # leaves it complete under .old-, and cleanup_incomplete puts it back.
@@ -139,16 +259,31 @@ def _publish(root: Path, tmp: Path, final: Path, meta: dict, keep_last: int) -> 
         if old.exists():
             shutil.rmtree(old)
         _rename(final, old)
-        _rename(tmp, final)
-        _fsync_dir(root)
-        shutil.rmtree(old)
+        try:
+            _rename(tmp, final)
+        except OSError:
+            with contextlib.suppress(OSError):
+                _rename(old, final)  # put it back now, not at the next start
+            raise
+        replaced = old
     _fsync_dir(root)
+    if replaced is not None:
+        try:
+            shutil.rmtree(replaced)
+        except OSError as e:
+            warnings.warn(f"checkpoint {final}: written, but the one it replaced could not be deleted from "
+                          f"{replaced} ({e}); the next start removes it", stacklevel=3)
     _prune(root, keep_last, final)
 
 
 def _prune(root: Path, keep_last: int, keep: Path) -> None:
     """Delete the oldest complete checkpoints beyond keep_last (never `keep`)."""
-    others = [p for _, p in _complete(root) if p.name != keep.name]
+    try:
+        others = [p for _, p in _complete(root) if p.name != keep.name]
+    except OSError as e:
+        warnings.warn(f"checkpoints under {root}: could not list them to keep the last {keep_last} ({e})",
+                      stacklevel=3)
+        return
     for path in others[:max(len(others) - (keep_last - 1), 0)]:
         trash = root / f".del-{path.name}"
         try:
@@ -238,7 +373,13 @@ def cleanup_incomplete(root: str | os.PathLike) -> None:
     directories and final-named ones without a valid meta.json; a checkpoint that was
     being replaced when the save died is put back. Every rank calls it when a process
     group exists (rank 0 alone touches the disk, the others wait for it)."""
-    _on_rank0(lambda: _cleanup(Path(root)), f"clean up {root}")
+    try:
+        _on_rank0(lambda: _cleanup(Path(root)), f"clean up {root}")
+    except OSError as e:
+        reason = os.strerror(e.errno) if e.errno else type(e).__name__
+        raise CheckpointError(f"checkpoints under {root}: could not remove what an interrupted save left there: "
+                              f"{reason} ({e}); {_intact(Path(root))[0]}; make {root} writable (or free space on its "
+                              "disk), then run the command again") from None
 
 
 def _cleanup(root: Path) -> None:
@@ -289,8 +430,7 @@ def load(path: str | os.PathLike, state: TrainState, model_names=None) -> dict:
         with _quiet_dcp(), torch.no_grad():
             dcp.load(_tensors(state), storage_reader=_SafeReader(path))
     except CheckpointException as e:  # a missing or damaged tensor file: name it in one line
-        rank, failure = next(iter(e.failures.items()))
-        cause = failure[0] if isinstance(failure, tuple) else getattr(failure, "exc", failure)  # (exc, frames)
+        rank, cause = _failure(e)
         detail = str(cause).splitlines()[0] if str(cause) else "no detail"
         raise CheckpointError(f"checkpoint {path}: reading the tensors failed on rank {rank} "
                               f"({type(cause).__name__}: {detail}); the files are damaged: load an earlier "
@@ -305,6 +445,13 @@ def load(path: str | os.PathLike, state: TrainState, model_names=None) -> dict:
             raise CheckpointError(f"checkpoint {path}: {META} has a corrupt RNG state for rank {rank} ({e}): "
                                   "load another checkpoint (latest(root)) or delete this one") from None
     return meta
+
+
+def _failure(e: CheckpointException) -> tuple[int, BaseException]:
+    """The rank and the exception behind DCP's CheckpointException (an OSError first)."""
+    causes = [(rank, f[0] if isinstance(f, tuple) else getattr(f, "exc", f))  # (exc, frames)
+              for rank, f in sorted(e.failures.items())]
+    return next((c for c in causes if isinstance(c[1], OSError)), causes[0] if causes else (-1, e))
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -400,7 +547,9 @@ def _comm_device() -> torch.device:
 
 
 def _on_rank0(fn: Callable[[], None], what: str) -> None:
-    """fn() on rank 0; every other rank waits for it and fails if it failed."""
+    """fn() on rank 0; every other rank waits for it and fails if it failed: with the same
+    OSError (so that every rank reports a disk error alike), else a CheckpointError
+    quoting rank 0's."""
     rank, world = _rank_world()
     if world == 1:
         fn()
@@ -411,12 +560,26 @@ def _on_rank0(fn: Callable[[], None], what: str) -> None:
             fn()
         except BaseException as e:  # tell the other ranks before raising
             error = e
-    flag = torch.tensor([0 if error is None else 1], dtype=torch.int32, device=_comm_device())
-    dist.broadcast(flag, src=0)
+    report = b""
+    if isinstance(error, OSError):
+        report = json.dumps(_os_report(error)).encode()
+    elif error is not None:
+        report = json.dumps({"type": type(error).__name__, "message": str(error)}).encode()
+    device = _comm_device()
+    size = torch.tensor([len(report)], dtype=torch.int64, device=device)
+    dist.broadcast(size, src=0)
+    if int(size.item()):
+        data = torch.frombuffer(bytearray(report), dtype=torch.uint8).to(device) if rank == 0 else \
+            torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+        dist.broadcast(data, src=0)
+        report = data.cpu().numpy().tobytes()
     if error is not None:
         raise error
-    if flag.item():
-        raise CheckpointError(f"rank 0 failed to {what}; its own error says why")
+    if report:
+        info = json.loads(report)
+        if "errno" in info:
+            raise _os_error(info)
+        raise CheckpointError(f"rank 0 failed to {what}: {info['type']}: {info['message']}")
 
 
 def _rng_bytes() -> tuple[bytes, bytes]:
@@ -427,30 +590,30 @@ def _rng_bytes() -> tuple[bytes, bytes]:
     return cpu, cuda
 
 
+def _all_gather_bytes(data: bytes) -> list[bytes]:
+    """Every rank's bytes, by rank (uint8 all_gather, no pickling)."""
+    _, world = _rank_world()
+    if world == 1:
+        return [data]
+    device = _comm_device()
+    size = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    sizes = [torch.empty_like(size) for _ in range(world)]
+    dist.all_gather(sizes, size)
+    sizes = [int(s.item()) for s in sizes]
+    mine = torch.zeros(max(max(sizes), 1), dtype=torch.uint8)
+    if data:
+        mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    mine = mine.to(device)
+    gathered = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(gathered, mine)
+    return [t.cpu().numpy().tobytes()[:n] for n, t in zip(sizes, gathered)]
+
+
 def _gather_rng() -> list[dict]:
     """Every rank's RNG states, by rank, as base64 text (uint8 all_gather, no pickling)."""
     cpu, cuda = _rng_bytes()
-    _, world = _rank_world()
-    if world == 1:
-        blobs = [(cpu, cuda)]
-    else:
-        device = _comm_device()
-        sizes = torch.tensor([len(cpu), len(cuda)], dtype=torch.int64, device=device)
-        all_sizes = [torch.empty_like(sizes) for _ in range(world)]
-        dist.all_gather(all_sizes, sizes)
-        all_sizes = [tuple(int(x) for x in s.tolist()) for s in all_sizes]
-        longest = max(a + b for a, b in all_sizes)
-        mine = torch.zeros(longest, dtype=torch.uint8)
-        mine[:len(cpu) + len(cuda)] = torch.frombuffer(bytearray(cpu + cuda), dtype=torch.uint8)
-        mine = mine.to(device)
-        gathered = [torch.empty_like(mine) for _ in range(world)]
-        dist.all_gather(gathered, mine)
-        blobs = []
-        for (a, b), t in zip(all_sizes, gathered):
-            raw = t.cpu().numpy().tobytes()
-            blobs.append((raw[:a], raw[a:a + b]))
     return [{"cpu": base64.b64encode(a).decode("ascii"), "cuda": base64.b64encode(b).decode("ascii") if b else None}
-            for a, b in blobs]
+            for a, b in zip(_all_gather_bytes(cpu), _all_gather_bytes(cuda))]
 
 
 def _set_rng(entry: dict) -> None:

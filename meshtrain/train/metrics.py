@@ -13,13 +13,17 @@ Activation recomputation is not counted: it is hardware FLOPs, not model FLOPs.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import os
 import resource
 import sys
 from pathlib import Path
 
 import torch
+
+from ..errors import TrainingError
 
 # Dense peak TFLOP/s per device (no sparsity), from the vendors' data sheets. fp32 runs on
 # tensor cores as TF32. Devices missing here report no MFU.
@@ -95,7 +99,14 @@ class Reporter:
         """Begin writing metrics.jsonl with the records a resumed run keeps."""
         if not self.enabled:
             return
-        self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        # Replaced whole: a kill during the rewrite must not lose the records kept.
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        with self._writing():
+            with open(tmp, "w") as f:
+                f.write("".join(json.dumps(r) + "\n" for r in kept))
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.path)
         if self.console.is_terminal:
             from rich.live import Live
 
@@ -105,7 +116,7 @@ class Reporter:
     def log(self, record: dict) -> None:
         if not self.enabled:
             return
-        with open(self.path, "a") as f:
+        with self._writing(), open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
         if self.tb is not None:
             for key, value in record.items():
@@ -119,6 +130,15 @@ class Reporter:
                 self.live.console.print(line)
         else:
             self.console.print(line)
+
+    @contextlib.contextmanager
+    def _writing(self):
+        try:
+            yield
+        except OSError as e:
+            raise TrainingError(f"cannot write {self.path} ({e.strerror or e}): the checkpoints already written are "
+                                "intact; free space or make run_dir writable, then run the same command again to "
+                                "resume from the latest") from None
 
     def close(self) -> None:
         if self.live is not None:

@@ -1,0 +1,372 @@
+"""A disk that fills up, or a run_dir that is read-only, while a checkpoint is written:
+the previous checkpoints stay intact and loadable, and the save fails with one
+CheckpointError that says what could not be written, why, what is intact and the fix.
+
+We run as root, where chmod does not make a directory read-only, so the failures are
+injected: the OS call at one point of the save (the temporary directory, the first tensor
+file, a write half-way through it, DCP's .metadata, an fsync, meta.json, the rename, the
+swap of a replaced step, pruning) raises OSError(ENOSPC) or OSError(EROFS), as the kernel
+would.
+"""
+
+from __future__ import annotations
+
+import errno
+import io
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.checkpoint import filesystem as dcp_fs
+
+from meshtrain import TrainState, build
+from meshtrain.cli import main
+from meshtrain.models.llama import LlamaConfig
+from meshtrain.models.spec import init_slice
+from meshtrain.testing import run_ranks
+from meshtrain.train import checkpoint as ckpt
+from meshtrain.train.checkpoint import CheckpointError
+from meshtrain.train.optim import init_state
+from test_cli import SMALL, TINY, read_metrics
+
+MODEL = build("llama", LlamaConfig(dim=32, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=64,
+                                   max_seq_len=16))
+REASONS = {errno.ENOSPC: ("No space left on device", "free space on the disk of"),
+           errno.EROFS: ("Read-only file system", "writable")}
+
+
+def _state(seed: int, step: int = 0) -> TrainState:
+    params = {n: init_slice(s, n, seed=seed).requires_grad_() for n, s in MODEL.specs.items()}
+    state = TrainState(params, init_state(params), step)
+    for k_i, group in enumerate(state.optimizer.values()):
+        for n_i, t in enumerate(group.values()):
+            t.copy_(torch.randn(t.shape, generator=torch.Generator().manual_seed(seed * 1000 + k_i * 100 + n_i)))
+    return state
+
+
+def _tensors(state: TrainState) -> dict:
+    return {"params": {n: t.detach().clone() for n, t in state.params.items()},
+            "optimizer": {k: {n: t.clone() for n, t in g.items()} for k, g in state.optimizer.items()}}
+
+
+def _assert_loads_as(path: Path, expected: dict, step: int) -> None:
+    fresh = _state(seed=99)
+    meta = ckpt.load(path, fresh)
+    assert fresh.step == step and meta["step"] == step
+    got = _tensors(fresh)
+    for n, t in expected["params"].items():
+        assert torch.equal(got["params"][n], t), f"{path}: params {n}"
+    for k, group in expected["optimizer"].items():
+        for n, t in group.items():
+            assert torch.equal(got["optimizer"][k][n], t), f"{path}: {k} {n}"
+
+
+def _oserror(code: int, path) -> OSError:
+    return OSError(code, os.strerror(code), str(path))
+
+
+class _FillingStream(io.RawIOBase):
+    """A file that takes `room` bytes, then fails as a full (or read-only) disk does."""
+
+    def __init__(self, inner, room: int, code: int):
+        self.inner, self.room, self.code = inner, room, code
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b) -> int:
+        b = memoryview(b).cast("B")
+        if len(b) > self.room:
+            self.inner.write(b[:self.room])
+            self.room = 0
+            raise _oserror(self.code, self.inner.name)
+        self.room -= len(b)
+        return self.inner.write(b)
+
+    def fileno(self) -> int:
+        return self.inner.fileno()
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        return self.inner.seek(offset, whence)
+
+    def tell(self) -> int:
+        return self.inner.tell()
+
+    def flush(self) -> None:
+        if not self.inner.closed:
+            self.inner.flush()
+
+    def close(self) -> None:
+        super().close()
+        self.inner.close()
+
+
+def _inject(monkeypatch, point: str, code: int) -> None:
+    """Make the save fail at `point` with OSError(code)."""
+    if point == "tmp_dir":  # the temporary directory cannot be created
+        real_mkdir = os.mkdir
+
+        def mkdir(path, *args, **kwargs):
+            if Path(path).name.startswith(".tmp-"):
+                raise _oserror(code, path)
+            return real_mkdir(path, *args, **kwargs)
+
+        monkeypatch.setattr(os, "mkdir", mkdir)
+    elif point in ("first_tensor_file", "tensor_half_written", "dcp_metadata"):
+        real_stream = dcp_fs.FileSystem.create_stream
+        suffix = ".metadata.tmp" if point == "dcp_metadata" else ".distcp"
+
+        def create_stream(self, path, mode):
+            if not str(path).endswith(suffix):
+                return real_stream(self, path, mode)
+            if point != "tensor_half_written":
+                raise _oserror(code, path)
+            return _FillingStream(open(path, mode), room=4096, code=code)
+
+        monkeypatch.setattr(dcp_fs.FileSystem, "create_stream", create_stream)
+    elif point == "first_fsync":  # write-back of the first tensor file fails
+        def fsync(fd):
+            raise OSError(code, os.strerror(code))
+
+        monkeypatch.setattr(os, "fsync", fsync)
+    elif point == "meta_json":  # meta.json fills the disk half-way through
+        def open_meta(path, mode="r", *args, **kwargs):
+            if Path(path).name != "meta.json" or "w" not in mode:
+                return open(path, mode, *args, **kwargs)
+            return io.TextIOWrapper(io.BufferedWriter(_FillingStream(open(path, "wb"), room=100, code=code)),
+                                    encoding="utf-8")
+
+        monkeypatch.setattr(ckpt, "open", open_meta, raising=False)
+    elif point in ("rename", "replace_rename"):  # the directory cannot be renamed into place
+        real_rename = os.rename
+
+        def rename(src, dst):
+            if Path(src).name.startswith(".tmp-"):
+                raise _oserror(code, src)
+            return real_rename(src, dst)
+
+        monkeypatch.setattr(os, "rename", rename)
+        if point == "replace_rename":  # no atomic swap: the old one is moved aside first
+            monkeypatch.setattr(ckpt, "_exchange", lambda a, b: False)
+    elif point == "prune":  # the oldest checkpoint cannot be deleted
+        real_rename = os.rename
+
+        def rename(src, dst):
+            if Path(dst).name.startswith(".del-"):
+                raise _oserror(code, src)
+            return real_rename(src, dst)
+
+        monkeypatch.setattr(os, "rename", rename)
+    else:
+        raise AssertionError(point)
+
+
+POINTS = ["tmp_dir", "first_tensor_file", "tensor_half_written", "dcp_metadata", "first_fsync", "meta_json",
+          "rename", "replace_rename", "prune"]
+
+
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EROFS], ids=["disk_full", "read_only"])
+@pytest.mark.parametrize("point", POINTS)
+def test_a_failed_write_leaves_the_previous_checkpoints_intact_and_says_so(tmp_path, monkeypatch, point, code):
+    root = tmp_path / "checkpoints"
+    first, second = _state(seed=1, step=1), _state(seed=2, step=2)
+    ckpt.save(root, 1, first, {"n": 1}, keep_last=2)
+    ckpt.save(root, 2, second, {"n": 2}, keep_last=2)
+    saved = {1: _tensors(first), 2: _tensors(second)}
+    new_step = 2 if point == "replace_rename" else 3  # replace_rename saves step 2 again
+    _inject(monkeypatch, point, code)
+
+    if point == "prune":  # the new checkpoint is final before pruning: a warning, not a failed save
+        with pytest.warns(UserWarning, match="could not delete it"):
+            assert ckpt.save(root, 3, _state(seed=3, step=3), {"n": 3}, keep_last=2) == root / "step_00000003"
+        monkeypatch.undo()
+        assert ckpt.latest(root) == root / "step_00000003"
+        assert sorted(p.name for p in root.iterdir()) == ["step_00000001", "step_00000002", "step_00000003"]
+        _assert_loads_as(root / "step_00000002", saved[2], 2)
+        _assert_loads_as(root / "step_00000001", saved[1], 1)
+        return
+
+    with pytest.raises(CheckpointError) as e:
+        ckpt.save(root, new_step, _state(seed=3, step=new_step), {"n": 3}, keep_last=2)
+    monkeypatch.undo()
+    message = str(e.value)
+    reason, fix = REASONS[code]
+    assert len(message.splitlines()) == 1, message
+    assert message.startswith(f"checkpoint step_{new_step:08d} could not be written under {root}: {reason} ")
+    assert f"the previous checkpoints are intact, the latest complete one is {root / 'step_00000002'}" in message
+    assert fix in message and "run the command again to resume from step_00000002" in message
+    # Nothing older was touched, the partial directory is gone, and both still load.
+    assert sorted(p.name for p in root.iterdir()) == ["step_00000001", "step_00000002"]
+    assert ckpt.latest(root) == root / "step_00000002"
+    _assert_loads_as(root / "step_00000002", saved[2], 2)
+    _assert_loads_as(root / "step_00000001", saved[1], 1)
+    ckpt.cleanup_incomplete(root)  # and the next start finds nothing to repair
+    assert sorted(p.name for p in root.iterdir()) == ["step_00000001", "step_00000002"]
+
+
+def test_the_first_checkpoint_failing_says_that_none_is_lost(tmp_path, monkeypatch):
+    _inject(monkeypatch, "first_tensor_file", errno.ENOSPC)
+    with pytest.raises(CheckpointError, match="no complete checkpoint exists there, so none is lost") as e:
+        ckpt.save(tmp_path / "checkpoints", 2, _state(seed=1), {}, keep_last=2)
+    assert "starts from the beginning" in str(e.value)
+    assert list((tmp_path / "checkpoints").iterdir()) == []
+
+
+def test_leftovers_that_cannot_be_removed_stop_the_start_with_the_reason(tmp_path, monkeypatch):
+    root = tmp_path / "checkpoints"
+    ckpt.save(root, 1, _state(seed=1), {}, keep_last=2)
+    (root / ".tmp-step_00000002").mkdir()
+
+    def rmtree(path, *args, **kwargs):
+        raise _oserror(errno.EROFS, path)
+
+    monkeypatch.setattr(shutil, "rmtree", rmtree)
+    with pytest.raises(CheckpointError, match="Read-only file system") as e:
+        ckpt.cleanup_incomplete(root)
+    assert f"the latest complete one is {root / 'step_00000001'}" in str(e.value)
+    assert "writable" in str(e.value)
+
+
+def _two_ranks(root: str, point: str):
+    """Both ranks save step 1, then step 2 fails at `point` (on rank 1's tensor file, or
+    on rank 0's meta.json): every rank raises the same CheckpointError."""
+    import torch.distributed as dist
+
+    from meshtrain import MeshSpec, Rules, init_params, make_plan
+
+    plan = make_plan(MODEL.specs, Rules.default(), MeshSpec(fsdp=2), world=2)
+    params = init_params(plan, plan.mesh.build(), seed=0)
+    state = TrainState(params, init_state(params), 1)
+    ckpt.save(root, 1, state, {}, keep_last=2)
+    real_stream, real_open = dcp_fs.FileSystem.create_stream, open
+
+    def create_stream(self, path, mode):
+        if dist.get_rank() == 1 and str(path).endswith(".distcp"):
+            raise _oserror(errno.ENOSPC, path)
+        return real_stream(self, path, mode)
+
+    def open_meta(path, mode="r", *args, **kwargs):
+        if Path(path).name == "meta.json" and "w" in mode:
+            raise _oserror(errno.EROFS, path)
+        return real_open(path, mode, *args, **kwargs)
+
+    if point == "rank1_tensor_file":
+        dcp_fs.FileSystem.create_stream = create_stream
+    else:
+        ckpt.open = open_meta
+    try:
+        ckpt.save(root, 2, state, {}, keep_last=2)
+    except CheckpointError as e:
+        return {"message": str(e)}
+    finally:
+        dcp_fs.FileSystem.create_stream = real_stream
+        vars(ckpt).pop("open", None)
+    return {"message": None}
+
+
+@pytest.mark.parametrize("point", ["rank1_tensor_file", "rank0_meta_json"])
+def test_two_ranks_fail_alike_with_the_same_message(tmp_path, point):
+    results = run_ranks(_two_ranks, 2, str(tmp_path), point, timeout=180)
+    messages = [r["message"] for r in results]
+    assert messages[0] is not None and messages[0] == messages[1], messages
+    reason = "No space left on device" if point == "rank1_tensor_file" else "Read-only file system"
+    assert messages[0].startswith(f"checkpoint step_00000002 could not be written under {tmp_path}: {reason}")
+    assert f"the latest complete one is {tmp_path / 'step_00000001'}" in messages[0]
+    assert ckpt.latest(tmp_path) == tmp_path / "step_00000001"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000001"]
+
+
+def _fit_args(run_dir: Path) -> list[str]:
+    return ["fit", "--config", str(TINY), *SMALL, "--train.steps", "6", "--checkpoint.every", "2",
+            "--run_dir", str(run_dir)]
+
+
+def test_fit_stops_with_exit_2_when_the_disk_fills_and_resumes_once_freed(tmp_path, monkeypatch, capsys, one_thread):
+    whole = tmp_path / "whole"
+    assert main(_fit_args(whole)) == 0
+    capsys.readouterr()
+
+    run_dir = tmp_path / "run"
+    _inject_at_step(monkeypatch, 4)
+    assert main(_fit_args(run_dir)) == 2
+    err = capsys.readouterr().err
+    monkeypatch.undo()
+    root = run_dir / "checkpoints"
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert err.startswith(f"meshtrain: checkpoint error: checkpoint step_00000004 could not be written under {root}: "
+                          "No space left on device"), err
+    assert f"the previous checkpoints are intact, the latest complete one is {root / 'step_00000002'}" in err
+    assert sorted(p.name for p in root.iterdir()) == ["step_00000002"]
+
+    # Space freed: the same command resumes from step 2 and ends on the uninterrupted curve.
+    assert main(_fit_args(run_dir)) == 0
+    out = capsys.readouterr().out
+    assert re.search(rf"resumed from {re.escape(str(root / 'step_00000002'))} at step 2 ", out), out
+    assert [r["step"] for r in read_metrics(run_dir)] == list(range(1, 7))
+    assert [r["loss"] for r in read_metrics(run_dir)] == [r["loss"] for r in read_metrics(whole)]
+    assert sorted(p.name for p in root.iterdir()) == ["step_00000004", "step_00000006"]
+
+
+def _inject_at_step(monkeypatch, step: int) -> None:
+    """The disk is full from the first tensor file of the checkpoint of `step` on."""
+    real_stream = dcp_fs.FileSystem.create_stream
+
+    def create_stream(self, path, mode):
+        if f".tmp-step_{step:08d}" in str(path):
+            raise _oserror(errno.ENOSPC, path)
+        return real_stream(self, path, mode)
+
+    monkeypatch.setattr(dcp_fs.FileSystem, "create_stream", create_stream)
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A real tmpfs of `size` KiB at tmp_path/disk (needs root and mount; skipped without)."""
+    mounted = []
+
+    def mount(size_kib: int) -> Path:
+        disk = tmp_path / "disk"
+        disk.mkdir()
+        proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_kib}k", "tmpfs", str(disk)],
+                              capture_output=True, text=True)
+        if proc.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip()}")
+        mounted.append(disk)
+        return disk
+
+    yield mount
+    for disk in mounted:
+        subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0 or shutil.which("mount") is None,
+                    reason="mounting a small tmpfs needs root")
+def test_a_real_full_disk_and_a_real_read_only_remount(tmp_path, small_disk):
+    """No injection: a tmpfs too small for a second checkpoint (torch.save reports the
+    failed write as "RuntimeError: unexpected pos", the save still names the OS reason),
+    then the same tmpfs remounted read-only."""
+    probe = ckpt.save(tmp_path / "probe", 1, _state(seed=1), {}, keep_last=1)
+    size = sum(p.stat().st_size for p in probe.iterdir())
+    disk = small_disk(int(size * 1.5) // 1024 + 8)
+    root = disk / "checkpoints"
+    first = _state(seed=1, step=1)
+    ckpt.save(root, 1, first, {}, keep_last=2)
+    with pytest.raises(CheckpointError, match=r"step_00000002 could not be written .*: No space left on device .*"
+                                              r"__0_0.distcp.*the latest complete one is .*step_00000001"):
+        ckpt.save(root, 2, _state(seed=2, step=2), {}, keep_last=2)
+    assert sorted(p.name for p in root.iterdir()) == ["step_00000001"]
+    _assert_loads_as(root / "step_00000001", _tensors(first), 1)
+
+    subprocess.run(["mount", "-o", "remount,ro", str(disk)], check=True)
+    with pytest.raises(CheckpointError, match=r"step_00000002 could not be written .*: Read-only file system .*"
+                                              r"the latest complete one is .*step_00000001.*writable"):
+        ckpt.save(root, 2, _state(seed=2, step=2), {}, keep_last=2)
+    _assert_loads_as(root / "step_00000001", _tensors(first), 1)
+    assert ckpt.latest(root) == root / "step_00000001"
