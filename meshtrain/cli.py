@@ -29,7 +29,10 @@ def build_parser():
 
     from .config import RunConfig
 
-    set_parsing_settings(docstring_parse_attribute_docstrings=True)
+    # A class_path in a config value must not import anything (a module's import runs its
+    # code): the only class a config may name is the MoE section, which is ours.
+    set_parsing_settings(docstring_parse_attribute_docstrings=True, import_path_denylist=["*"],
+                         import_path_allowlist=["meshtrain.config.schema.MoeSection"])
     parser = ArgumentParser(prog="meshtrain", description="Megatron-class LLM pre-training in PyTorch.")
     fit = ArgumentParser(description="Train a model. Values come from the defaults, then --config files, "
                                      "then dotted flags, in the order given.")

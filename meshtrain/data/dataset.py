@@ -80,7 +80,8 @@ class PackedDataset:
         if self.vocab_limit is not None and out.size and out.max() >= self.vocab_limit:
             where = getattr(self.source, "bin_path", None) or self.name
             raise DataError(f"{where}: token id {int(out.max())} >= model.vocab_size={self.vocab_limit}; raise "
-                            "model.vocab_size, or use a dataset written with the model's tokenizer")
+                            "model.vocab_size, or re-tokenize the data (meshtrain preprocess) with the model's "
+                            "tokenizer")
         return out
 
 
@@ -340,6 +341,10 @@ def build_data(paths, tokenizer: str, seq_len: int, seed: int, vocab_size: int,
     train, valid, names = [], [], []
     for _, prefix in entries:
         source = builtin_dataset() if prefix == "builtin" else IndexedDataset(prefix)
+        if source.num_tokens == 0:
+            raise DataError(f"{source.idx_path or source.name}: the dataset is empty ({source.num_documents} "
+                            "documents, 0 tokens); re-run meshtrain preprocess on an input with text, or drop it "
+                            "from data.paths")
         checked = _check_tokens(source, vocab_size)
         t, v = _split(source, seq_len, valid_fraction)
         if not checked:
@@ -422,7 +427,7 @@ def _check_tokens(source: IndexedDataset, vocab_size: int) -> bool:
                         "meshtrain preprocess")
     if high >= vocab_size:
         raise DataError(f"{where}: token id {high} >= model.vocab_size={vocab_size}; raise model.vocab_size to at "
-                        f"least {high + 1}, or use a dataset written with the model's tokenizer")
+                        f"least {high + 1}, or re-tokenize the data (meshtrain preprocess) with the model's tokenizer")
     return True
 
 

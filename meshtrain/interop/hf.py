@@ -602,12 +602,21 @@ def _checkpoint_params(path: Path) -> dict[str, tuple[tuple[int, ...], torch.dty
 def _read_checkpoint_param(path: Path, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """One parameter, read alone from the DCP checkpoint (any saved layout, no process group)."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
 
-    from ..train.checkpoint import _quiet_dcp, _SafeReader
+    from ..train.checkpoint import CheckpointError, _quiet_dcp, _SafeReader
 
     target = torch.empty(shape, dtype=dtype)
-    with _quiet_dcp(), torch.no_grad():
-        dcp.load({"params": {name: target}}, storage_reader=_SafeReader(path), no_dist=True)
+    try:
+        with _quiet_dcp(), torch.no_grad():
+            dcp.load({"params": {name: target}}, storage_reader=_SafeReader(path), no_dist=True)
+    except CheckpointException as e:  # a missing, damaged or hostile tensor file: one line, no traceback
+        failure = next(iter(e.failures.values()))
+        cause = failure[0] if isinstance(failure, tuple) else getattr(failure, "exc", failure)
+        detail = str(cause).splitlines()[0].split(". ")[0] if str(cause) else "no detail"
+        raise CheckpointError(f"checkpoint {path}: reading parameter {name} failed ({type(cause).__name__}: "
+                              f"{detail}); the tensor files are damaged or not written by meshtrain: export "
+                              "another checkpoint") from None
     return target
 
 
@@ -732,6 +741,19 @@ def _tokenizer_files(tokenizer: str | None) -> tuple[list[tuple[Path, str]], int
     if not path.is_file():
         warnings.warn(f"export: tokenizer {tokenizer} not found, so no tokenizer files are exported; copy "
                       "tokenizer.json next to the weights yourself", stacklevel=3)
+        return [], None, None
+    # The path comes from the checkpoint's meta.json: a damaged or hostile one must not get
+    # an arbitrary file copied into the export, which may then be published.
+    try:
+        with open(path, encoding="utf-8") as f:
+            content = json.load(f)
+        is_tokenizer = isinstance(content, dict) and "model" in content
+    except (OSError, ValueError):
+        is_tokenizer = False
+    if not is_tokenizer:
+        warnings.warn(f"export: tokenizer {path} is not a Hugging Face tokenizer.json (JSON with a model key), so "
+                      "no tokenizer files are exported; copy the right tokenizer.json next to the weights yourself",
+                      stacklevel=3)
         return [], None, None
     files = [(path, "tokenizer.json")] + [(path.parent / n, n) for n in TOKENIZER_FILES if (path.parent / n).is_file()]
     try:
@@ -917,9 +939,12 @@ class _WeightFiles:
         if index.is_file():
             try:
                 weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-                names = {str(k): self.dir / str(v) for k, v in weight_map.items()}
+                entries = {str(k): v for k, v in weight_map.items()}
             except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
                 raise ConfigError(f"{index}: not a safetensors index with a weight_map ({e}); restore it") from None
+            # Every entry is checked before any file is touched: the index is data, and
+            # must not make the loader open files elsewhere.
+            names = {k: self._inside(v, f"{index}: weight_map entry {v!r} (tensor {k})") for k, v in entries.items()}
             for path in sorted(set(names.values())):
                 if not path.is_file():
                     raise ConfigError(f"{index} names {path.name}, which is missing: restore the file")
@@ -933,12 +958,32 @@ class _WeightFiles:
                               "save_pretrained(..., safe_serialization=True)")
         names = {}
         for path in paths:
+            self._inside(path.name, str(path))
             for name in self.handle(path).keys():
                 if name in names:
                     raise ConfigError(f"{self.dir}: tensor {name} is in both {names[name].name} and {path.name}; "
                                       "keep one copy")
                 names[name] = path
         return names
+
+    def _inside(self, entry, what: str) -> Path:
+        """<dir>/entry, refused unless it is a relative path that stays in the directory,
+        symbolic links resolved. A Hugging Face hub snapshot (<repo>/snapshots/<revision>)
+        may also link into its own <repo>/blobs, as the hub's cache does."""
+        rule = f"weights are read only from inside {self.dir}"
+        if not isinstance(entry, str) or not entry or "\0" in entry:
+            raise ConfigError(f"{what} is not a file name; {rule}: restore the index")
+        if os.path.isabs(entry):
+            raise ConfigError(f"{what} is an absolute path; {rule}: restore the index")
+        if ".." in Path(entry).parts:
+            raise ConfigError(f"{what} leaves the model directory (..); {rule}: restore the index")
+        root = Path(os.path.realpath(self.dir))
+        roots = [root] + ([root.parent.parent / "blobs"] if root.parent.name == "snapshots" else [])
+        real = Path(os.path.realpath(self.dir / entry))  # unlike resolve(), no error on a link loop
+        if not any(real.is_relative_to(r) for r in roots):
+            raise ConfigError(f"{what} resolves to {real}, outside the model directory (a symbolic link); {rule}: "
+                              "copy the file into the directory instead of linking to it")
+        return self.dir / entry
 
     def handle(self, path: Path):
         if path not in self._open:

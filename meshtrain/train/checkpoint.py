@@ -431,7 +431,8 @@ def load(path: str | os.PathLike, state: TrainState, model_names=None) -> dict:
             dcp.load(_tensors(state), storage_reader=_SafeReader(path))
     except CheckpointException as e:  # a missing or damaged tensor file: name it in one line
         rank, cause = _failure(e)
-        detail = str(cause).splitlines()[0] if str(cause) else "no detail"
+        # The first sentence: torch's weights-only refusal goes on to advise unsafe loading.
+        detail = str(cause).splitlines()[0].split(". ")[0] if str(cause) else "no detail"
         raise CheckpointError(f"checkpoint {path}: reading the tensors failed on rank {rank} "
                               f"({type(cause).__name__}: {detail}); the files are damaged: load an earlier "
                               "checkpoint or delete this one") from None
@@ -495,12 +496,32 @@ class _SafeReader(dcp.FileSystemReader):
         except Exception as e:
             raise CheckpointError(f"checkpoint {self.path}: DCP {file.name} is unreadable "
                                   f"({type(e).__name__}: {e}); load another checkpoint") from None
+        _check_files(Path(self.path), file, metadata)
         if getattr(metadata, "storage_meta", None) is None:
             from torch.distributed.checkpoint.metadata import StorageMeta
 
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+
+def _check_files(path: Path, file: Path, metadata) -> None:
+    """Every tensor the metadata names lies in a file of the checkpoint directory itself
+    (a plain name, no path), and none is a pickled object (DCP loads those with full
+    unpickling; meshtrain saves only tensors)."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    for fqn, md in metadata.state_dict_metadata.items():
+        if isinstance(md, BytesStorageMetadata):
+            raise CheckpointError(f"checkpoint {path}: DCP {file.name} lists {fqn!r} as a pickled object, which "
+                                  "meshtrain never saves and does not load; load another checkpoint")
+    for info in (metadata.storage_data or {}).values():
+        name = str(getattr(info, "relative_path", ""))
+        if not name or Path(name).name != name or name in (".", "..") or \
+                (path / name).resolve().parent != path.resolve():
+            raise CheckpointError(f"checkpoint {path}: DCP {file.name} names the tensor file {name!r}, which is not "
+                                  "a file of this directory; the metadata is damaged or hostile: load another "
+                                  "checkpoint")
 
 
 def _check_layout(path: Path, metadata, state, model_names: set) -> None:

@@ -163,6 +163,8 @@ class _Run:
         _mark(watchdog, 0, "opening the data")
         self.data = _open_data(cfg)  # before anything is written: bad data costs nothing
         self.run_dir = Path(cfg.run_dir)
+        if cfg.model.init_from and _resume_path(cfg) is None:
+            _check_init_from(cfg)  # bad input fails before run_dir is created
         _check_writable(self.run_dir)  # before the leftovers of a crashed save are cleared
         _mark(watchdog, 0, "finding the checkpoint to resume from")
         self.resume = _resume_path(cfg, repair=True)
@@ -172,8 +174,6 @@ class _Run:
         self.micro_rows = t.global_batch // self.accumulation  # sequences per micro-step, all ranks
         options = dict(precision=t.precision, compile=t.compile, fp8_recipe=t.fp8_recipe)
         init_from = cfg.model.init_from if self.resume is None else None  # a checkpoint wins
-        if init_from:
-            _check_init_from(cfg)
         if plan.mesh.pp > 1:
             params = self._build_pipeline(init_from)
         elif ranks.world == 1:
