@@ -1,14 +1,19 @@
-"""meshtrain: a model is a pure function of a flat parameter dict; a parallel layout is a plan."""
+"""meshtrain: a model is a pure function of a flat parameter dict; a parallel layout is a plan.
 
-from .errors import ConfigError
-from .models import ModelDef, ParamSpec, build
-from .parallel.mesh import MeshSpec
-from .parallel.init import init_params
-from .parallel.plan import Plan, make_plan
-from .parallel.rules import Rules
-from .train.optim import AdamW
-from .train.schedule import LRSchedule
-from .train.step import TrainState, make_train_step
+The names below load on first use, so that `meshtrain preprocess` and the data workers do
+not import torch's distributed and model code they never run."""
 
-__all__ = ["AdamW", "ConfigError", "LRSchedule", "MeshSpec", "ModelDef", "ParamSpec", "Plan", "Rules",
-           "TrainState", "build", "init_params", "make_plan", "make_train_step"]
+import importlib
+
+_EXPORTS = {"ConfigError": ".errors", "ModelDef": ".models", "ParamSpec": ".models", "build": ".models",
+            "MeshSpec": ".parallel.mesh", "init_params": ".parallel.init", "Plan": ".parallel.plan",
+            "make_plan": ".parallel.plan", "Rules": ".parallel.rules", "AdamW": ".train.optim",
+            "LRSchedule": ".train.schedule", "TrainState": ".train.step", "make_train_step": ".train.step"}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'meshtrain' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name], __name__), name)
