@@ -24,6 +24,11 @@ from .errors import ConfigError, TrainingError
 EXIT_CONFIG = 2
 
 
+# Errors come back to main() to be printed as one line (not usage + message), and a
+# prefix of a key is an unknown key, not an abbreviation of it.
+_STRICT = dict(exit_on_error=False, allow_abbrev=False)
+
+
 def build_parser():
     from jsonargparse import ActionConfigFile, ArgumentParser, set_parsing_settings
 
@@ -33,12 +38,12 @@ def build_parser():
     # code): the only class a config may name is the MoE section, which is ours.
     set_parsing_settings(docstring_parse_attribute_docstrings=True, import_path_denylist=["*"],
                          import_path_allowlist=["meshtrain.config.schema.MoeSection"])
-    parser = ArgumentParser(prog="meshtrain", description="Megatron-class LLM pre-training in PyTorch.")
-    fit = ArgumentParser(description="Train a model. Values come from the defaults, then --config files, "
+    parser = ArgumentParser(**_STRICT, prog="meshtrain", description="Megatron-class LLM pre-training in PyTorch.")
+    fit = ArgumentParser(**_STRICT, description="Train a model. Values come from the defaults, then --config files, "
                                      "then dotted flags, in the order given.")
     fit.add_argument("--config", action=ActionConfigFile, help="A YAML file with the keys below.")
     fit.add_class_arguments(RunConfig, as_group=False)
-    plan = ArgumentParser(description="Dry-run a layout at any scale: mesh and nodes, sharding table, per-rank "
+    plan = ArgumentParser(**_STRICT, description="Dry-run a layout at any scale: mesh and nodes, sharding table, per-rank "
                                       "memory and collectives per step, from the config alone (no GPU, no "
                                       "process group).")
     plan.add_argument("--config", action=ActionConfigFile, help="A YAML file with the keys below.")
@@ -48,7 +53,7 @@ def build_parser():
                       help="Check the peak memory against this device's capacity.")
     plan.add_argument("--json", default=None, help="Also write the plan as JSON to this file.")
     plan.add_class_arguments(RunConfig, as_group=False)
-    preprocess = ArgumentParser(description="Tokenize a JSON-lines file into a Megatron-LM indexed dataset "
+    preprocess = ArgumentParser(**_STRICT, description="Tokenize a JSON-lines file into a Megatron-LM indexed dataset "
                                             "(<prefix>.bin and <prefix>.idx).")
     preprocess.add_argument("--input", required=True, help="A .jsonl file: one JSON object per line.")
     preprocess.add_argument("--output-prefix", required=True, help="Path of the output without .bin/.idx.")
@@ -56,7 +61,7 @@ def build_parser():
     preprocess.add_argument("--append-eod", action="store_true", help="End every document with EOS.")
     preprocess.add_argument("--workers", type=int, default=1, help="Processes that tokenize in parallel.")
     preprocess.add_argument("--text-key", default="text", help="The JSON key holding each document's text.")
-    export = ArgumentParser(description="Write a checkpoint as a Hugging Face model directory: safetensors "
+    export = ArgumentParser(**_STRICT, description="Write a checkpoint as a Hugging Face model directory: safetensors "
                                         "(sharded with an index above --max-shard-gb), config.json, "
                                         "generation_config.json and the run's tokenizer files. Streams one "
                                         "tensor at a time.")
@@ -65,7 +70,7 @@ def build_parser():
     export.add_argument("--out", required=True, help="The output directory (must not exist or be empty).")
     export.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"], help="Weight dtype of the export.")
     export.add_argument("--max-shard-gb", type=float, default=2.0, help="Split the weights into files this large.")
-    generate = ArgumentParser(description="Continue a prompt with a trained model (one process, KV cache).")
+    generate = ArgumentParser(**_STRICT, description="Continue a prompt with a trained model (one process, KV cache).")
     generate.add_argument("--checkpoint", required=True,
                           help="A checkpoint directory, a run directory (its latest), or a Hugging Face model directory.")
     generate.add_argument("--prompt", default=None, help="Text, encoded with the run's tokenizer.")
@@ -98,6 +103,8 @@ def _run_config(namespace):
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    from argparse import ArgumentError
+
     from .data.errors import DataError
     from .launch import RankFailed
     from .train.checkpoint import CheckpointError
@@ -125,6 +132,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     except ConfigError as e:
         print(f"meshtrain: config error: {e}", file=sys.stderr)
+        return EXIT_CONFIG
+    except ArgumentError as e:
+        message = " ".join(line.strip() for line in str(e).splitlines() if line.strip())
+        print(f"meshtrain: config error: {message.replace('Parser key ', 'key ')}", file=sys.stderr)
         return EXIT_CONFIG
     except DataError as e:
         print(f"meshtrain: data error: {e}", file=sys.stderr)

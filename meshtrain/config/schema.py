@@ -19,7 +19,17 @@ PRECISIONS = ("fp32", "bf16", "fp8")
 FP8_RECIPES = ("tensorwise", "rowwise")
 CHECKPOINTING = ("none", "selective", "full")
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb")
+NONFINITE = ("abort", "skip")
 BYTES_VOCAB = 258  # the bytes tokenizer: 256 byte values, BOS and EOS
+# Upper bounds of the model sizes: far above any real model (Llama 3 405B: dim 16384, 126
+# layers, ffn_dim 53248, 128 heads, vocabulary 128256; DeepSeek-V3: 256 experts), low enough
+# that a typo fails here, not as an allocation, an overflow or an endless planning loop
+# after the ranks have started. The vocabulary bound is the int32 token id.
+MAX_SIZES = {"model.dim": 2**20, "model.n_layers": 1024, "model.n_heads": 2**16, "model.n_kv_heads": 2**16,
+             "model.ffn_dim": 2**22, "model.head_dim": 2**16, "model.vocab_size": 2**31 - 1,
+             "model.max_seq_len": 2**24, "model.moe.num_experts": 2**16, "model.moe.shared_experts": 2**16,
+             "model.moe.expert_ffn_dim": 2**22}
+MAX_TIMEOUT_S = 1.0e8  # about 3 years: a process group's timeout must fit a timedelta and int64 milliseconds
 
 
 @dataclass
@@ -63,7 +73,7 @@ class ModelConfig:
     dim: int = 256
     """Width of the residual stream (hidden size)."""
     n_layers: int = 4
-    """Number of transformer blocks."""
+    """Number of transformer blocks (at most 1024)."""
     n_heads: int = 8
     """Number of attention (query) heads; must divide dim."""
     n_kv_heads: int | None = 4
@@ -83,7 +93,7 @@ class ModelConfig:
     init_from: str | None = None
     """Start from Hugging Face weights: a directory with config.json and *.safetensors (Llama or GPT-2). Its architecture must match the model.* keys; each rank reads only the slices of its own shards. Ignored when resuming from a checkpoint. null: random initialisation from seed."""
     rope_scaling: dict | None = None
-    """Llama 3.1-style RoPE rescaling for long context (llama only): {factor, low_freq_factor, high_freq_factor, original_max_position_embeddings}; null: none."""
+    """Llama 3.1-style RoPE rescaling for long context (llama only): {factor, low_freq_factor, high_freq_factor, original_max_position_embeddings} with factor >= 1, low_freq_factor < high_freq_factor and an integer original_max_position_embeddings; null: none."""
     qk_norm: bool = False
     """RMSNorm on each query and key head before RoPE (Qwen3; llama only)."""
     head_dim: int | None = None
@@ -117,9 +127,13 @@ class ParallelConfig:
     pp_schedule: str = "1f1b"
     """Pipeline schedule: gpipe | 1f1b | interleaved (needs pp_virtual >= 2 and a micro-batch count divisible by pp) | zb (zero-bubble ZB-H1: backward split into input and weight gradients)."""
     pp_virtual: int = 1
-    """Stages per pp rank (interleaved schedule: rank r holds stages r, r + pp, ...)."""
+    """Stages per pp rank (interleaved schedule: rank r holds stages r, r + pp, ...); 1 without a pipeline (pp 1)."""
     pp_layout: list[int] | None = None
     """Layers per stage, e.g. [3, 2] for 5 layers on 2 stages; null: balanced by a cost model (FLOPs of layers, embedding and head/loss)."""
+    collective_timeout_s: float = 900.0
+    """Seconds a collective may wait for its peers before it fails (the process group's timeout; at most 1e8)."""
+    watchdog_s: float = 600.0
+    """Seconds a rank may go without progress (a step, an evaluation, a checkpoint) before the watchdog names the stalled rank, its step and operation, and ends the job; 0: off. Must be below collective_timeout_s so its report comes first; raise it above your slowest step (the first one compiles)."""
 
 
 @dataclass
@@ -143,7 +157,7 @@ class TrainConfig:
     lr_schedule: str = "cosine"
     """Decay after warmup: cosine, linear, wsd (warmup-stable-decay, last 20% decays) or constant."""
     weight_decay: float = 0.1
-    """Decoupled AdamW weight decay, applied to matrices only (not to norms or biases)."""
+    """Decoupled AdamW weight decay, applied to matrices only (not to norms or biases); lr x weight_decay must be below 1."""
     grad_clip: float | None = 1.0
     """Clip the global gradient norm to this value; 0 or null: no clipping."""
     precision: str = "fp32"
@@ -160,6 +174,12 @@ class TrainConfig:
     """Evaluate the validation loss and perplexity every this many steps (and at the last step); 0: never. Needs data.valid_fraction > 0."""
     eval_batches: int = 2
     """Global batches of validation data per evaluation: always the same first samples of the validation split."""
+    nonfinite: str = "abort"
+    """A step whose loss or gradient norm is not finite never updates the weights. abort: stop the run with an error naming the step; skip: leave the parameters and optimizer state as they were, count the step as skipped and go on (the data and the schedule move on), stopping when more than max_skipped steps in a row are skipped."""
+    max_skipped: int = 5
+    """nonfinite skip: the most consecutive skipped steps tolerated; one more stops the run."""
+    spike_factor: float = 1.5
+    """Print a warning when a step's loss exceeds spike_factor x the mean loss of the previous 20 steps; 0: off."""
     stop_at: int = 0
     """Stop after this step (saving a checkpoint when checkpoint.every > 0) without changing the schedule, which still runs to train.steps; 0: run to train.steps. For jobs split over several allocations."""
 
@@ -262,6 +282,8 @@ class RunConfig:
             if m.arch == "llama":
                 split["model.n_kv_heads"] = m.n_kv_heads or m.n_heads
             split["model.ffn_dim"] = m.ffn_dim or 4 * m.dim
+            if m.moe is not None:
+                split["model.moe.expert_ffn_dim"] = m.moe.expert_ffn_dim
             for key, n in split.items():
                 if n % p.tp:
                     options = [d for d in range(1, max(split.values()) + 1)
@@ -290,6 +312,10 @@ class RunConfig:
             raise ConfigError(_batch_message(t, p.dp, p.fsdp, dp))
         if p.pp > 1:
             _validate_pipeline(self)
+        elif p.pp_layout is not None:  # one stage: a layout must say so, not be ignored
+            from ..pipeline.partition import partition
+
+            partition(self.model_def(), 1, 1, p.pp_layout, seq_len=t.seq_len, micro_batch=t.micro_batch)
         # Any other layout problem the planner can see before the world size is known (a
         # -1 axis taken as the least that lets ep fold from fsdp x cp).
         self.plan(world=None, fill=p.ep // math.gcd(p.ep, p.cp))
@@ -303,6 +329,8 @@ class RunConfig:
 
         plan = make_plan(self.model_def().specs, self.rules(), self.mesh_spec(fill=fill), world=world,
                          cp_comm=self.parallel.cp_comm)
+        if world is not None:  # the batch against the resolved data-parallel size, before any rank starts
+            self._check_batch_at(plan.mesh)
         if self.train.compile:
             check_compile_with_cp(plan.mesh)
             check_compile_with_checkpointing(self.model.moe is not None, self.train.activation_checkpointing)
@@ -355,6 +383,22 @@ class RunConfig:
             sizes = {a: fill if n == -1 else n for a, n in sizes.items()}
         return MeshSpec(**sizes)
 
+    def _check_batch_at(self, mesh) -> None:
+        """accumulation_steps for a resolved mesh, naming the -1 axis that took the world's ranks."""
+        p, t = self.parallel, self.train
+        dp_size = mesh.dp * mesh.fsdp
+        filled = [a for a in ("dp", "fsdp") if getattr(p, a) == -1]
+        if filled and t.global_batch % (t.micro_batch * dp_size):
+            per = t.micro_batch * dp_size
+            raise ConfigError(
+                f"train.global_batch={t.global_batch} is not divisible by train.micro_batch={t.micro_batch} x "
+                f"data-parallel size {dp_size} (parallel.dp={mesh.dp} x parallel.fsdp={mesh.fsdp}, where "
+                f"parallel.{filled[0]}=-1 takes the ranks left of world size {mesh.world}; "
+                f"parallel.nproc_per_node={p.nproc_per_node}) = {per} sequences per micro-step: choose a "
+                f"global_batch that is a multiple of {per}, a smaller micro_batch, or fewer ranks "
+                "(parallel.nproc_per_node, the launcher's, or meshtrain plan --world)")
+        self.accumulation_steps(dp_size)
+
     def accumulation_steps(self, dp_size: int) -> int:
         """Micro-steps per optimizer step for `dp_size` data-parallel ranks (dp * fsdp)."""
         t = self.train
@@ -362,7 +406,7 @@ class RunConfig:
             raise ConfigError(_batch_message(t, self.parallel.dp, dp_size // max(self.parallel.dp, 1), dp_size))
         m = t.global_batch // (t.micro_batch * dp_size)
         if self.parallel.pp > 1:
-            _check_micro_batches(self.parallel, m)
+            _check_micro_batches(self.parallel, m, t, dp_size)
         return m
 
 
@@ -392,11 +436,15 @@ def _batch_message(t: TrainConfig, dp: int, fsdp: int, dp_size: int) -> str:
             f"per micro-step: choose a global_batch that is a multiple of {per_micro}, or a smaller micro_batch")
 
 
-def _check_int(value, key: str, minimum: int | None = None) -> None:
+def _check_int(value, key: str, minimum: int | None = None, maximum: int | None = None) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ConfigError(f"{key}={value!r} must be an integer")
     if minimum is not None and value < minimum:
         raise ConfigError(f"{key}={value} must be at least {minimum}")
+    maximum = MAX_SIZES.get(key) if maximum is None else maximum
+    if maximum is not None and value > maximum:
+        raise ConfigError(f"{key}={value} exceeds the largest supported value {maximum}, far beyond any real "
+                          f"model: choose a smaller {key.rsplit('.', 1)[-1]}")
 
 
 def _check_float(value, key: str, minimum: float | None = None, positive: bool = False) -> None:
@@ -436,11 +484,24 @@ def _validate_model(m: ModelConfig) -> None:
                           "or null")
     if m.rope_scaling is not None:
         keys = {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}
-        if m.arch != "llama" or not isinstance(m.rope_scaling, dict) or set(m.rope_scaling) != keys:
+        if m.arch != "llama":
+            raise ConfigError(f"model.rope_scaling={m.rope_scaling!r} is llama-only, but model.arch={m.arch!r} "
+                              "(learned positions): set model.rope_scaling null")
+        if not isinstance(m.rope_scaling, dict) or set(m.rope_scaling) != keys:
             raise ConfigError(f"model.rope_scaling={m.rope_scaling!r}: give null, or (llama only) a mapping with "
                               f"exactly the keys {', '.join(sorted(keys))}")
         for key, value in m.rope_scaling.items():
             _check_float(value, f"model.rope_scaling.{key}", positive=True)
+        s = m.rope_scaling
+        if s["factor"] < 1:
+            raise ConfigError(f"model.rope_scaling.factor={s['factor']} must be at least 1 (it stretches the "
+                              "low frequencies for a longer context, e.g. 8)")
+        if s["low_freq_factor"] >= s["high_freq_factor"]:
+            raise ConfigError(f"model.rope_scaling.low_freq_factor={s['low_freq_factor']} must be below "
+                              f"model.rope_scaling.high_freq_factor={s['high_freq_factor']} (the frequencies "
+                              "between them are interpolated; Llama 3.1: 1 and 4)")
+        _check_int(s["original_max_position_embeddings"], "model.rope_scaling.original_max_position_embeddings",
+                   minimum=1)
     if m.arch == "llama":
         if m.ffn_dim is None:
             raise ConfigError("model.ffn_dim is null, but llama needs an explicit MLP size: set model.ffn_dim "
@@ -451,18 +512,29 @@ def _validate_model(m: ModelConfig) -> None:
         _check_float(m.rope_theta, "model.rope_theta", positive=True)
     else:  # gpt2: no GQA, learned positions
         if m.n_kv_heads is not None and m.n_kv_heads != m.n_heads:
-            raise ConfigError(f"model.n_kv_heads={m.n_kv_heads}: gpt2 has no grouped-query attention; set "
+            raise ConfigError(f"model.n_kv_heads={m.n_kv_heads}: model.arch=gpt2 has no grouped-query attention; set "
                               f"model.n_kv_heads to null (or to model.n_heads={m.n_heads}), e.g. "
                               "--model.n_kv_heads null")
         if m.rope_theta is not None:
-            raise ConfigError(f"model.rope_theta={m.rope_theta}: gpt2 uses learned absolute positions, not "
+            raise ConfigError(f"model.rope_theta={m.rope_theta}: model.arch=gpt2 uses learned absolute positions, not "
                               "RoPE; set model.rope_theta to null, e.g. --model.rope_theta null")
     _check_bool(m.qk_norm, "model.qk_norm")
     if m.head_dim is not None:
         _check_int(m.head_dim, "model.head_dim", minimum=2)
-    if m.arch != "llama" and (m.qk_norm or m.head_dim is not None or m.moe is not None):
-        raise ConfigError("model.qk_norm, model.head_dim and model.moe are llama-only: set model.arch llama, or "
-                          "leave them at false / null")
+    if m.arch != "llama":
+        for key, value in (("qk_norm", m.qk_norm or None), ("head_dim", m.head_dim), ("moe", m.moe)):
+            if value is not None:
+                raise ConfigError(f"model.{key}={value!r} is llama-only, but model.arch={m.arch!r}: set model.arch "
+                                  f"llama, or model.{key} {'false' if key == 'qk_norm' else 'null'} (model.qk_norm, "
+                                  "model.head_dim and model.moe are llama-only)")
+    else:  # RoPE rotates pairs of dims: the head dim must be even (said here in terms of the keys)
+        if m.head_dim is not None and m.head_dim % 2:
+            raise ConfigError(f"model.head_dim={m.head_dim} is odd: RoPE rotates pairs of dims; choose an even "
+                              "head_dim")
+        if m.head_dim is None and m.dim % m.n_heads == 0 and (m.dim // m.n_heads) % 2:
+            raise ConfigError(f"model.dim={m.dim} / model.n_heads={m.n_heads} = {m.dim // m.n_heads} is odd, but "
+                              "RoPE needs an even head dim: choose dim and n_heads with an even ratio, or set "
+                              "model.head_dim")
     if m.moe is not None:
         _validate_moe(m.moe, m.n_layers)
     # The family's own checks (head divisibility, even head dim, ...).
@@ -518,12 +590,26 @@ def _validate_parallel(p: ParallelConfig) -> None:
     _check_int(p.pp, "parallel.pp", minimum=1)
     _check_int(p.pp_virtual, "parallel.pp_virtual", minimum=1)
     _choice(p.pp_schedule, "parallel.pp_schedule", PP_SCHEDULES)
+    if p.pp == 1 and p.pp_virtual > 1:
+        raise ConfigError(f"parallel.pp_virtual={p.pp_virtual} sets pipeline stages per pp rank, but parallel.pp=1 "
+                          "(no pipeline): set pp_virtual 1, or parallel.pp > 1")
     if p.pp_layout is not None:
         if not isinstance(p.pp_layout, list) or not p.pp_layout:
             raise ConfigError(f"parallel.pp_layout={p.pp_layout!r}: give a list of layers per stage, e.g. [3, 2], "
                               "or null to balance by cost")
         for i, k in enumerate(p.pp_layout):
             _check_int(k, f"parallel.pp_layout[{i}]", minimum=1)
+    _check_float(p.collective_timeout_s, "parallel.collective_timeout_s", positive=True)
+    if p.collective_timeout_s > MAX_TIMEOUT_S:
+        raise ConfigError(f"parallel.collective_timeout_s={p.collective_timeout_s} exceeds {MAX_TIMEOUT_S:g} s "
+                          "(about 3 years), more than a process group's timeout can hold: choose a smaller "
+                          "timeout (the default is 900)")
+    _check_float(p.watchdog_s, "parallel.watchdog_s", minimum=0.0)
+    if p.watchdog_s and p.watchdog_s >= p.collective_timeout_s:
+        raise ConfigError(f"parallel.watchdog_s={p.watchdog_s} must be below parallel.collective_timeout_s="
+                          f"{p.collective_timeout_s}, or a timed-out collective ends the run before the watchdog "
+                          "can name the stalled rank: lower watchdog_s, raise collective_timeout_s, or set "
+                          "watchdog_s 0 (off)")
     fill = []
     for axis in ("dp", "fsdp", "tp"):
         n = getattr(p, axis)
@@ -568,18 +654,20 @@ def _validate_pipeline(cfg: "RunConfig") -> None:
                           "set pp_virtual 2 (or use pp_schedule 1f1b)")
     dp = p.dp * (1 if p.fsdp == -1 else p.fsdp)
     if t.global_batch % (t.micro_batch * dp) == 0:
-        _check_micro_batches(p, t.global_batch // (t.micro_batch * dp))
+        _check_micro_batches(p, t.global_batch // (t.micro_batch * dp), t, dp)
     from ..pipeline.partition import partition
 
     partition(cfg.model_def(), p.pp, p.pp_virtual, p.pp_layout, seq_len=t.seq_len, micro_batch=t.micro_batch)
 
 
-def _check_micro_batches(p: ParallelConfig, m: int) -> None:
+def _check_micro_batches(p: ParallelConfig, m: int, t: TrainConfig, dp_size: int) -> None:
     """The micro-batch count m = global_batch / (micro_batch x dp x fsdp) against the schedule."""
     if p.pp_schedule == "interleaved" and m % p.pp:
-        raise ConfigError(f"parallel.pp_schedule=interleaved needs the micro-batch count (train.global_batch / "
-                          f"(train.micro_batch x dp x fsdp) = {m}) to be a multiple of parallel.pp={p.pp}: change "
-                          "global_batch or micro_batch so that it is")
+        good = t.micro_batch * dp_size * p.pp * -(-m // p.pp)
+        raise ConfigError(f"parallel.pp_schedule=interleaved needs the micro-batch count (train.global_batch="
+                          f"{t.global_batch} / (train.micro_batch={t.micro_batch} x data-parallel size {dp_size}) = "
+                          f"{m}) to be a multiple of parallel.pp={p.pp}: change global_batch (e.g. {good}) or "
+                          "micro_batch so that it is")
 
 
 def _validate_train(t: TrainConfig) -> None:
@@ -602,12 +690,23 @@ def _validate_train(t: TrainConfig) -> None:
         raise ConfigError(f"train.min_lr={t.min_lr} exceeds train.lr={t.lr}: min_lr is where the decay ends")
     _choice(t.lr_schedule, "train.lr_schedule", SCHEDULES)
     _check_float(t.weight_decay, "train.weight_decay", minimum=0.0)
+    if t.lr * t.weight_decay >= 1:
+        raise ConfigError(f"train.weight_decay={t.weight_decay} x train.lr={t.lr} = {t.lr * t.weight_decay:g} "
+                          "is at least 1: decoupled decay multiplies the weights by 1 - lr x weight_decay each "
+                          "step, which would zero or flip them; choose a weight_decay below 1 / lr (typically "
+                          "0.01 to 0.1)")
     if t.grad_clip is not None:
         _check_float(t.grad_clip, "train.grad_clip", minimum=0.0)
     _choice(t.precision, "train.precision", PRECISIONS)
     _check_bool(t.compile, "train.compile")
     _choice(t.fp8_recipe, "train.fp8_recipe", FP8_RECIPES)
     _choice(t.activation_checkpointing, "train.activation_checkpointing", CHECKPOINTING)
+    _choice(t.nonfinite, "train.nonfinite", NONFINITE)
+    _check_int(t.max_skipped, "train.max_skipped", minimum=0)
+    _check_float(t.spike_factor, "train.spike_factor", minimum=0.0)
+    if 0 < t.spike_factor <= 1:
+        raise ConfigError(f"train.spike_factor={t.spike_factor}: a spike is a loss above factor x the recent mean, "
+                          "so the factor must exceed 1 (e.g. 1.5), or be 0 to turn the warning off")
 
 
 def _validate_data(d: DataConfig) -> None:

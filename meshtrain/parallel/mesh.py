@@ -48,21 +48,25 @@ class MeshSpec:
         if fill:
             if world % known:
                 fixed = " x ".join(f"{a}={n}" for a, n in sizes.items() if n > 1) or "all 1"
+                keys = " x ".join(f"parallel.{a}" for a, n in sizes.items() if n > 1 or known == 1)
                 raise ConfigError(f"parallel.{fill[0]}=-1 cannot fill world size {world}: the fixed axes "
-                                  f"{fixed} multiply to {known}, which does not divide {world}; change "
+                                  f"{fixed}{f' ({keys})' if keys else ''} multiply to {known}, which does not "
+                                  f"divide {world}; change "
                                   f"the sizes so that their product divides {world}, or start more processes "
                                   "(parallel.nproc_per_node, or the launcher's)")
             sizes[fill[0]] = world // known
         elif known != world:
             described = " x ".join(f"{a}={n}" for a, n in sizes.items() if n > 1) or "all 1"
-            raise ConfigError(f"parallel: axis sizes {described} multiply to {known}, but the world size is "
-                              f"{world}; make them multiply to {world}, set one axis to -1, or start that many processes "
-                              "(parallel.nproc_per_node, or the launcher's)")
+            keys = " x ".join(f"parallel.{a}" for a, n in sizes.items() if n > 1 or known == 1)
+            raise ConfigError(f"parallel: axis sizes {described}{f' ({keys})' if keys else ''} multiply to "
+                              f"{known}, but the world size is {world}; make them multiply to {world}, set one "
+                              "axis to -1, or start that many processes (parallel.nproc_per_node, or the launcher's)")
         resolved = MeshSpec(**sizes, ep=self.ep)
         if self.ep > 1 and (resolved.fsdp * resolved.cp) % self.ep:
             raise ConfigError(f"parallel.ep={self.ep} must divide fsdp x cp = {resolved.fsdp} x {resolved.cp} = "
-                              f"{resolved.fsdp * resolved.cp} (experts are sharded over ranks folded from fsdp "
-                              f"and cp); choose an ep that divides {resolved.fsdp * resolved.cp}")
+                              f"{resolved.fsdp * resolved.cp} (parallel.fsdp x parallel.cp: experts are sharded "
+                              f"over ranks folded from fsdp and cp); choose an ep that divides "
+                              f"{resolved.fsdp * resolved.cp}, or larger fsdp x cp")
         return resolved
 
     @property

@@ -207,7 +207,7 @@ def _check_context_parallel(plan: Plan) -> None:
                 heads = p.spec.shape[d] // p.spec.units[d]
                 local = heads // math.prod(plan.mesh.size(a) for a in p.layout.dim_axes[d])
                 if local % plan.mesh.cp:
-                    per = f"{heads} / tp" if local != heads else f"{heads}"
+                    per = f"{heads} / parallel.tp={heads // local}" if local != heads else f"{heads}"
                     raise ConfigError(f"parallel.cp_comm=a2a splits the heads of each rank over parallel.cp="
                                       f"{plan.mesh.cp} ranks, but {key} gives {per} = {local} heads per rank, "
                                       f"not divisible by {plan.mesh.cp}: use parallel.cp_comm allgather or ring, "

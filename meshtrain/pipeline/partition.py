@@ -110,7 +110,8 @@ def _check_counts(n_layers: int, pp: int, virtual: int) -> int:
     if n_layers < S:
         raise ConfigError(
             f"parallel.pp={pp} x parallel.pp_virtual={virtual} = {S} stages but the model has "
-            f"{n_layers} layers: every stage needs at least one layer; choose pp x pp_virtual <= {n_layers}")
+            f"{n_layers} layers (model.n_layers={n_layers}): every stage needs at least one layer; choose pp x "
+            f"pp_virtual <= {n_layers}, or more layers")
     return S
 
 
@@ -165,13 +166,14 @@ def partition(model, pp: int, virtual: int = 1, layout: list[int] | None = None,
         layout = list(layout)
         if len(layout) != S:
             raise ConfigError(
-                f"parallel.pp_layout has {len(layout)} entries but parallel.pp={pp} x "
-                f"parallel.pp_virtual={virtual} = {S} stages: give one layer count per stage")
+                f"parallel.pp_layout={layout} has {len(layout)} entries but parallel.pp={pp} x "
+                f"parallel.pp_virtual={virtual} = {S} stages: give one layer count per stage, or null to "
+                "balance by cost")
         if any(int(k) != k or k < 1 for k in layout):
             raise ConfigError(f"parallel.pp_layout={layout}: every stage needs a whole number >= 1 of layers")
         if sum(layout) != n:
             raise ConfigError(f"parallel.pp_layout={layout} sums to {sum(layout)} but the model has "
-                              f"{n} layers: the counts must sum to {n}")
+                              f"{n} layers (model.n_layers={n}): the counts must sum to {n}")
         counts = layout
     else:
         w = list(layer_c)

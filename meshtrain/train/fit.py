@@ -50,7 +50,7 @@ def fit(cfg: RunConfig) -> list[dict]:
         nproc = cfg.parallel.nproc_per_node
         cfg.plan(world=nproc)
         _open_data(cfg)
-        if _resume_path(cfg) is None and cfg.model.init_from:
+        if _resume_path(cfg) is None and cfg.model.init_from:  # also checks checkpoint.resume
             _check_init_from(cfg)
         _check_writable(Path(cfg.run_dir))
         results = launch.launch(_fit_rank, (cfg.to_dict(),), nproc)
@@ -117,10 +117,13 @@ def _fit_rank(cfg_dict: dict) -> list[dict]:
 
 
 def _open_data(cfg: RunConfig):
-    from ..data import build_data
+    from ..data import DataError, build_data
 
     d, t = cfg.data, cfg.train
-    return build_data(d.paths, d.tokenizer, t.seq_len, cfg.seed, cfg.model.vocab_size, d.valid_fraction)
+    try:
+        return build_data(d.paths, d.tokenizer, t.seq_len, cfg.seed, cfg.model.vocab_size, d.valid_fraction)
+    except DataError as e:
+        raise DataError(f"data.paths={d.paths!r}: {e}") from None
 
 
 def _check_init_from(cfg: RunConfig) -> None:
@@ -163,8 +166,9 @@ class _Run:
         _mark(watchdog, 0, "opening the data")
         self.data = _open_data(cfg)  # before anything is written: bad data costs nothing
         self.run_dir = Path(cfg.run_dir)
-        if cfg.model.init_from and _resume_path(cfg) is None:
-            _check_init_from(cfg)  # bad input fails before run_dir is created
+        # Bad input (checkpoint.resume, model.init_from) fails before run_dir is created.
+        if _resume_path(cfg) is None and cfg.model.init_from:
+            _check_init_from(cfg)
         _check_writable(self.run_dir)  # before the leftovers of a crashed save are cleared
         _mark(watchdog, 0, "finding the checkpoint to resume from")
         self.resume = _resume_path(cfg, repair=True)
