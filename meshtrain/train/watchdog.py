@@ -26,6 +26,7 @@ import time
 import traceback
 
 EXIT_STALLED = 3
+TRAIN_STEP = "forward, backward and optimizer update"  # the operation that includes the first compile
 _KEY = "meshtrain/watchdog/{}"
 
 
@@ -35,8 +36,7 @@ class Watchdog:
         self.interval_s = min(interval_s, timeout_s / 4)
         self.seq, self.step, self.op, self.since = 0, 0, "starting", time.time()
         self.first_step: int | None = None
-        self._main = threading.main_thread().ident if threading.current_thread() is threading.main_thread() \
-            else threading.get_ident()
+        self._main = threading.get_ident()  # the training loop's thread, whose stack a report shows
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="meshtrain-watchdog", daemon=True)
         self._thread.start()
@@ -129,6 +129,3 @@ class Watchdog:
             print(f"meshtrain: {message}\n{where}", file=sys.stderr, flush=True)
         sys.stdout.flush()
         os._exit(EXIT_STALLED)
-
-
-TRAIN_STEP = "forward, backward and optimizer update"
