@@ -73,6 +73,20 @@ def test_more_than_max_skipped_in_a_row_stops_naming_the_step(tmp_path, monkeypa
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1
 
 
+def test_a_real_divergence_is_caught_without_injected_faults(tmp_path, capsys):
+    """lr 1e4: the gradients turn NaN after a step or two and stay so (a skipped step
+    changes nothing); skip tolerates 2 in a row, then stops naming the third."""
+    import re
+
+    code = main([*ONE, "--train.steps", "8", "--train.warmup_steps", "0", "--train.lr", "1e4", "--train.min_lr", "0",
+                 "--train.nonfinite", "skip", "--train.max_skipped", "2", "--run_dir", str(tmp_path)])
+    out = capsys.readouterr()
+    found = re.search(r"gradient norm nan at step (\d+): 3 steps in a row were not finite", out.err)
+    assert code == 1 and found, out.err
+    step = int(found.group(1))
+    assert f"step {step - 2} skipped" in out.out and f"step {step - 1} skipped" in out.out
+
+
 def test_abort_stops_at_the_first_non_finite_step_and_keeps_the_checkpoint(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("MESHTRAIN_FAULT", "nan@2")
     code = main([*ONE, "--checkpoint.every", "1", "--run_dir", str(tmp_path)])  # nonfinite: abort (default)

@@ -157,7 +157,7 @@ class TrainConfig:
     lr_schedule: str = "cosine"
     """Decay after warmup: cosine, linear, wsd (warmup-stable-decay, last 20% decays) or constant."""
     weight_decay: float = 0.1
-    """Decoupled AdamW weight decay, applied to matrices only (not to norms or biases); lr x weight_decay must be below 1."""
+    """Decoupled AdamW weight decay, applied to matrices only (not to norms or biases)."""
     grad_clip: float | None = 1.0
     """Clip the global gradient norm to this value; 0 or null: no clipping."""
     precision: str = "fp32"
@@ -690,11 +690,6 @@ def _validate_train(t: TrainConfig) -> None:
         raise ConfigError(f"train.min_lr={t.min_lr} exceeds train.lr={t.lr}: min_lr is where the decay ends")
     _choice(t.lr_schedule, "train.lr_schedule", SCHEDULES)
     _check_float(t.weight_decay, "train.weight_decay", minimum=0.0)
-    if t.lr * t.weight_decay >= 1:
-        raise ConfigError(f"train.weight_decay={t.weight_decay} x train.lr={t.lr} = {t.lr * t.weight_decay:g} "
-                          "is at least 1: decoupled decay multiplies the weights by 1 - lr x weight_decay each "
-                          "step, which would zero or flip them; choose a weight_decay below 1 / lr (typically "
-                          "0.01 to 0.1)")
     if t.grad_clip is not None:
         _check_float(t.grad_clip, "train.grad_clip", minimum=0.0)
     _choice(t.precision, "train.precision", PRECISIONS)
