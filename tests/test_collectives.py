@@ -83,10 +83,11 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 def _in_optimizer() -> bool:
-    """True inside the step's `update` (grad norm + AdamW), found on the Python stack."""
+    """True inside the step's `norm_of` or `update` (grad norm, AdamW), found on the Python stack."""
     f = sys._getframe(2)
     while f is not None:
-        if f.f_code.co_name == "update" and Path(f.f_code.co_filename).as_posix().endswith("meshtrain/train/step.py"):
+        if f.f_code.co_name in ("norm_of", "update") and \
+                Path(f.f_code.co_filename).as_posix().endswith("meshtrain/train/step.py"):
             return True
         f = f.f_back
     return False
