@@ -153,5 +153,5 @@ def test_inductor_single_process_matches_eager(reference):
 def test_inductor_sharded_layouts_match_single_process(reference):
     """Inductor's generated code on DTensor layouts: fsdp (gathers) and tp+sp (sequence
     all-gather / reduce-scatter, vocab-parallel loss)."""
-    results = run_ranks(train_layouts, 2, 2, True, ["fsdp2", "tp2_sp"])
+    results = run_ranks(train_layouts, 2, 2, True, ["fsdp2", "tp2_sp"], start="spawn")
     _check(reference, results[0])

@@ -65,12 +65,12 @@ def adamw_update(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avg:
 def grad_norm_squared_local(grads: list[torch.Tensor], replicas: list[float]) -> torch.Tensor:
     """This rank's share of the squared global norm: each local shard's sum of squares,
     divided by how many ranks hold an identical copy of it, so that summing the shares
-    over all ranks counts every element once."""
-    squares = torch._foreach_norm(grads, 2)
-    total = torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else "cpu")
-    for s, r in zip(squares, replicas):
-        total = total + s.float().pow(2) / r
-    return total
+    over all ranks counts every element once. A few kernels whatever the parameter count
+    (it runs eager: see make_update)."""
+    if not grads:
+        return torch.zeros((), dtype=torch.float32)
+    squares = torch.stack(torch._foreach_norm(grads, 2)).float().pow(2)
+    return (squares / torch.tensor(replicas, dtype=torch.float32, device=squares.device)).sum()
 
 
 def replica_count(p: torch.Tensor) -> float:
