@@ -43,7 +43,8 @@ def build_parser():
                                      "then dotted flags, in the order given.")
     fit.add_argument("--config", action=ActionConfigFile, help="A YAML file with the keys below.")
     fit.add_class_arguments(RunConfig, as_group=False)
-    plan = ArgumentParser(**_STRICT, description="Dry-run a layout at any scale: mesh and nodes, sharding table, per-rank "
+    plan = ArgumentParser(**_STRICT,
+                          description="Dry-run a layout at any scale: mesh and nodes, sharding table, per-rank "
                                       "memory and collectives per step, from the config alone (no GPU, no "
                                       "process group).")
     plan.add_argument("--config", action=ActionConfigFile, help="A YAML file with the keys below.")

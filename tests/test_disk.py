@@ -144,26 +144,20 @@ def _inject(monkeypatch, point: str, code: int) -> None:
                                     encoding="utf-8")
 
         monkeypatch.setattr(ckpt, "open", open_meta, raising=False)
-    elif point in ("rename", "replace_rename"):  # the directory cannot be renamed into place
+    elif point in ("rename", "replace_rename", "prune"):
+        # rename(s): the directory cannot be renamed into place; prune: the oldest
+        # checkpoint cannot be moved aside to be deleted
         real_rename = os.rename
 
         def rename(src, dst):
-            if Path(src).name.startswith(".tmp-"):
+            refused = Path(dst).name.startswith(".del-") if point == "prune" else Path(src).name.startswith(".tmp-")
+            if refused:
                 raise _oserror(code, src)
             return real_rename(src, dst)
 
         monkeypatch.setattr(os, "rename", rename)
         if point == "replace_rename":  # no atomic swap: the old one is moved aside first
             monkeypatch.setattr(ckpt, "_exchange", lambda a, b: False)
-    elif point == "prune":  # the oldest checkpoint cannot be deleted
-        real_rename = os.rename
-
-        def rename(src, dst):
-            if Path(dst).name.startswith(".del-"):
-                raise _oserror(code, src)
-            return real_rename(src, dst)
-
-        monkeypatch.setattr(os, "rename", rename)
     else:
         raise AssertionError(point)
 

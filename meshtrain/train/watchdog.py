@@ -69,16 +69,18 @@ class Watchdog:
     def _peers(self) -> list[dict]:
         if self.store is None:
             return [self._state()]
+        def unknown(rank: int, op: str, beat: float) -> dict:
+            return {"rank": rank, "seq": -1, "step": 0, "op": op, "since": 0.0, "beat": beat}
+
         states = []
         for r in range(self.world):
+            key = _KEY.format(r)
             try:
-                key = _KEY.format(r)
                 states.append(json.loads(self.store.get(key)) if self.store.check([key]) else
-                              {"rank": r, "seq": -1, "step": 0, "op": "not started", "since": 0.0, "beat": 0.0})
+                              unknown(r, "not started", beat=0.0))
             except Exception:
                 states.append(self._state() if r == self.rank else
-                              {"rank": r, "seq": -1, "step": 0, "op": "unknown (the store is unreachable)",
-                               "since": 0.0, "beat": time.time()})
+                              unknown(r, "unknown (the store is unreachable)", beat=time.time()))
         return states
 
     def diagnose(self, states: list[dict], now: float) -> tuple[str, list[int]]:
@@ -102,8 +104,9 @@ class Watchdog:
             groups: dict[str, list[int]] = {}
             for s in waiting:
                 groups.setdefault(where(s), []).append(s["rank"])
-            message += "; " + "; ".join((f"ranks {', '.join(map(str, r))} wait" if len(r) > 1 else f"rank {r[0]} waits") + f" at {w}"
-                                        for w, r in groups.items())
+            who = {w: f"ranks {', '.join(map(str, r))} wait" if len(r) > 1 else f"rank {r[0]} waits"
+                   for w, r in groups.items()}
+            message += "; " + "; ".join(f"{names} at {w}" for w, names in who.items())
         elif len(states) > 1:
             message += ": every rank is in the same operation, so a collective in it never completed"
         if self.first_step is None or self.step == self.first_step:
