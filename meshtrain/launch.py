@@ -24,9 +24,10 @@ from typing import Any, Callable
 
 import torch.distributed as dist
 
+from . import stopping
 from .errors import ConfigError, TrainingError
 
-_REPORT_DIR = "MESHTRAIN_FAILURE_DIR"  # where self-launched ranks leave their error
+_REPORT_DIR = stopping.NOTE_DIR  # where self-launched ranks leave their error or stop note
 
 
 @dataclass(frozen=True)
@@ -69,8 +70,9 @@ class RankFailed(RuntimeError):
 
 def launch(fn: Callable[..., Any], args: tuple, nproc: int) -> list[Any] | None:
     """Run `fn(*args)` on `nproc` local ranks; returns each rank's result, by rank, or None
-    when a SIGTERM / SIGINT to this process was passed on to the ranks and they all exited
-    cleanly (the trainer checkpoints and stops: preemption).
+    when the ranks all stopped cleanly on a SIGTERM / SIGINT (they checkpoint and exit:
+    preemption, Ctrl-C); stopping.Interrupted when a second signal stopped them at once or
+    one came before they could train.
 
     Raises the first failing rank's ConfigError, DataError or CheckpointError again as
     such (so the CLI exits 2 with its one-line message) and any other failure as
@@ -88,30 +90,44 @@ def launch(fn: Callable[..., Any], args: tuple, nproc: int) -> list[Any] | None:
                           monitor_interval=0.1, start_method="spawn",
                           # Ranks that got a stop signal checkpoint first: give them time.
                           shutdown_timeout=int(os.environ.get("MESHTRAIN_SHUTDOWN_TIMEOUT", 300)))
-    # The agent logs every rank's failure at length; we report the first one ourselves.
-    loggers = [logging.getLogger(n) for n in ("torch.distributed.elastic", "torch.multiprocessing")]
+    # The agent logs every rank's failure and every signal at length; we report the first
+    # failure, or how the ranks stopped, ourselves. Its loggers set their own levels.
+    loggers = [logging.getLogger(n) for n in list(logging.root.manager.loggerDict)
+               if n.startswith(("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing"))]
     levels = [g.level for g in loggers]
     for g in loggers:
         g.setLevel(logging.CRITICAL)
     with tempfile.TemporaryDirectory(prefix="meshtrain-ranks-") as reports:
         try:
             results = elastic_launch(config, _run_rank)(reports, fn, args)
-        except ChildFailedError as e:
-            first = _killed(e) or _first_failure(Path(reports))
-            if first is None:
-                raise
-            _raise_bad_input(first)
-            raise RankFailed(first) from None
-        except SignalException:
-            first = _first_failure(Path(reports))
-            if first is not None:
-                _raise_bad_input(first)
-                raise RankFailed(first) from None
-            return None
+        except (ChildFailedError, SignalException) as e:
+            _raise_stop_or_failure(Path(reports), e)
+            return None  # every rank stopped by a signal, checkpointed and exited
         finally:
             for g, level in zip(loggers, levels):
                 g.setLevel(level)
     return [results[r] for r in sorted(results)]
+
+
+def _raise_stop_or_failure(reports: Path, error: Exception) -> None:
+    """Why the ranks ended early: a second signal that stopped them at once, the first
+    rank that failed, or a signal before any rank could train; returns when every rank
+    stopped cleanly on a signal."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    notes = stopping.read_notes(reports)
+    at_once = next((n for n in notes if n["at_once"]), None)
+    if at_once is not None:
+        raise stopping.Interrupted(at_once["message"], at_once["signal"])
+    first = (None if isinstance(error, SignalException) else _killed(error)) or _first_failure(reports)
+    if first is not None:
+        _raise_bad_input(first)
+        raise RankFailed(first) from None
+    if not isinstance(error, SignalException):
+        raise error
+    if not notes:
+        name = error.sigval.name
+        raise stopping.Interrupted(f"stopped by {name} before the ranks began training: nothing was saved", name)
 
 
 def _run_rank(reports: str, fn: Callable[..., Any], args: tuple) -> Any:

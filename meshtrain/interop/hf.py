@@ -538,10 +538,10 @@ def export_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike, dty
     Returns a summary dict: out, checkpoint, step, arch, dtype, files, total_bytes, config.
     """
     from ..config.schema import RunConfig
-    from ..train.checkpoint import CheckpointError, _read_meta
+    from ..train.checkpoint import CheckpointError, read_meta
 
     path = resolve_checkpoint(checkpoint)
-    meta = _read_meta(path)
+    meta = read_meta(path)
     if meta is None:
         raise CheckpointError(f"checkpoint {path}: meta.json is missing or corrupt: export a complete checkpoint")
     config = (meta.get("extra") or {}).get("config")

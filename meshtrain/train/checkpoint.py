@@ -85,10 +85,12 @@ def _name(step: int) -> str:
 # --------------------------------------------------------------------------- save
 
 
-def save(root: str | os.PathLike, step: int, state: TrainState, extra: dict, keep_last: int) -> Path:
+def save(root: str | os.PathLike, step: int, state: TrainState, extra: dict, keep_last: int,
+         on_write: Callable[[], None] | None = None) -> Path:
     """Write `state` (a TrainState: params, optimizer, step) as the checkpoint of `step`
     under `root` and return its directory. Every rank calls it when a process group
-    exists; it returns on no rank before the checkpoint is final and pruned."""
+    exists; it returns on no rank before the checkpoint is final and pruned. `on_write`
+    runs when this rank has opened its first tensor file (the fault injection's hook)."""
     root = Path(root)
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise CheckpointError(f"checkpoint under {root}: step={step!r} must be an int >= 0")
@@ -109,7 +111,7 @@ def save(root: str | os.PathLike, step: int, state: TrainState, extra: dict, kee
         _on_rank0(lambda: _fresh_dir(tmp), f"create {tmp}")
         doing = "writing the tensor files"
         writer = dcp.FileSystemWriter(tmp, sync_files=True)
-        writer.fs = _RecordingFileSystem()
+        writer.fs = _RecordingFileSystem(on_write)
         try:
             with _quiet_dcp():
                 dcp.save(_tensors(state), storage_writer=writer)
@@ -134,13 +136,17 @@ def save(root: str | os.PathLike, step: int, state: TrainState, extra: dict, kee
 class _RecordingFileSystem(dcp_filesystem.FileSystem):
     """DCP's file system, remembering the first OSError of a write to one of its streams."""
 
-    def __init__(self):
+    def __init__(self, on_write: Callable[[], None] | None = None):
         super().__init__()
         self.error: OSError | None = None
+        self.on_write = on_write
 
     @contextlib.contextmanager
     def create_stream(self, path, mode):
         with super().create_stream(path, mode) as stream:
+            if self.on_write is not None and "w" in mode:
+                self.on_write, on_write = None, self.on_write
+                on_write()
             yield _RecordingStream(stream, self, path) if "w" in mode or "a" in mode else stream
 
 
@@ -334,7 +340,7 @@ def _fsync_dir(path: Path) -> None:
 # --------------------------------------------------------------------------- find
 
 
-def _read_meta(path: Path) -> dict | None:
+def read_meta(path: Path) -> dict | None:
     """meta.json if present and well formed, else None."""
     try:
         meta = json.loads((path / META).read_text())
@@ -352,7 +358,7 @@ def _complete(root: Path) -> list[tuple[int, Path]]:
     found = []
     for entry in root.iterdir():
         m = _FINAL.match(entry.name)
-        if m and entry.is_dir() and _read_meta(entry) is not None:
+        if m and entry.is_dir() and read_meta(entry) is not None:
             found.append((int(m.group(1)), entry))
     return sorted(found)
 
@@ -387,14 +393,14 @@ def _cleanup(root: Path) -> None:
         return
     entries = sorted(root.iterdir())
     for entry in entries:
-        if _FINAL.match(entry.name) and entry.is_dir() and _read_meta(entry) is None:
+        if _FINAL.match(entry.name) and entry.is_dir() and read_meta(entry) is None:
             shutil.rmtree(entry)
     for entry in entries:
         m = _LEFTOVER.match(entry.name)
         if not m or not entry.exists():
             continue
         final = root / f"step_{m.group(2)}"
-        if m.group(1) == "old" and not final.exists() and _read_meta(entry) is not None:
+        if m.group(1) == "old" and not final.exists() and read_meta(entry) is not None:
             _rename(entry, final)
         elif entry.is_dir():
             shutil.rmtree(entry)
@@ -419,7 +425,7 @@ def load(path: str | os.PathLike, state: TrainState, model_names=None) -> dict:
     if not (path / META).is_file():
         raise CheckpointError(f"checkpoint {path} has no {META}, so its save never finished: load a "
                               "complete one (latest(root) finds it) or delete this directory")
-    meta = _read_meta(path)
+    meta = read_meta(path)
     if meta is None:
         raise CheckpointError(f"checkpoint {path}: {META} is corrupt (not JSON with integer step and world): "
                               "load another checkpoint (latest(root)) or delete this one")

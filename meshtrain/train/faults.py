@@ -4,6 +4,9 @@
     MESHTRAIN_FAULT="raise@3:1"          rank 1 raises a RuntimeError there
     MESHTRAIN_FAULT="kill@3:1"           rank 1 dies by SIGKILL there (as an OOM kill would)
     MESHTRAIN_FAULT="nan@3,nan@4"        every rank's gradients are NaN in steps 3 and 4
+    MESHTRAIN_FAULT="savestall@3"        every rank hangs in each checkpoint save from step 3 on,
+                                         once it has opened its first tensor file
+    MESHTRAIN_FAULT="savekill@3:0"       rank 0 dies by SIGKILL there
 
 The rank defaults to every rank. Unset (the normal case) it costs one lookup per step.
 """
@@ -16,7 +19,7 @@ import time
 from dataclasses import dataclass
 
 ENV = "MESHTRAIN_FAULT"
-KINDS = ("stall", "raise", "kill", "nan")
+KINDS = ("stall", "raise", "kill", "nan", "savestall", "savekill")
 
 
 @dataclass(frozen=True)
@@ -58,6 +61,15 @@ class Faults:
         if self._due("raise", step):
             raise RuntimeError(f"injected fault ({ENV}) at step {step}")
         if self._due("kill", step):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def in_save(self, step: int) -> None:
+        """Inside the checkpoint save of `step` (checkpoint.save's on_write): a save fault
+        fires in every save from its step on, since a stop's save step is not known ahead."""
+        if any(f.kind == "savestall" and step >= f.step for f in self.faults):
+            while True:
+                time.sleep(3600)
+        if any(f.kind == "savekill" and step >= f.step for f in self.faults):
             os.kill(os.getpid(), signal.SIGKILL)
 
     def poison_gradients(self, step: int, params: dict) -> None:

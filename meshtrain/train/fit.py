@@ -7,10 +7,11 @@ process group (gloo on CPU, nccl on CUDA) and the parameters are DTensors laid o
 plan. Each rank reads only its own rows of each global batch; which rows form a step's
 batch depends on the global sample count alone, so any layout trains on the same data.
 
-Rank 0 writes `<run_dir>/config.yaml` (the merged config), `<run_dir>/plan.json`,
-`<run_dir>/metrics.jsonl` (one JSON object per logged step) and, when
-`checkpoint.every` > 0, `<run_dir>/checkpoints/step_XXXXXXXX/`. Nothing is written
-before the config, the data and the checkpoint to resume from have been checked.
+Rank 0 writes `<run_dir>/config.yaml` (the merged config; `configs/step_XXXXXXXX.yaml`
+keeps the config of every start), `<run_dir>/plan.json`, `<run_dir>/metrics.jsonl` (one
+JSON object per logged step) and `<run_dir>/checkpoints/step_XXXXXXXX/` (every
+`checkpoint.every` steps and at the end). Nothing is written before the config, the data
+and the checkpoint to resume from have been checked, nor by a run already at its end.
 """
 
 from __future__ import annotations
@@ -19,22 +20,21 @@ import datetime
 import math
 import os
 import shutil
-import signal
 import sys
-import threading
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from .. import launch
+from .. import launch, stopping
 from ..config import RunConfig
 from ..errors import ConfigError, TrainingError
 from ..models.spec import init_slice
 from ..parallel.cp_attention import zigzag_order
 from . import checkpoint
-from .metrics import Reporter, device_peak_tflops, flops_per_token, memory_gib
+from .metrics import device_peak_tflops, flops_per_token, memory_gib
+from .report import Reporter
 from .optim import AdamW
 from .schedule import LRSchedule
 from .faults import Faults
@@ -43,8 +43,18 @@ from .watchdog import TRAIN_STEP, Watchdog
 
 
 def fit(cfg: RunConfig) -> list[dict]:
-    """Train to cfg.train.steps (or train.stop_at). Returns the metrics this run logged."""
+    """Train to cfg.train.steps (or train.stop_at). Returns the metrics this run logged.
+    SIGINT / SIGTERM stop it after a step, with a checkpoint (meshtrain.stopping)."""
     cfg.validate()
+    installed = stopping.REQUEST.install()  # before the first slow step: a stop is never lost
+    try:
+        return _fit(cfg)
+    finally:
+        if installed:
+            stopping.REQUEST.restore()
+
+
+def _fit(cfg: RunConfig) -> list[dict]:
     ranks = launch.detect(cfg.parallel.nproc_per_node)
     if ranks is None:  # launch the ranks ourselves, once everything they read is known good
         nproc = cfg.parallel.nproc_per_node
@@ -53,8 +63,15 @@ def fit(cfg: RunConfig) -> list[dict]:
         if _resume_path(cfg) is None and cfg.model.init_from:  # also checks checkpoint.resume
             _check_init_from(cfg)
         _check_writable(Path(cfg.run_dir))
+        if stopping.REQUEST.name:
+            name = stopping.REQUEST.name
+            raise stopping.Interrupted(f"stopped by {name} before the ranks started: nothing was written", name)
+        if _finished(cfg, print_it=True):
+            return []
         results = launch.launch(_fit_rank, (cfg.to_dict(),), nproc)
         return [] if results is None else results[0]  # None: stopped by a signal, checkpointed
+    if _finished(cfg, print_it=ranks.rank == 0):
+        return []
     model = cfg.model_def()
     # The plan and every layout error come before any process group exists.
     plan = cfg.plan(world=ranks.world)
@@ -89,6 +106,7 @@ def fit(cfg: RunConfig) -> list[dict]:
 
 
 def _mark(watchdog: Watchdog | None, step: int, op: str) -> None:
+    stopping.REQUEST.doing = f"step {step}: {op}" if step else op
     if watchdog is not None:
         watchdog.mark(step, op)
 
@@ -107,9 +125,10 @@ def _check_writable(run_dir: Path) -> None:
 
 def _fit_rank(cfg_dict: dict) -> list[dict]:
     history = fit(RunConfig.from_dict(cfg_dict))
-    if _StopSignal.received_by_this_process:
+    if stopping.REQUEST.name:
         # The elastic agent is shutting down and no longer collects results: a rank that
         # returned would wait for it until killed. Leave now, successfully.
+        stopping.leave_note(stopping.REQUEST.name, at_once=False)
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)
@@ -135,6 +154,35 @@ def _check_init_from(cfg: RunConfig) -> None:
         raise ConfigError(f"model.init_from={cfg.model.init_from!r} is not a Hugging Face model directory (no "
                           "config.json): give a directory written by save_pretrained or meshtrain export")
     check_same_model(path, cfg.model.arch, cfg.family_config())
+
+
+def _finished(cfg: RunConfig, print_it: bool) -> bool:
+    """A run whose checkpoint to resume from is already at its last step does nothing: it
+    rewrites no file and starts no rank (running the same command twice is harmless)."""
+    path = _resume_path(cfg)
+    meta = checkpoint.read_meta(path) if path is not None else None
+    t = cfg.train
+    stop = min(t.stop_at or t.steps, t.steps)
+    if meta is None or meta["step"] < stop:
+        return False
+    if print_it:
+        until = f"train.stop_at={t.stop_at}" if t.stop_at and t.stop_at < t.steps else f"train.steps={t.steps}"
+        print(f"nothing to do: {path} is at step {meta['step']} and {until}; raise train.steps to train further, or "
+              "start over with --checkpoint.resume none or another run_dir", flush=True)
+    return True
+
+
+def _config_changes(old: dict, new: dict, prefix: str = "") -> list[str]:
+    """`key old -> new` for every value that differs between two RunConfig dicts, except
+    train.stop_at (where this invocation stops, not what the run is)."""
+    changes = []
+    for key in [*new, *(k for k in old if k not in new)]:
+        a, b, name = old.get(key), new.get(key), prefix + key
+        if isinstance(a, dict) and isinstance(b, dict):
+            changes += _config_changes(a, b, name + ".")
+        elif a != b and name != "train.stop_at":
+            changes.append(f"{name} {a!r} -> {b!r}")
+    return changes
 
 
 def _resume_path(cfg: RunConfig, repair: bool = False) -> Path | None:
@@ -249,19 +297,21 @@ class _Run:
         _mark(self.watchdog, self.state.step, "loading the checkpoint")
         skipped = self._load_resume() if self.resume is not None else []
         stop = min(t.stop_at or t.steps, t.steps)
-        rep = Reporter(self.ranks.rank == 0, self.run_dir, t.steps)
+        rep = Reporter(self.ranks.rank == 0, self.run_dir, t.steps,
+                       mfu=device_peak_tflops(self.device, t.precision) is not None)
         if self.ranks.rank == 0:
             self._write_run_files()
         rep.start(self._kept_metrics())
         rep.print(self._banner())
+        rep.print(f"  {rep.tensorboard_line()}")
         for note in skipped:
             rep.print(f"[yellow]{note}[/]")
         if self.resume is not None:
             rep.print(f"resumed from {self.resume} at step {self.state.step} "
                       f"({self.consumed:,} samples consumed)")
-        if self.state.step >= stop:
-            rep.print(f"nothing to do: already at step {self.state.step} (train.steps={t.steps}, "
-                      f"train.stop_at={t.stop_at})")
+            changes = _config_changes(self.resumed_config, cfg.to_dict())
+            if changes:
+                rep.print(f"[yellow]config changed since {self.resume.name}: {'; '.join(changes)}[/]")
         peak = device_peak_tflops(self.device, t.precision)
         m = cfg.model
         flops = flops_per_token(self.model.specs, m.n_layers, m.dim, t.seq_len, m.tie_embeddings,
@@ -269,9 +319,14 @@ class _Run:
         tokens_per_step = t.global_batch * t.seq_len
         history: list[dict] = []
         first_step, start = self.state.step, time.perf_counter()
+        # The first step of each start (compile, allocator and first-collective warm-up) is
+        # left out of tokens/s and the ETA: its time is its own (warmup_s).
+        warm, warmup_s = start, None
         last_time, last_step = start, first_step
-        stop_signal = _StopSignal(self.device if self.ranks.world > 1 else None)
+        stopping.REQUEST.after = self._on_disk
         guard = _LossGuard(t)
+        if t.compile and self.state.step < stop:
+            rep.compiling()
         try:
             while self.state.step < stop:
                 current = self.state.step + 1
@@ -283,19 +338,36 @@ class _Run:
                 metrics = self.step_fn(self.state, batch)
                 self.consumed += t.global_batch
                 done = self.state.step
+                if warmup_s is None:
+                    warm = time.perf_counter()
+                    warmup_s = warm - start
+                    if t.compile:
+                        rep.compiled(warmup_s)
                 note = guard.check(done, metrics)
                 if note:
                     rep.print(f"[yellow]{note}[/]")
                 evaluate = t.eval_every and (done % t.eval_every == 0 or done == t.steps)
                 if done % t.log_every == 0 or done == stop or evaluate:
                     now = time.perf_counter()
-                    tokens_per_s = tokens_per_step * (done - last_step) / (now - last_time)
+                    if last_step == first_step:  # the window starts after the warm-up step
+                        last_time, last_step = warm, first_step + 1
+                    steps = done - last_step
+                    step_time = (now - last_time) / steps if steps else warmup_s
+                    # A compiled run's first step is mostly compiling: no rate, no ETA from it.
+                    known = steps or not t.compile
+                    tokens_per_s = tokens_per_step / step_time if known else None
+                    after_warmup = done - first_step - 1
+                    eta = (now - warm) / after_warmup if after_warmup else step_time if known else None
                     record = {"step": done, "loss": metrics["loss"], "lr": metrics["lr"],
                               "grad_norm": metrics["grad_norm"], "tokens_per_s": tokens_per_s,
-                              "mfu": flops * tokens_per_s / self.ranks.world / (peak * 1e12) if peak else None,
+                              "step_time_s": step_time,
+                              "mfu": flops * tokens_per_s / self.ranks.world / (peak * 1e12)
+                              if peak and tokens_per_s else None,
                               "memory_gib": memory_gib(self.device), "elapsed_s": now - start,
-                              "eta_s": (now - start) / (done - first_step) * (stop - done),
+                              "eta_s": eta * (stop - done) if eta is not None else None,
                               **{k: metrics[k] for k in ("aux_loss", "expert_imbalance") if k in metrics}}
+                    if not history:
+                        record["warmup_s"] = warmup_s
                     if guard.skipped:
                         record["skipped_steps"] = guard.skipped
                     if evaluate:
@@ -306,27 +378,41 @@ class _Run:
                     history.append(record)
                     rep.log(record)
                 every, saved = self.cfg.checkpoint.every, False
-                if every and (done % every == 0 or done == stop):
+                if done == stop or (every and done % every == 0):  # the last step always saves
                     rep.print(f"checkpoint {self._save()}")
                     saved = True
                 _mark(self.watchdog, done, "agreeing on stop signals (a one-element all-reduce)")
-                received = stop_signal.received()
+                received = self._stop_agreed()
                 if received and done < stop:
                     # Preemption: a checkpoint at this step boundary, then a clean exit.
                     path = self._save() if not saved else checkpoint.step_dir(self.run_dir / "checkpoints", done)
                     rep.print(f"stopped by {received} after step {done}: checkpoint {path}; run the same command "
                               "to resume")
-                    break
+                    return history
             if self.cfg.checkpoint.export and self.state.step >= stop:
                 _mark(self.watchdog, self.state.step, "export")
                 rep.print(f"exported to {self._export()}")
         finally:
-            stop_signal.restore()
             rep.close()
         if history:
-            rep.print(f"done: at step {self.state.step} of {t.steps} after {time.perf_counter() - start:.1f} s, final loss "
+            rep.print(f"done: step {self.state.step}/{t.steps} in {time.perf_counter() - start:.1f} s, loss "
                       f"{history[-1]['loss']:.4f}; metrics in {self.run_dir / 'metrics.jsonl'}")
         return history
+
+    def _stop_agreed(self) -> str | None:
+        """The stop signal's name when any rank received one (every rank must agree on the
+        step: a signal may reach only some), else None."""
+        name = stopping.REQUEST.name
+        if self.ranks.world == 1:
+            return name
+        flag = torch.tensor([float(name is not None)], device=self.device)
+        dist.all_reduce(flag, dist.ReduceOp.MAX)
+        return (name or "a signal to another rank") if flag.item() else None
+
+    def _on_disk(self) -> str:
+        """What a run stopped at once leaves: its latest complete checkpoint."""
+        latest = checkpoint.latest(self.run_dir / "checkpoints")
+        return f"{latest} is the latest checkpoint, intact" if latest else "no checkpoint was written"
 
     def _load_resume(self) -> list[str]:
         """Load the checkpoint to resume from. With resume auto, a damaged newest checkpoint
@@ -343,6 +429,7 @@ class _Run:
                 notes.append(f"skipping {path.name}: {e}")
                 continue
             self.resume, self.consumed = path, int(meta["extra"]["consumed_samples"])
+            self.resumed_config = meta["extra"].get("config", {})
             return notes
         raise checkpoint.CheckpointError(f"{first_error}; no earlier checkpoint in {self.resume.parent} loads either "
                                          "(set checkpoint.resume none to start over)" if auto else str(first_error))
@@ -368,8 +455,9 @@ class _Run:
     def _save(self) -> Path:
         _mark(self.watchdog, self.state.step, "checkpoint save")
         extra = {"consumed_samples": self.consumed, "config": self.cfg.to_dict()}
-        return checkpoint.save(self.run_dir / "checkpoints", self.state.step, self.state, extra,
-                               self.cfg.checkpoint.keep_last)
+        step = self.state.step
+        return checkpoint.save(self.run_dir / "checkpoints", step, self.state, extra, self.cfg.checkpoint.keep_last,
+                               on_write=lambda: self.faults.in_save(step))
 
     def _export(self) -> Path:
         """The final weights as a Hugging Face directory <run_dir>/export (replaced whole)."""
@@ -406,9 +494,18 @@ class _Run:
     # --- files ---------------------------------------------------------------------------
 
     def _write_run_files(self) -> None:
+        """config.yaml and plan.json of this start, and the config again under
+        configs/step_XXXXXXXX.yaml (the step it starts from): the history of a run's configs."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / "config.yaml").write_text(self.cfg.to_yaml())
+        text = self.cfg.to_yaml()
+        (self.run_dir / "config.yaml").write_text(text)
         (self.run_dir / "plan.json").write_text(self.plan.to_json() + "\n")
+        history = self.run_dir / "configs"
+        history.mkdir(exist_ok=True)
+        name, n = f"step_{self.state.step:08d}", 1
+        while (history / f"{name}.yaml").exists() and (history / f"{name}.yaml").read_text() != text:
+            name, n = f"step_{self.state.step:08d}.{n}", n + 1
+        (history / f"{name}.yaml").write_text(text)
 
     def _kept_metrics(self) -> list[dict]:
         """A resumed run keeps the records up to its checkpoint; a new run starts empty."""
@@ -428,18 +525,26 @@ class _Run:
         return kept
 
     def _banner(self) -> str:
+        """Three short lines: the model and run_dir, the layout, the batch."""
         cfg, t, plan = self.cfg, self.cfg.train, self.plan
         n_params = sum(s.numel for s in self.model.specs.values())
         mesh = " x ".join(f"{a}={plan.mesh.size(a)}" for a in plan.mesh.axes)
         if plan.mesh.ep > 1:
-            mesh += f"; experts ep={plan.mesh.ep} folded from fsdp x cp"
-        return (f"[bold]meshtrain fit[/] {cfg.model.arch} {n_params / 1e6:.2f}M params | world {self.ranks.world} "
-                f"({mesh}) on {self.device.type} | batch {t.global_batch} x {t.seq_len} tokens = "
-                f"{self.accumulation} micro-step(s) of {t.micro_batch} per data-parallel rank x {self.dp_size} | "
-                f"{t.precision}{f' {t.fp8_recipe}' if t.precision == 'fp8' else ''}"
-                f"{', compiled' if t.compile else ''}"
-                f"{'' if t.activation_checkpointing == 'none' else f', {t.activation_checkpointing} recompute'}"
-                f" | {self.run_dir}")
+            mesh += f", experts ep={plan.mesh.ep}"
+        options = [t.precision + (f" {t.fp8_recipe}" if t.precision == "fp8" else "")]
+        options += ["compiled"] * bool(t.compile)
+        options += [f"{t.activation_checkpointing} recompute"] * (t.activation_checkpointing != "none")
+        return (f"[bold]meshtrain fit[/] {cfg.model.arch} {_count(n_params)} params -> {self.run_dir}\n"
+                f"  world {self.ranks.world} ({mesh}) on {self.device.type}, {', '.join(options)}\n"
+                f"  batch {t.global_batch} x {t.seq_len} tokens: {self.accumulation} micro-step(s) of "
+                f"{t.micro_batch} x {self.dp_size} data-parallel rank(s)")
+
+
+def _count(n: int) -> str:
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f}{unit}"
+    return str(n)
 
 
 class _LossGuard:
@@ -477,41 +582,6 @@ class _LossGuard:
                         f"previous {len(self.recent)} steps (train.spike_factor={t.spike_factor:g})")
         self.recent = (self.recent + [loss])[-self.WINDOW:]
         return note
-
-
-class _StopSignal:
-    """SIGTERM / SIGINT ask the run to stop at the next step boundary (after a checkpoint),
-    as a cluster's preemption notice does; a second one stops at once. With several ranks
-    they agree every step (a one-element all-reduce), since a signal may reach only some."""
-
-    SIGNALS = (signal.SIGTERM, signal.SIGINT)
-    received_by_this_process = False
-
-    def __init__(self, device: torch.device | None):
-        self.device, self.name, self.previous = device, None, {}
-        if threading.current_thread() is not threading.main_thread():
-            return  # signal handlers can only be set from the main thread
-        for sig in self.SIGNALS:
-            self.previous[sig] = signal.signal(sig, self._handle)
-
-    def _handle(self, sig, frame) -> None:
-        if self.name is not None:  # asked twice: stop now
-            self.restore()
-            raise KeyboardInterrupt if sig == signal.SIGINT else SystemExit(128 + sig)
-        self.name = signal.Signals(sig).name
-        _StopSignal.received_by_this_process = True
-
-    def received(self) -> str | None:
-        if self.device is None:
-            return self.name
-        flag = torch.tensor([float(self.name is not None)], device=self.device)
-        dist.all_reduce(flag, dist.ReduceOp.MAX)
-        return (self.name or "a signal to another rank") if flag.item() else None
-
-    def restore(self) -> None:
-        for sig, handler in self.previous.items():
-            signal.signal(sig, handler)
-        self.previous = {}
 
 
 class _RowSlice:

@@ -1,0 +1,109 @@
+"""How a run stops when it is asked to: SIGINT (Ctrl-C) or SIGTERM (`kill`, a cluster's
+preemption notice or time limit, a launcher passing either on).
+
+The first request lets every rank finish its step; the ranks agree on that step (the
+training loop's one-element all-reduce), save one checkpoint and exit 0. A terminal sends
+Ctrl-C to every process of its foreground group, and torchrun, SLURM and our own launcher
+pass on what they receive, so one request can reach a rank twice within milliseconds:
+signals within DUPLICATE_S of the first are that same request. A later one stops the
+process at once (`os._exit`, no traceback): a checkpoint being written is abandoned under
+its temporary name, the previous one stays the latest, and the next start clears the rest.
+
+Under our launcher a rank that stops at once leaves a note for it and prints nothing (the
+launcher prints the one line); otherwise rank 0 prints it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Callable
+
+SIGNALS = (signal.SIGTERM, signal.SIGINT)
+DUPLICATE_S = 1.0
+NOTE_DIR = "MESHTRAIN_FAILURE_DIR"  # set by our launcher in each rank (launch._REPORT_DIR)
+
+
+class StopRequest:
+    """This process's stop request: installed once, read by the training loop."""
+
+    def __init__(self):
+        self.name: str | None = None  # the first signal's name
+        self.first_at = 0.0
+        self.doing = "starting"  # what the loop is doing, for the line a second signal prints
+        self.after: Callable[[], str] | None = None  # what stays on disk, for that line
+        self._previous: dict = {}
+
+    def install(self) -> bool:
+        """Handle SIGINT and SIGTERM from now on, with no request yet; False where that is
+        impossible (not the main thread) or already done."""
+        if self._previous or threading.current_thread() is not threading.main_thread():
+            return False
+        self.name, self.doing, self.after = None, "starting", None
+        for sig in SIGNALS:
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return True
+
+    def restore(self) -> None:
+        """The handlers from before install(); the request stays readable."""
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
+
+    def _handle(self, sig: int, frame) -> None:
+        now = time.monotonic()
+        if self.name is None:
+            self.name, self.first_at = signal.Signals(sig).name, now
+        elif now - self.first_at > DUPLICATE_S:
+            self._stop_now(sig)
+
+    def _stop_now(self, sig: int) -> None:
+        signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)  # a third signal must not re-enter here
+        name = signal.Signals(sig).name
+        line = f"stopped at once by a second {name} ({self.doing})"
+        try:
+            if self.after is not None:
+                line += f"; {self.after()}"
+        except Exception:  # the line must not fail: the process is leaving anyway
+            pass
+        try:
+            sys.stdout.flush()  # the step lines printed so far
+        except Exception:  # interrupted in the middle of a write: leave what is there
+            pass
+        try:
+            # Under our launcher it prints the line once for every rank.
+            if not leave_note(name, True, line) and os.environ.get("RANK", "0") == "0":
+                os.write(2, f"meshtrain: {line}\n".encode())
+        finally:
+            os._exit(128 + sig)
+
+
+REQUEST = StopRequest()
+
+
+class Interrupted(Exception):
+    """The launcher's view of a stop that saved nothing or stopped at once; the CLI prints
+    the message as one line and exits 128 + the signal's number, as a shell does."""
+
+    def __init__(self, message: str, signal_name: str):
+        super().__init__(message)
+        self.exit_code = 128 + signal.Signals[signal_name].value
+
+
+def leave_note(signal_name: str, at_once: bool, message: str = "") -> bool:
+    """A rank under our launcher records how it stopped; False under any other launcher."""
+    notes = os.environ.get(NOTE_DIR)
+    if notes:
+        Path(notes, f"stop-rank{os.environ.get('RANK', '0')}.json").write_text(
+            json.dumps({"at_once": at_once, "message": message, "signal": signal_name}))
+    return bool(notes)
+
+
+def read_notes(notes: Path) -> list[dict]:
+    """The ranks' stop notes (launcher side)."""
+    return [json.loads(p.read_text()) for p in sorted(notes.glob("stop-rank*.json"))]

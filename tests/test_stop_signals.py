@@ -1,0 +1,162 @@
+"""SIGINT and SIGTERM through the real CLI, as a terminal, `kill`, SLURM and launchers send
+them: to the whole process group (every rank gets the signal, and the launcher passes it
+on again) or to the launcher alone. Each stop saves one checkpoint and exits 0 with one
+line; a second signal during the save ends at once with one line and leaves the previous
+checkpoint the latest; the resumed runs continue the uninterrupted loss curve exactly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from meshtrain.stopping import DUPLICATE_S
+from meshtrain.train import checkpoint
+from test_cli import ROOT, SMALL, TINY, _env, read_metrics, run_cli
+
+TINY4 = ROOT / "configs" / "tiny-4proc.yaml"
+# A long schedule: where a run stops does not change its curve.
+LONG = [*SMALL, "--train.steps", "400"]
+
+
+class Run:
+    """One `meshtrain fit` in its own process group, watched through its metrics.jsonl."""
+
+    def __init__(self, args: list[str], run_dir: Path, launcher: list[str] | None = None, env: dict | None = None):
+        self.run_dir = run_dir
+        cmd = [sys.executable, *(launcher or []), "-m", "meshtrain.cli", "fit", *args, "--run_dir", str(run_dir)]
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env={**_env(), **(env or {})}, text=True,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+
+    def wait_for(self, what, timeout: float = 300) -> None:
+        deadline = time.monotonic() + timeout
+        while not what():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.kill()
+                pytest.fail(f"the run ended or stalled before the test could signal it:\n{self.finish()}")
+            time.sleep(0.1)
+
+    def steps_logged(self) -> int:
+        path = self.run_dir / "metrics.jsonl"
+        return len(path.read_text().splitlines()) if path.exists() else 0
+
+    def signal_group(self, sig: signal.Signals) -> None:
+        os.killpg(self.proc.pid, sig)
+
+    def finish(self, timeout: float = 300) -> tuple[int, str, str]:
+        try:
+            out, err = self.proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            out, err = self.proc.communicate()
+        return self.proc.returncode, out, err
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+
+
+def _stopped(out: str, name: str) -> int:
+    """The step of the one 'stopped by' line."""
+    found = re.findall(rf"^stopped by {name} after step (\d+): checkpoint (\S+); run the same command to resume$",
+                       out, re.M)
+    assert len(found) == 1, out
+    return int(found[0][0])
+
+
+def _checkpoints(run_dir: Path) -> list[int]:
+    return [int(p.name.split("_")[1]) for p in checkpoint.complete(run_dir / "checkpoints")]
+
+
+def _losses(run_dir: Path) -> list[float]:
+    return [r["loss"] for r in read_metrics(run_dir)]
+
+
+@pytest.mark.slow
+def test_four_self_launched_ranks_stop_on_every_kind_of_signal_and_resume_exactly(tmp_path):
+    args = ["--config", str(TINY4), *LONG]  # fsdp 2 x tp 2 + sp; checkpoint.every 0
+    run_dir = tmp_path / "run"
+
+    # Ctrl-C in a terminal: SIGINT to every process of the group, and the launcher passes it on.
+    run = Run(args, run_dir)
+    run.wait_for(lambda: run.steps_logged() >= 3)
+    run.signal_group(signal.SIGINT)
+    code, out, err = run.finish()
+    assert code == 0 and "Traceback" not in err and "failed" not in err, out + err
+    first = _stopped(out, "SIGINT")
+    assert _checkpoints(run_dir) == [first]
+
+    # SIGTERM to the launcher alone (`kill PID`): it passes it on to the ranks.
+    run = Run(args, run_dir)
+    run.wait_for(lambda: run.steps_logged() >= first + 2)
+    run.proc.send_signal(signal.SIGTERM)
+    code, out, err = run.finish()
+    assert code == 0 and "Traceback" not in err, out + err
+    assert "resumed from" in out
+    second = _stopped(out, "SIGTERM")
+    assert _checkpoints(run_dir) == [first, second]
+
+    # SIGTERM to the group, then a second signal while the checkpoint is being written
+    # (the injected fault holds every rank inside its save).
+    run = Run(args, run_dir, env={"MESHTRAIN_FAULT": f"savestall@{second + 1}"})
+    run.wait_for(lambda: run.steps_logged() >= second + 2)
+    run.signal_group(signal.SIGTERM)
+    signalled = time.monotonic()
+    run.wait_for(lambda: any(p.name.startswith(".tmp-step_") for p in (run_dir / "checkpoints").iterdir()))
+    time.sleep(max(0.0, signalled + DUPLICATE_S + 0.5 - time.monotonic()))  # not the same request
+    run.signal_group(signal.SIGINT)
+    code, out, err = run.finish(timeout=60)
+    assert code == 128 + signal.SIGINT, out + err
+    latest = checkpoint.step_dir(run_dir / "checkpoints", second)
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and re.fullmatch(rf"meshtrain: stopped at once by a second SIGINT \(step \d+: checkpoint "
+                                            rf"save\); {re.escape(str(latest))} is the latest checkpoint, intact",
+                                            lines[0]), err
+    assert checkpoint.latest(run_dir / "checkpoints") == latest and _checkpoints(run_dir) == [first, second]
+
+    # The same command resumes from the intact checkpoint and clears the abandoned one.
+    end = ["--train.stop_at", str(second + 2)]
+    resumed = run_cli("fit", *args, *end, "--run_dir", str(run_dir), timeout=400)
+    assert resumed.returncode == 0 and f"resumed from {latest}" in resumed.stdout, resumed.stdout + resumed.stderr
+    assert not [p for p in (run_dir / "checkpoints").iterdir() if p.name.startswith(".")]
+    reference = run_cli("fit", *args, *end, "--run_dir", str(tmp_path / "reference"), timeout=400)
+    assert reference.returncode == 0, reference.stdout + reference.stderr
+    assert [r["step"] for r in read_metrics(run_dir)] == list(range(1, second + 3))
+    assert _losses(run_dir) == _losses(tmp_path / "reference")
+
+
+@pytest.mark.slow
+def test_two_ranks_under_torchrun_stop_on_group_signals_and_resume_exactly(tmp_path):
+    """torchrun passes a signal on to its ranks, which also got it from the group. The
+    ranks save and exit 0 with one line; torchrun itself then reports the signal it got
+    (its own SignalException, exit 1): that is torchrun's behaviour, not a failed rank."""
+    args = ["--config", str(TINY), *LONG, "--parallel.fsdp", "2"]
+    torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    run_dir = tmp_path / "run"
+    stops = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        run = Run(args, run_dir, launcher=torchrun)
+        run.wait_for(lambda: run.steps_logged() >= (stops[-1] if stops else 0) + 3)
+        run.signal_group(sig)
+        code, out, err = run.finish()
+        stops.append(_stopped(out, sig.name))
+        assert "ChildFailedError" not in err and "KeyboardInterrupt" not in err, out + err
+        assert f"SignalException: Process {run.proc.pid} got signal: {int(sig)}" in err, err
+        assert _checkpoints(run_dir)[-1] == stops[-1]
+    end = ["--train.stop_at", str(stops[-1] + 2)]
+    resumed = run_cli("fit", *args, *end, "--run_dir", str(run_dir), launcher=torchrun, timeout=400)
+    assert resumed.returncode == 0 and "resumed from" in resumed.stdout, resumed.stdout + resumed.stderr
+    # The reference: the same layout, self-launched, never interrupted.
+    reference = run_cli("fit", *args, *end, "--parallel.nproc_per_node", "2", "--run_dir", str(tmp_path / "ref"),
+                        timeout=400)
+    assert reference.returncode == 0, reference.stdout + reference.stderr
+    assert [r["step"] for r in read_metrics(run_dir)] == list(range(1, stops[-1] + 3))
+    assert _losses(run_dir) == _losses(tmp_path / "ref")
