@@ -108,11 +108,21 @@ def main(argv: list[str] | None = None) -> int:
 
     from .data.errors import DataError
     from .launch import RankFailed
+    from .stopping import Interrupted
     from .train.checkpoint import CheckpointError
 
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__.split("\n\nEvery key")[0])
+        print("\nmeshtrain <command> --help lists a command's options; meshtrain --version its version.")
+        return 0
+    if argv[0] == "--version":
+        print(_version())
+        return 0
+    parser = None
     try:
+        _check_config_files(argv)
         parser = build_parser()
-        args = parser.parse_args(argv)
+        args = parser.parse_args(_quote_slices(argv))
         if args.command == "fit":
             from .train.fit import fit
 
@@ -135,8 +145,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"meshtrain: config error: {e}", file=sys.stderr)
         return EXIT_CONFIG
     except ArgumentError as e:
-        message = " ".join(line.strip() for line in str(e).splitlines() if line.strip())
-        print(f"meshtrain: config error: {message.replace('Parser key ', 'key ')}", file=sys.stderr)
+        print(f"meshtrain: config error: {_explain(e, argv, parser)}", file=sys.stderr)
         return EXIT_CONFIG
     except DataError as e:
         print(f"meshtrain: data error: {e}", file=sys.stderr)
@@ -150,6 +159,125 @@ def main(argv: list[str] | None = None) -> int:
     except RankFailed as e:
         print(f"meshtrain: {e}\n{e.report['traceback']}", file=sys.stderr)
         return 1
+    except Interrupted as e:
+        print(f"meshtrain: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:  # Ctrl-C outside training (plan, export, preprocess, ...)
+        print("meshtrain: interrupted", file=sys.stderr)
+        return 130
+
+
+def _version() -> str:
+    import platform
+    from importlib.metadata import PackageNotFoundError, version
+
+    import torch
+
+    try:
+        ours = version("meshtrain")
+    except PackageNotFoundError:  # run from a checkout that was not installed
+        ours = "(not installed)"
+    return f"meshtrain {ours} (torch {torch.__version__}, Python {platform.python_version()})"
+
+
+def _check_config_files(argv: list[str]) -> None:
+    """Each --config file exists and is YAML, or one line that names the file, the line and
+    the column (jsonargparse would say "<unicode string>")."""
+    import yaml
+
+    for i, arg in enumerate(argv):
+        path = argv[i + 1] if arg == "--config" and i + 1 < len(argv) else \
+            arg.split("=", 1)[1] if arg.startswith("--config=") else None
+        if path is None:
+            continue
+        try:
+            with open(path) as f:
+                yaml.safe_load(f)
+        except OSError as e:
+            raise ConfigError(f"--config {path}: {e.strerror or e}") from None
+        except yaml.MarkedYAMLError as e:
+            mark = e.problem_mark or e.context_mark
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+            raise ConfigError(f"--config {path}: not valid YAML{where}: {e.problem or e.context}") from None
+        except yaml.YAMLError as e:
+            raise ConfigError(f"--config {path}: not valid YAML: {e}") from None
+
+
+def _quote_slices(argv: list[str]) -> list[str]:
+    """`--model.moe.layers 1:` as the string it is: YAML, which reads every flag's value,
+    takes `1:` for a mapping. A value the user quoted already is unquoted first."""
+    import json
+    import re
+
+    key, out = "--model.moe.layers", list(argv)
+    for i, arg in enumerate(out):
+        at = i + 1 if arg == key else i if arg.startswith(key + "=") else None
+        if at is None or at >= len(out):
+            continue
+        head, value = (key + "=", out[at][len(key) + 1:]) if at == i else ("", out[at])
+        bare = value[1:-1] if len(value) > 1 and value[0] == value[-1] and value[0] in "'\"" else value
+        if re.fullmatch(r"-?\d*:-?\d*(:-?\d*)?", bare):
+            out[at] = head + json.dumps(bare)
+    return out
+
+
+_TYPES = {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string",
+          "NoneType": "null"}
+
+
+def _explain(error, argv: list[str], parser) -> str:
+    """jsonargparse's message as one line a user can act on: the key, what it takes, and
+    the nearest known key or command for a typo."""
+    import re
+
+    message = " ".join(line.strip() for line in str(error).splitlines() if line.strip())
+    message = message.replace("Parser key ", "key ")
+    command = next((a for a in argv if not a.startswith("-")), None)
+    choice = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)", message)
+    if choice:
+        commands = [c.strip(" '") for c in choice.group(2).split(",")]
+        return (f"unknown command {choice.group(1)!r}{_nearest(choice.group(1), commands)}; commands: "
+                f"{', '.join(commands)}")
+    unknown = re.search(r"does not accept option '([^']*)'|unrecognized arguments: (\S+)", message)
+    if unknown:
+        name = (unknown.group(1) or unknown.group(2)).lstrip("-").split("=")[0]
+        return (f"unknown key {name!r}{_nearest(name, _known_keys(parser, command))}; meshtrain {command} --help "
+                "lists the keys")
+    nested = re.search(r"key \"([\w.]+)\": Does not validate.*?key \"([\w.]+)\": Expected a <class '(\w+)'>\. "
+                       r"Got value: (.*?)(?: - |$)", message)
+    simple = re.fullmatch(r"key \"([\w.]+)\": Expected a <class '(\w+)'>\. Got value: (.*)", message)
+    if nested or simple:
+        key, kind, value = (f"{nested.group(1)}.{nested.group(2)}", *nested.group(3, 4)) if nested else simple.groups()
+        return f"{key}={value!r}: expected {_TYPES.get(kind, kind)}"
+    return message
+
+
+def _nearest(name: str, known: list[str]) -> str:
+    import difflib
+
+    close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+    return f" (did you mean {close[0]}?)" if close else ""
+
+
+def _known_keys(parser, command: str | None) -> list[str]:
+    """The dotted keys a command takes: the RunConfig's fields (MoE's included) for fit and
+    plan, and the command's own options."""
+    import dataclasses
+
+    from .config import RunConfig
+    from .config.schema import MoeSection
+
+    def walk(cls, prefix):
+        for f in dataclasses.fields(cls):
+            inner = MoeSection if f.name == "moe" else f.default_factory if dataclasses.is_dataclass(
+                f.default_factory) else None
+            yield from walk(inner, f"{prefix}{f.name}.") if inner else [prefix + f.name]
+
+    keys = list(walk(RunConfig, "")) if command in ("fit", "plan") else []
+    commands = parser._subcommands_action._name_parser_map if parser is not None else {}
+    if command in commands:
+        keys += [o.lstrip("-") for a in commands[command]._actions for o in a.option_strings if o.startswith("--")]
+    return keys
 
 
 def _plan(a) -> None:

@@ -312,7 +312,7 @@ CROSS = [
     _x("tiny", "model.moe={num_experts: 4, top_k: 8}", key="model.moe.top_k", value="8"),
     _x("tiny-moe", "model.moe.top_k=3", "model.moe.num_experts=2", key="model.moe.top_k", value="3"),
     # the optimisation loop
-    _x("tiny", "train.warmup_steps=101"), _x("tiny-pp2", "train.steps=5"), _x("tiny", "train.min_lr=0.001"),
+    _x("tiny", "train.min_lr=0.001"),
     _x("tiny", "train.eval_every=10", "data.valid_fraction=0", key="data.valid_fraction", value="0"),
     _x("tiny-moe", "data.valid_fraction=0", "train.eval_every=5"),
     _x("tiny", "train.spike_factor=1"),

@@ -29,6 +29,7 @@ MAX_SIZES = {"model.dim": 2**20, "model.n_layers": 1024, "model.n_heads": 2**16,
              "model.ffn_dim": 2**22, "model.head_dim": 2**16, "model.vocab_size": 2**31 - 1,
              "model.max_seq_len": 2**24, "model.moe.num_experts": 2**16, "model.moe.shared_experts": 2**16,
              "model.moe.expert_ffn_dim": 2**22}
+MAX_STEPS = 10**12  # a million times the longest pre-training runs
 MAX_TIMEOUT_S = 1.0e8  # about 3 years: a process group's timeout must fit a timedelta and int64 milliseconds
 
 
@@ -62,6 +63,12 @@ class MoeSection:
     """Multiplier of the gates (DeepSeek-V3: 2.5)."""
     bias_update_rate: float = 0.001
     """Step of the aux-free bias update (balance aux_free)."""
+
+    def __post_init__(self):
+        # `--model.moe.layers "'1:'"`: the command line keeps a quoted string's quotes.
+        v = self.layers
+        if isinstance(v, str) and len(v) > 1 and v[0] == v[-1] and v[0] in "'\"":
+            self.layers = v[1:-1]
 
 
 @dataclass
@@ -153,7 +160,7 @@ class TrainConfig:
     min_lr: float = 3.0e-5
     """Learning rate at the end of the decay."""
     warmup_steps: int = 10
-    """Steps of linear warmup from lr/warmup_steps to lr."""
+    """Steps of linear warmup from lr/warmup_steps to lr (a run shorter than its warmup ends inside it)."""
     lr_schedule: str = "cosine"
     """Decay after warmup: cosine, linear, wsd (warmup-stable-decay, last 20% decays) or constant."""
     weight_decay: float = 0.1
@@ -201,7 +208,7 @@ class CheckpointConfig:
     """Checkpoints: torch.distributed.checkpoint directories <run_dir>/checkpoints/step_XXXXXXXX/ with parameters, optimizer state, step, data position and RNG states."""
 
     every: int = 0
-    """Save a checkpoint every this many steps and at the end of the run (train.steps or train.stop_at); 0: never."""
+    """Save a checkpoint every this many steps; 0: only at the end. A run always saves when it ends (train.steps or train.stop_at) or is stopped by SIGINT/SIGTERM, so the same command resumes it."""
     keep_last: int = 2
     """How many of the newest complete checkpoints to keep."""
     resume: str = "auto"
@@ -675,12 +682,8 @@ def _validate_train(t: TrainConfig) -> None:
 
     for key in ("steps", "global_batch", "micro_batch", "seq_len", "log_every", "eval_batches"):
         _check_int(getattr(t, key), f"train.{key}", minimum=1)
-    _check_int(t.warmup_steps, "train.warmup_steps", minimum=0)
-    _check_int(t.eval_every, "train.eval_every", minimum=0)
-    _check_int(t.stop_at, "train.stop_at", minimum=0)
-    if t.warmup_steps > t.steps:
-        raise ConfigError(f"train.warmup_steps={t.warmup_steps} exceeds train.steps={t.steps}: "
-                          "use fewer warmup steps")
+    for key in ("steps", "warmup_steps", "stop_at", "eval_every"):  # a typo, not a run
+        _check_int(getattr(t, key), f"train.{key}", minimum=0, maximum=MAX_STEPS)
     if t.global_batch % t.micro_batch:
         raise ConfigError(f"train.global_batch={t.global_batch} is not divisible by train.micro_batch="
                           f"{t.micro_batch}: choose a global_batch that is a multiple of micro_batch")

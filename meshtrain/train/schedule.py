@@ -22,9 +22,8 @@ class LRSchedule:
     def __post_init__(self) -> None:
         if self.kind not in SCHEDULES:
             raise ConfigError(f"train.lr_schedule={self.kind!r}: choose one of {', '.join(SCHEDULES)}")
-        if self.warmup_steps < 0 or self.warmup_steps > self.total_steps:
-            raise ConfigError(f"train.warmup_steps={self.warmup_steps} must lie in [0, train.steps="
-                              f"{self.total_steps}]")
+        if self.warmup_steps < 0:
+            raise ConfigError(f"train.warmup_steps={self.warmup_steps} must be at least 0")
 
     def __call__(self, step: int) -> float:
         """LR for optimizer step `step` (0-based)."""
