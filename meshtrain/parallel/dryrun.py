@@ -174,8 +174,8 @@ def _describe(m) -> str:
 
 def _setup(t) -> str:
     checkpointing = "no" if t.activation_checkpointing == "none" else t.activation_checkpointing
-    return (f"micro_batch {t.micro_batch} x seq_len {t.seq_len}, {t.precision}, {checkpointing} activation "
-            f"checkpointing, {'compiled' if t.compile else 'eager'}")
+    return (f"micro_batch {t.micro_batch} x seq_len {t.seq_len}, {t.precision}, {checkpointing} checkpointing, "
+            f"{'compiled' if t.compile else 'eager'}")
 
 
 def _over_capacity(run: DryRun) -> str:
