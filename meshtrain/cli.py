@@ -49,7 +49,9 @@ def build_parser():
                                       "process group).")
     plan.add_argument("--config", action=ActionConfigFile, help="A YAML file with the keys below.")
     plan.add_argument("--world", type=int, default=None,
-                      help="Ranks to plan for (default: the product of the fixed parallel.* sizes, or one node).")
+                      help="Ranks to plan for (default: the smallest of the worlds the config's first line names, "
+                           "'# ...: worlds 8, 64', as the GPU presets do; else the smallest whole number of nodes "
+                           "the fixed parallel.* sizes fit).")
     plan.add_argument("--gpu", default=None, choices=["h100", "h200", "a100"],
                       help="Check the peak memory against this device's capacity.")
     plan.add_argument("--json", default=None, help="Also write the plan as JSON to this file.")
@@ -282,6 +284,7 @@ def _known_keys(parser, command: str | None) -> list[str]:
 
 def _plan(a) -> None:
     import json
+    import os
     import time
 
     from rich.console import Console
@@ -292,18 +295,29 @@ def _plan(a) -> None:
     values = a.clone()
     for key in ("world", "gpu", "json"):
         delattr(values, key)
-    run = dry_run(_run_config(values).validate(), a.world, a.gpu)
+    world = a.world if a.world is not None else _preset_world(a.config or [])
+    run = dry_run(_run_config(values).validate(), world, a.gpu)
     console = Console(highlight=False)
-    if not console.is_terminal:  # files and pipes: wide enough that no name is cut
+    if not console.is_terminal and "COLUMNS" not in os.environ:  # files and pipes: long lines stay whole
         console = Console(highlight=False, width=160)
     for renderable in run.renderables():
-        if not (isinstance(renderable, str) and renderable.startswith("[red]error")):
-            console.print(renderable)
+        console.print(renderable)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(run.to_dict(), f, indent=1)
     console.print(f"planned in {time.perf_counter() - start:.1f} s" + (f"; JSON in {a.json}" if a.json else ""))
     run.check()  # a layout over the GPU's memory: exit 2 after showing why
+
+
+def _preset_world(configs) -> int | None:
+    """The smallest world that the last of the --config files naming its worlds names
+    (None: none does; dry_run then takes the smallest the layout allows)."""
+    from .config.worlds import preset_worlds
+
+    for path in reversed(configs):
+        if worlds := preset_worlds(str(path)):
+            return min(worlds)
+    return None
 
 
 def _export(a) -> None:

@@ -85,6 +85,11 @@ class MeshSpec:
     def size(self, axis: str) -> int:
         return getattr(self, axis)
 
+    def stride(self, axis: str) -> int:
+        """Rank distance between neighbours along `axis`: ranks are numbered in mesh order,
+        tp innermost (sizes must be resolved)."""
+        return math.prod(getattr(self, a) for a in MESH_AXES[MESH_AXES.index(axis) + 1:])
+
     def to_dict(self) -> dict[str, int]:
         return asdict(self)
 

@@ -7,6 +7,7 @@ rank holds; and, for any activation named by logical axes, the placements it tak
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import math
 from dataclasses import dataclass, field
@@ -174,10 +175,16 @@ def make_plan(specs: Mapping[str, ParamSpec], rules: Rules, mesh: MeshSpec, worl
                               "(make_plan(..., world=N) or meshtrain plan --world N)")
         world = mesh.world
     mesh = mesh.resolve(world)
-    params = {}
+    params, layouts = {}, {}
+    experts = mesh.experts()
     for name, spec in specs.items():
-        where = mesh.experts() if "experts" in spec.axes else mesh
-        layout = layout_for(spec.axes, rules, where, name)
+        where = experts if "experts" in spec.axes else mesh
+        # Layer after layer asks for the same few layouts: build each once (a plan of 405B
+        # at 16384 ranks is planned many times over by `meshtrain plan`'s advice).
+        key = (spec.axes, where is mesh, tuple(g for g in rules.overrides if fnmatch.fnmatchcase(name, g)))
+        if key not in layouts:
+            layouts[key] = layout_for(spec.axes, rules, where, name)
+        layout = layouts[key]
         for d, axes in enumerate(layout.dim_axes):
             _check_divisible(name, spec, d, axes, where)
         params[name] = ParamPlan(name, spec, layout, layout.local_shape(spec.shape, where), where)

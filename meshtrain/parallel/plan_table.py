@@ -1,4 +1,6 @@
-"""Human-readable rendering of a Plan (rich table), grouping repeated layers."""
+"""Human-readable rendering of a Plan (rich tables), grouping repeated layers: the full
+table (`plan_table`, str(plan)) and the one `meshtrain plan` prints at 80 columns
+(`param_table`)."""
 
 from __future__ import annotations
 
@@ -6,6 +8,7 @@ import io
 import re
 from collections import OrderedDict
 
+from rich import box
 from rich.console import Console
 from rich.table import Table
 
@@ -32,10 +35,7 @@ def plan_table(plan) -> Table:
     table = Table(title=f"plan: world {plan.mesh.world}, mesh {mesh}{cp}")
     for col in ("parameter", "count", "shape", "mesh axes", "placements", "local shape", "bytes/rank"):
         table.add_column(col, justify="right" if col in ("count", "bytes/rank") else "left")
-    groups: OrderedDict[str, list] = OrderedDict()
-    for p in plan.params.values():
-        groups.setdefault(_pattern(p.name), []).append(p)
-    for pattern, members in groups.items():
+    for pattern, members in _groups(plan, plan.params).items():
         p = members[0]
         axes = ", ".join("+".join(a) or "-" for a in p.layout.dim_axes)
         table.add_row(pattern + (" (*)" if p.mesh is not plan.mesh else ""), str(len(members)), str(tuple(p.spec.shape)), axes,
@@ -44,6 +44,39 @@ def plan_table(plan) -> Table:
     table.add_section()
     table.add_row("total", str(len(plan.params)), "", "", "", "", human_bytes(plan.param_bytes_per_rank))
     return table
+
+
+def param_table(plan, names=None, title: str | None = None) -> Table:
+    """The parameters in `names` (default: all), grouped by layer pattern, narrow enough for
+    80 columns with whole names: shapes as AxB, the mesh axes of each dim (the DTensor
+    placements are in the JSON), no vertical rules. A (*) marks expert weights, placed on
+    the expert mesh."""
+    names = plan.params if names is None else names
+    table = Table(title=title, box=box.SIMPLE_HEAD, show_edge=False, padding=0, title_justify="left")
+    for col in ("parameter", "n", "shape", "mesh axes", "local shape", "bytes/rank"):
+        table.add_column(col, justify="right" if col in ("n", "bytes/rank") else "left",
+                         no_wrap=col != "parameter", overflow="fold")
+    for pattern, members in _groups(plan, names).items():
+        p = members[0]
+        table.add_row(pattern + (" (*)" if p.mesh is not plan.mesh else ""), str(len(members)),
+                      _shape(p.spec.shape), ",".join("+".join(a) or "-" for a in p.layout.dim_axes),
+                      _shape(p.local_shape), human_bytes(p.bytes_per_rank))
+    table.add_section()
+    table.add_row("total", str(sum(1 for n in plan.params if n in names)), "", "", "",
+                  human_bytes(sum(p.bytes_per_rank for n, p in plan.params.items() if n in names)))
+    return table
+
+
+def _shape(shape) -> str:
+    return "x".join(map(str, shape))
+
+
+def _groups(plan, names) -> OrderedDict[str, list]:
+    groups: OrderedDict[str, list] = OrderedDict()
+    for p in plan.params.values():
+        if p.name in names:
+            groups.setdefault(_pattern(p.name), []).append(p)
+    return groups
 
 
 def activation_table(plan) -> Table:

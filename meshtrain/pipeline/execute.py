@@ -48,7 +48,7 @@ from ..train.optim import AdamW, local
 from ..train.schedule import LRSchedule
 from ..train.step import MoeTerms, TrainState, full_value, make_update, moe_step
 from .partition import Stage
-from .schedule import B, BI, BW, F, RECV_B, RECV_F, SEND_B, SEND_F, Schedule, forward_only
+from .schedule import B, BI, BW, F, RECV_B, RECV_F, SEND_B, SEND_F, Schedule, check_checkpointing, forward_only
 
 RESIDUAL = ("batch", "seq_sp", None)  # the layout activations cross stage boundaries in
 _TIED_TAG = 7  # the tied-embedding gradient exchange, apart from the schedule's traffic
@@ -72,15 +72,6 @@ def local_stage_layout(plan, device_mesh, stages: list[Stage]):
     if not rest:
         return names, None, None
     return names, without_pp(plan), device_mesh[rest]
-
-
-def check_checkpointing(schedule: str, activation_checkpointing: str) -> None:
-    """Selective checkpointing lets a block's saved tensors be used by one backward only,
-    and zero-bubble runs two per block (input gradients, then weight gradients)."""
-    if activation_checkpointing == "selective" and schedule in ("zb", "zbh1"):
-        raise ConfigError("train.activation_checkpointing=selective with parallel.pp_schedule=zb: a selectively "
-                          "checkpointed block can be backpropagated once, and zero-bubble splits its backward "
-                          "in two; use activation_checkpointing full, or pp_schedule 1f1b")
 
 
 class _Pipe:

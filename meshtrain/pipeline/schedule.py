@@ -36,6 +36,15 @@ _TOKEN = {F: "F", B: "B", BI: "I", BW: "W", SEND_F: "sf", RECV_F: "rf", SEND_B: 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zbh1")
 
 
+def check_checkpointing(schedule: str, activation_checkpointing: str) -> None:
+    """Selective checkpointing lets a block's saved tensors be used by one backward only,
+    and zero-bubble runs two per block (input gradients, then weight gradients)."""
+    if activation_checkpointing == "selective" and schedule in ("zb", "zbh1"):
+        raise ConfigError("train.activation_checkpointing=selective with parallel.pp_schedule=zb: a selectively "
+                          "checkpointed block can be backpropagated once, and zero-bubble splits its backward "
+                          "in two; use activation_checkpointing full, or pp_schedule 1f1b")
+
+
 @dataclass(frozen=True)
 class Action:
     kind: str

@@ -1,0 +1,34 @@
+"""Per-rank memory of a run config's training step, and the devices it is checked against.
+
+`step_memory` is what `meshtrain plan` reports and what its advice (`advice.py`) compares
+against a device: the most loaded rank's bytes (`memory.py`), or under pp the most loaded
+pp rank's (`pipeline.estimate`), with the config's micro-batch, precision, checkpointing
+and compile setting.
+"""
+
+from __future__ import annotations
+
+from .memory import per_rank_memory
+
+MEMORY_KEYS = ("params", "grads", "optimizer", "activations", "peak")  # what a plan reports per rank
+# Device memory in bytes (data sheet capacities).
+GPU_MEMORY = {"h100": 80 * 10**9, "h200": 141 * 10**9, "a100": 80 * 10**9}
+
+
+def step_memory(cfg, plan, model) -> tuple[dict, object | None]:
+    """(memory of the most loaded rank, PipelineEstimate or None) of `cfg` (validated) on
+    `plan`; under pp the memory also names its `pp_rank`."""
+    t, p = cfg.train, cfg.parallel
+    micro_steps = cfg.accumulation_steps(plan.mesh.dp * plan.mesh.fsdp)
+    if plan.mesh.pp > 1:  # ranks differ by stage: report the most loaded
+        from ..pipeline.estimate import pipeline_estimate
+
+        pipeline = pipeline_estimate(plan, model, schedule=p.pp_schedule, virtual=p.pp_virtual, layout=p.pp_layout,
+                                     micro_batch=t.micro_batch, seq_len=t.seq_len, micro_steps=micro_steps,
+                                     precision=t.precision, compiled=bool(t.compile),
+                                     activation_checkpointing=t.activation_checkpointing)
+        return {**pipeline.most_loaded["memory"], "pp_rank": pipeline.most_loaded["pp_rank"]}, pipeline
+    memory = per_rank_memory(plan, model, micro_batch=t.micro_batch, seq_len=t.seq_len, precision=t.precision,
+                             activation_checkpointing=t.activation_checkpointing, compiled=bool(t.compile),
+                             device="cuda")  # a plan is for GPUs: fused attention kernels
+    return memory, None
