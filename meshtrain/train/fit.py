@@ -373,7 +373,7 @@ class _Run:
 
     def _export(self) -> Path:
         """The final weights as a Hugging Face directory <run_dir>/export (replaced whole)."""
-        from ..interop.hf import save_hf
+        from ..interop.hf import export_dtype, save_hf
 
         cfg, out = self.cfg, self.run_dir / "export"
         fresh, old = self.run_dir / ".export-new", self.run_dir / ".export-old"
@@ -382,7 +382,7 @@ class _Run:
                 shutil.rmtree(leftover, ignore_errors=True)
         if self.ranks.world > 1:
             dist.barrier()
-        dtype = "fp32" if cfg.train.precision == "fp32" else "bf16"
+        dtype = export_dtype(cfg.train.precision)
         tokenizer = cfg.data.tokenizer
         if self.plan.mesh.pp > 1:  # no rank holds every stage: export from this step's checkpoint
             from ..interop.hf import export_checkpoint
