@@ -196,7 +196,7 @@ def _preprocess(a) -> None:
     stats = preprocess(a.input, a.output_prefix, tokenizer=a.tokenizer, append_eod=a.append_eod,
                        workers=a.workers, text_key=a.text_key)
     print(f"wrote {stats['documents']:,} documents, {stats['tokens']:,} tokens ({stats['dtype']}) to "
-          f"{a.output_prefix}.bin and {a.output_prefix}.idx")
+          f"{a.output_prefix}.bin and {a.output_prefix}.idx, the tokenizer's record to {stats['record']}")
 
 
 def _entry() -> None:

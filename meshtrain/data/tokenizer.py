@@ -1,9 +1,15 @@
 """Tokenizers: text -> token ids for preprocess, and the vocabulary size to check against
 the model. `bytes` needs nothing; anything else is a Hugging Face tokenizer.json read with
-the `tokenizers` library (imported only when used)."""
+the `tokenizers` library (imported only when used).
+
+A tokenizer's identity is its kind and, for a tokenizer.json, the sha256 of the file's
+bytes: preprocess records it beside the dataset (`tokenizer_record`) and fit compares.
+"""
 
 from __future__ import annotations
 
+import hashlib
+import importlib.metadata
 import json
 import os
 from typing import Protocol
@@ -13,6 +19,8 @@ from .errors import DataError
 
 class Tokenizer(Protocol):
     name: str
+    kind: str  # "bytes" or "tokenizer.json"
+    sha256: str | None  # of the tokenizer.json's bytes; None for bytes, which is one fixed tokenizer
     vocab_size: int
     bos_id: int | None
     eos_id: int | None
@@ -26,7 +34,8 @@ class ByteTokenizer:
     """Token = UTF-8 byte (0..255), BOS 256, EOS 257: vocabulary 258. encode puts BOS first
     and no EOS (preprocess --append-eod adds it); decode drops the special tokens."""
 
-    name = "bytes"
+    name = kind = "bytes"
+    sha256 = None
     vocab_size = 258
     bos_id = 256
     eos_id = 257
@@ -96,6 +105,8 @@ class HFTokenizer:
     """A Hugging Face tokenizer.json. encode applies the file's own post-processor (for
     example Llama's BOS), as the model's tokenizer would at inference."""
 
+    kind = "tokenizer.json"
+
     def __init__(self, path):
         self.path = os.fspath(path)
         try:
@@ -104,10 +115,13 @@ class HFTokenizer:
             raise DataError(f"tokenizer {self.path}: reading a tokenizer.json needs the tokenizers library; "
                             "pip install tokenizers") from None
         try:
-            self._tok = _Tokenizer.from_file(self.path)
+            with open(self.path, "rb") as f:
+                content = f.read()
+            self._tok = _Tokenizer.from_str(content.decode("utf-8"))
         except Exception as e:  # the library raises a bare Exception on a bad file
             raise DataError(f"tokenizer {self.path}: not a readable Hugging Face tokenizer.json ({e}); "
                             "give the tokenizer.json that came with the model") from None
+        self.sha256 = hashlib.sha256(content).hexdigest()  # of the very bytes parsed: the identity
         self.name = self.path
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         vocab = self._tok.get_vocab(with_added_tokens=True)
@@ -171,3 +185,33 @@ def load_tokenizer(spec) -> Tokenizer:
                         "tokenizer.json (or of the directory holding it; nothing is downloaded)")
     return HFTokenizer(path)
 
+
+RECORD_VERSION = 1
+
+
+def tokenizer_record(tok: Tokenizer) -> dict | None:
+    """What preprocess writes to <prefix>.tokenizer.json: the tokenizer's identity (kind,
+    sha256), its name as given, and what fit checks against the model; None for a tokenizer
+    object without an identity (one passed to preprocess in Python)."""
+    kind = getattr(tok, "kind", None)
+    if kind not in ("bytes", "tokenizer.json"):
+        return None
+    try:
+        version = importlib.metadata.version("meshtrain")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree
+        version = None
+    return {"record_version": RECORD_VERSION, "kind": kind, "name": tok.name, "sha256": tok.sha256,
+            "vocab_size": tok.vocab_size, "bos_id": tok.bos_id, "eos_id": tok.eos_id, "meshtrain_version": version}
+
+
+def same_tokenizer(record: dict, tok: Tokenizer) -> bool:
+    """Identity, not name: the same tokenizer.json bytes under another path are the same."""
+    return (record["kind"], record.get("sha256")) == (getattr(tok, "kind", None), getattr(tok, "sha256", None))
+
+
+def describe_record(record: dict) -> str:
+    """A tokenizer record in one phrase, for messages: bytes, or its path and hash prefix."""
+    size = f"{record['vocab_size']} token ids"
+    if record["kind"] == "bytes":
+        return f"bytes ({size})"
+    return f"{record['name']} (sha256 {record['sha256'][:12]}, {size})"

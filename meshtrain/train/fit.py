@@ -254,7 +254,7 @@ class _Run:
             self._write_run_files()
         rep.start(self._kept_metrics())
         rep.print(self._banner())
-        for note in skipped:
+        for note in [*self.data.notes, *skipped]:
             rep.print(f"[yellow]{note}[/]")
         if self.resume is not None:
             rep.print(f"resumed from {self.resume} at step {self.state.step} "
