@@ -71,7 +71,9 @@ def build_parser():
     export.add_argument("--checkpoint", required=True,
                         help="A checkpoint directory (<run_dir>/checkpoints/step_N) or a run directory (its latest).")
     export.add_argument("--out", required=True, help="The output directory (must not exist or be empty).")
-    export.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"], help="Weight dtype of the export.")
+    export.add_argument("--dtype", default=None, choices=["bf16", "fp32"],
+                        help="Weight dtype of the export (default: the run's, as checkpoint.export writes: fp32 "
+                             "for train.precision fp32, else bf16).")
     export.add_argument("--max-shard-gb", type=float, default=2.0, help="Split the weights into files this large.")
     generate = ArgumentParser(**_STRICT, description="Continue a prompt with a trained model (one process, KV cache).")
     generate.add_argument("--checkpoint", required=True,
@@ -326,7 +328,7 @@ def _export(a) -> None:
     if not a.max_shard_gb > 0:
         raise ConfigError(f"--max-shard-gb={a.max_shard_gb}: give a positive size in GB")
     summary = export_checkpoint(a.checkpoint, a.out, dtype=a.dtype, max_shard_bytes=int(a.max_shard_gb * 2**30))
-    print(f"exported step {summary['step']} of {summary['checkpoint']} to {a.out} ({a.dtype}, "
+    print(f"exported step {summary['step']} of {summary['checkpoint']} to {a.out} ({summary['dtype']}, "
           f"{len(summary['files'])} file(s), {summary['total_bytes'] / 2**20:,.1f} MiB)")
 
 
@@ -336,7 +338,7 @@ def _preprocess(a) -> None:
     stats = preprocess(a.input, a.output_prefix, tokenizer=a.tokenizer, append_eod=a.append_eod,
                        workers=a.workers, text_key=a.text_key)
     print(f"wrote {stats['documents']:,} documents, {stats['tokens']:,} tokens ({stats['dtype']}) to "
-          f"{a.output_prefix}.bin and {a.output_prefix}.idx")
+          f"{a.output_prefix}.bin and {a.output_prefix}.idx, the tokenizer's record to {stats['record']}")
 
 
 def _entry() -> None:

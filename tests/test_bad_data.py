@@ -2,7 +2,9 @@
 `meshtrain fit` exit 2 with one line naming the file (and, for preprocess input, the line),
 without a traceback, and leave what is already on disk as it was."""
 
+import hashlib
 import os
+import shutil
 import struct
 from pathlib import Path
 
@@ -155,6 +157,31 @@ def test_token_ids_beyond_the_vocabulary(capsys, tmp_path):
     prefix = write_dataset(tmp_path / "d", [*DOCS, [1, 700, 2], [3, 600, 4]])  # tiny.yaml: vocab_size 512
     fit_fails(capsys, tmp_path, prefix, f"{prefix}.bin: token id 700 >= model.vocab_size=512",
               "raise model.vocab_size to at least 701", "re-tokenize")
+
+
+def test_dataset_tokenized_with_another_tokenizer(capsys, tmp_path):
+    """Data written with a 602-token tokenizer, trained with tiny.yaml's bytes tokenizer and
+    vocabulary of 512: refused by the dataset's tokenizer record, naming both tokenizers;
+    without the record, by the scan of its token ids."""
+    tokenizers = pytest.importorskip("tokenizers")
+    vocab = {f"w{i}": i for i in range(600)} | {"<s>": 600, "</s>": 601}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="w0"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tok_path = tmp_path / "tok" / "tokenizer.json"
+    tok_path.parent.mkdir()
+    tok.save(str(tok_path))
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(f'{{"text": "{" ".join(f"w{j}" for j in range(i, 600, 4))}"}}\n' for i in range(4)))
+    prefix = str(tmp_path / "d")
+    preprocess(src, prefix, tokenizer=str(tok_path), append_eod=True)
+    sha = hashlib.sha256(tok_path.read_bytes()).hexdigest()[:12]
+    fit_fails(capsys, tmp_path, prefix, f"dataset {prefix} was tokenized with {tok_path} (sha256 {sha}, 602 token "
+              f"ids), says {prefix}.tokenizer.json, but data.tokenizer is bytes (258 token ids): set data.tokenizer "
+              f"to {tok_path} and model.vocab_size to at least 602, or re-run meshtrain preprocess with --tokenizer "
+              "bytes")
+    os.remove(prefix + ".tokenizer.json")  # as Megatron-LM writes it: the token ids still give it away
+    shutil.rmtree(tmp_path / "run")
+    fit_fails(capsys, tmp_path, prefix, f"{prefix}.bin: token id 601 >= model.vocab_size=512")
 
 
 @pytest.mark.parametrize("docs, words", [([], "(0 documents, 0 tokens)"), ([[], []], "(2 documents, 0 tokens)")],

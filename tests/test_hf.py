@@ -269,7 +269,7 @@ def test_export_checkpoint_equals_in_memory_export(tmp_path):
     run_dir = tmp_path / "run"
     extra = {"config": _run_config("gpt2", GPT2, str(tokenizer)).to_dict()}
     ckpt.save(run_dir / "checkpoints", 5, TrainState.create(params), extra, keep_last=2)
-    summary = export_checkpoint(run_dir, tmp_path / "exported")  # a run directory: its latest checkpoint
+    summary = export_checkpoint(run_dir, tmp_path / "exported", dtype="bf16")  # a run dir: its latest checkpoint
     assert summary["step"] == 5 and summary["checkpoint"] == str(run_dir / "checkpoints" / "step_00000005")
     save_hf(params, "gpt2", GPT2, tmp_path / "memory", tokenizer=str(tokenizer))
 

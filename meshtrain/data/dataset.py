@@ -11,8 +11,10 @@ consumed, and a run resumed under another data-parallel size reads the same samp
 from __future__ import annotations
 
 import hashlib
+import json
 import math
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 from fractions import Fraction
 
 import numpy as np
@@ -20,8 +22,8 @@ import torch
 
 from .builtin import builtin_dataset
 from .errors import DataError
-from .indexed import IndexedDataset
-from .tokenizer import ByteTokenizer, load_tokenizer
+from .indexed import IndexedDataset, record_path
+from .tokenizer import ByteTokenizer, describe_record, load_tokenizer, same_tokenizer, tokenizer_record
 
 # --- packing ---------------------------------------------------------------------------
 
@@ -314,13 +316,15 @@ def _check_range(start: int, count: int) -> None:
 class TokenData:
     """What the trainer reads: `train.batch(start, count)` and (when valid_fraction > 0)
     `valid.batch(start, count)`, each (count, seq_len + 1) LongTensors; inputs are
-    [:, :-1], targets [:, 1:]."""
+    [:, :-1], targets [:, 1:]. `notes`: one-line remarks for the user (data that opened
+    but was not fully checked)."""
 
     train: TrainSplit
     valid: ValidSplit | None
     seq_len: int
     names: list[str]
     weights: list[float]
+    notes: list[str] = field(default_factory=list)
 
     def describe(self) -> str:
         blend = ", ".join(f"{w:.3g} {n}" for w, n in zip(self.weights, self.names))
@@ -337,10 +341,12 @@ def build_data(paths, tokenizer: str, seq_len: int, seed: int, vocab_size: int,
     if not 0 <= valid_fraction < 1:
         raise DataError(f"data.valid_fraction={valid_fraction!r}: give a fraction in [0, 1), e.g. 0.01")
     entries = parse_paths(paths)
-    _check_tokenizer(tokenizer, vocab_size, builtin=any(p == "builtin" for _, p in entries))
-    train, valid, names = [], [], []
+    tok = _check_tokenizer(tokenizer, vocab_size, builtin=any(p == "builtin" for _, p in entries))
+    train, valid, names, unrecorded = [], [], [], []
     for _, prefix in entries:
         source = builtin_dataset() if prefix == "builtin" else IndexedDataset(prefix)
+        if prefix != "builtin" and not _check_record(prefix, tok, vocab_size):
+            unrecorded.append(prefix)
         if source.num_tokens == 0:
             raise DataError(f"{source.idx_path or source.name}: the dataset is empty ({source.num_documents} "
                             "documents, 0 tokens); re-run meshtrain preprocess on an input with text, or drop it "
@@ -359,7 +365,9 @@ def build_data(paths, tokenizer: str, seq_len: int, seed: int, vocab_size: int,
                         f"({', '.join(names)}); set data.valid_fraction 0 or use datasets with more documents")
     weights = [1.0 if w is None else w for w, _ in entries]
     weights = [w / sum(weights) for w in weights]
-    return TokenData(TrainSplit(train, weights, seed), ValidSplit(valid) if valid else None, seq_len, names, weights)
+    notes = [_unrecorded_note(unrecorded, tok.name)] if unrecorded else []
+    return TokenData(TrainSplit(train, weights, seed), ValidSplit(valid) if valid else None, seq_len, names, weights,
+                     notes)
 
 
 def parse_paths(paths) -> list[tuple[float | None, str]]:
@@ -390,7 +398,7 @@ def parse_paths(paths) -> list[tuple[float | None, str]]:
     return entries
 
 
-def _check_tokenizer(spec: str, vocab_size: int, builtin: bool) -> None:
+def _check_tokenizer(spec: str, vocab_size: int, builtin: bool):
     if builtin and spec != "bytes":
         raise DataError(f"data.paths builtin is bytes-tokenized, but data.tokenizer={spec!r}: set data.tokenizer "
                         "to bytes, or give a dataset written with that tokenizer")
@@ -398,6 +406,51 @@ def _check_tokenizer(spec: str, vocab_size: int, builtin: bool) -> None:
     if tok.vocab_size > vocab_size:
         raise DataError(f"tokenizer {tok.name}: {tok.vocab_size} token ids, more than model.vocab_size={vocab_size}; "
                         f"raise model.vocab_size to at least {tok.vocab_size}")
+    return tok
+
+
+def _check_record(prefix: str, tok, vocab_size: int) -> bool:
+    """The dataset's tokenizer record must name data.tokenizer's tokenizer. False when there
+    is no record (Megatron-LM writes none): the data is taken as it is."""
+    path = record_path(prefix)
+    if not os.path.exists(path):
+        return False
+    record = _read_record(path)
+    if same_tokenizer(record, tok):
+        return True
+    fix = f"set data.tokenizer to {record['name']}"
+    if record["vocab_size"] > vocab_size:
+        fix += f" and model.vocab_size to at least {record['vocab_size']}"
+    raise DataError(f"dataset {prefix} was tokenized with {describe_record(record)}, says {path}, but "
+                    f"data.tokenizer is {describe_record(tokenizer_record(tok))}: {fix}, or re-run meshtrain "
+                    f"preprocess with --tokenizer {tok.name}")
+
+
+def _read_record(path: str) -> dict:
+    fix = "re-run meshtrain preprocess, or delete the file to train without the tokenizer check"
+    try:
+        with open(path, encoding="utf-8") as f:
+            record = json.load(f)
+    except (OSError, ValueError) as e:
+        raise DataError(f"{path}: unreadable tokenizer record ({e}); {fix}") from None
+    valid = (isinstance(record, dict) and record.get("kind") in ("bytes", "tokenizer.json")
+             and isinstance(record.get("name"), str) and type(record.get("vocab_size")) is int
+             and (record["kind"] == "bytes" or isinstance(record.get("sha256"), str)))
+    if not valid:
+        raise DataError(f"{path}: not a tokenizer record (a JSON object with kind bytes or tokenizer.json, name, "
+                        f"vocab_size and, for a tokenizer.json, sha256); {fix}")
+    return record
+
+
+def _unrecorded_note(prefixes: list[str], tokenizer: str) -> str:
+    prefixes = list(dict.fromkeys(prefixes))
+    if len(prefixes) == 1:
+        which = f"dataset {prefixes[0]} has no tokenizer record ({record_path(prefixes[0])}"
+    else:
+        shown = ", ".join(prefixes[:3]) + (f" and {len(prefixes) - 3} more" if len(prefixes) > 3 else "")
+        which = f"{len(prefixes)} datasets ({shown}) have no tokenizer record (<prefix>.tokenizer.json"
+    return (f"note: {which}; Megatron-LM writes none), so the tokens are assumed to come from data.tokenizer "
+            f"({tokenizer}) and are checked only against model.vocab_size")
 
 
 # Scan a .bin for out-of-vocabulary ids at open only up to this size (about a second of

@@ -13,10 +13,13 @@ Megatron-LM (megatron/core/datasets/indexed_dataset.py) does, so datasets move b
         i64[D]    document indices: document j is sequences [doc[j], doc[j+1]); 0 first, S last
 
 meshtrain writes one sequence per document; it reads any number of sequences per document.
+`meshtrain preprocess` also writes <prefix>.tokenizer.json, the record of the tokenizer the
+tokens came from (tokenizer.tokenizer_record); Megatron-LM neither writes nor reads it.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import struct
 from array import array
@@ -42,6 +45,10 @@ def idx_path(prefix) -> str:
     return f"{os.fspath(prefix)}.idx"
 
 
+def record_path(prefix) -> str:
+    return f"{os.fspath(prefix)}.tokenizer.json"
+
+
 def encode_index(dtype, sizes, document_indices) -> bytes:
     """The .idx bytes for sequences of `sizes` tokens stored contiguously in .bin."""
     dtype = np.dtype(dtype)
@@ -61,17 +68,21 @@ class IndexedWriter:
 
     Everything goes to temporary names first; `finalize` renames them, .idx last (after
     removing an old one), so a crash or an error never leaves a .bin/.idx pair that looks
-    valid and is not. As a context manager it finalizes on success and cleans up on error.
+    valid and is not. With a tokenizer `record` it writes <prefix>.tokenizer.json the same
+    way; without one it removes a record an earlier dataset at the prefix left. As a context
+    manager it finalizes on success and cleans up on error.
     """
 
-    def __init__(self, prefix, dtype):
+    def __init__(self, prefix, dtype, record: dict | None = None):
         self.prefix = os.fspath(prefix)
         self.dtype = np.dtype(dtype)
         if self.dtype not in CODES:
             raise ValueError(f"dtype {self.dtype} has no Megatron-LM code")
-        self.bin_path, self.idx_path = bin_path(prefix), idx_path(prefix)
+        self.bin_path, self.idx_path, self.record_path = bin_path(prefix), idx_path(prefix), record_path(prefix)
+        self.record = record
         tag = f".tmp-{os.getpid()}"  # two writers of one prefix do not share temporaries
-        self._tmp_bin, self._tmp_idx = self.bin_path + tag, self.idx_path + tag
+        self._tmp_bin, self._tmp_idx, self._tmp_record = (self.bin_path + tag, self.idx_path + tag,
+                                                          self.record_path + tag)
         self._sizes = array("q")
         self.tokens = 0
         self._done = False
@@ -110,18 +121,26 @@ class IndexedWriter:
         sizes = np.frombuffer(self._sizes, dtype=np.int64) if self._sizes else np.zeros(0, np.int64)
         with open(self._tmp_idx, "wb") as f:
             f.write(encode_index(self.dtype, sizes, np.arange(len(sizes) + 1)))
-        # Old .idx out first: between the two renames the prefix has no .idx (an error
-        # that says so), never a new .bin under an old index.
+        if self.record is not None:
+            with open(self._tmp_record, "w", encoding="utf-8") as f:
+                json.dump(self.record, f, indent=2)
+                f.write("\n")
+        # Old .idx out first: between the renames the prefix has no .idx (an error that
+        # says so), never a new .bin or record beside an old index.
         if os.path.exists(self.idx_path):
             os.remove(self.idx_path)
         os.replace(self._tmp_bin, self.bin_path)
+        if self.record is not None:
+            os.replace(self._tmp_record, self.record_path)
+        elif os.path.exists(self.record_path):
+            os.remove(self.record_path)
         os.replace(self._tmp_idx, self.idx_path)
         self._done = True
 
     def abort(self) -> None:
         """Drop what was written; files under the final names are left untouched."""
         self._file.close()
-        for path in (self._tmp_bin, self._tmp_idx):
+        for path in (self._tmp_bin, self._tmp_idx, self._tmp_record):
             if os.path.exists(path):
                 os.remove(path)
         self._done = True

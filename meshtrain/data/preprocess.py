@@ -1,4 +1,5 @@
-"""JSON lines -> a Megatron-LM indexed dataset (<prefix>.bin, <prefix>.idx).
+"""JSON lines -> a Megatron-LM indexed dataset (<prefix>.bin, <prefix>.idx) and the record of
+its tokenizer (<prefix>.tokenizer.json), which fit checks against data.tokenizer.
 
 One document per non-blank line, one sequence per document: the tokenizer's encoding of
 the line's text, plus EOS with append_eod. Tokens are uint16 when the vocabulary fits, else
@@ -16,17 +17,18 @@ import os
 import numpy as np
 
 from .errors import DataError
-from .indexed import IndexedWriter, bin_path, idx_path
-from .tokenizer import EOS_TOKENS, load_tokenizer
+from .indexed import IndexedWriter, bin_path, idx_path, record_path
+from .tokenizer import EOS_TOKENS, load_tokenizer, tokenizer_record
 
 CHUNK_LINES = 256  # lines per worker task: large enough to amortise the inter-process hop
 
 
 def preprocess(input, output_prefix, tokenizer="bytes", append_eod: bool = False, workers: int = 1,
                text_key: str = "text") -> dict:
-    """Tokenize the JSON-lines file `input` into <output_prefix>.bin/.idx. `tokenizer` is a
-    spec for load_tokenizer (bytes, a tokenizer.json) or a tokenizer object. Returns
-    {documents, tokens, dtype, bin, idx}."""
+    """Tokenize the JSON-lines file `input` into <output_prefix>.bin/.idx, with the
+    tokenizer's record in <output_prefix>.tokenizer.json. `tokenizer` is a spec for
+    load_tokenizer (bytes, a tokenizer.json) or a tokenizer object (one without `kind` and
+    `sha256` gets no record). Returns {documents, tokens, dtype, bin, idx, record}."""
     src, prefix = os.fspath(input), os.fspath(output_prefix)
     if not os.path.exists(src):
         raise DataError(f"{src}: input file not found; give a .jsonl file with one JSON object per line")
@@ -44,7 +46,8 @@ def preprocess(input, output_prefix, tokenizer="bytes", append_eod: bool = False
             raise DataError(f"tokenizer {name}: no end-of-document token (looked for {', '.join(EOS_TOKENS)}); "
                             "drop --append-eod or use a tokenizer that has one")
     dtype = np.uint16 if tok.vocab_size <= 65536 else np.int32
-    with IndexedWriter(prefix, dtype) as writer:
+    record = tokenizer_record(tok)
+    with IndexedWriter(prefix, dtype, record) as writer:
         encoder = _Encoder(tok, src, text_key, eod)
         if workers == 1:
             _write(map(encoder, _chunks(src)), writer)
@@ -54,7 +57,7 @@ def preprocess(input, output_prefix, tokenizer="bytes", append_eod: bool = False
             raise DataError(f"{src}: no documents (the file has no non-blank lines); give a .jsonl file with one "
                             f'JSON object per line, such as {{"{text_key}": "..."}}')
     return {"documents": writer.documents, "tokens": writer.tokens, "dtype": np.dtype(dtype).name,
-            "bin": bin_path(prefix), "idx": idx_path(prefix)}
+            "bin": bin_path(prefix), "idx": idx_path(prefix), "record": record_path(prefix) if record else None}
 
 
 def _check_output(prefix: str) -> None:

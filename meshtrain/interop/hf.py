@@ -48,8 +48,8 @@ import json
 import math
 import os
 import re
+import secrets
 import shutil
-import tempfile
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -478,7 +478,8 @@ def save_hf(params: Mapping[str, torch.Tensor], arch: str, family_cfg, out: str 
     generation_config.json, model.safetensors (or model-0000i-of-0000n.safetensors and
     model.safetensors.index.json when larger than max_shard_bytes) and, when `tokenizer`
     is a tokenizer.json path (or its directory), tokenizer.json plus the
-    tokenizer_config.json / special_tokens_map.json beside it. bos/eos ids come from the
+    tokenizer_config.json / special_tokens_map.json beside it; for "bytes", those three
+    files generated to encode as the bytes tokenizer does. bos/eos ids come from the
     tokenizer ("bytes": 256/257) unless given.
 
     Tensors are converted and appended to their file one at a time (headers are written
@@ -517,12 +518,19 @@ def save_hf(params: Mapping[str, torch.Tensor], arch: str, family_cfg, out: str 
     return summary
 
 
-def export_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike, dtype: str = "bf16",
+def export_dtype(precision: str) -> str:
+    """The dtype an export of a run trained in `precision` is written in unless told
+    otherwise: fp32 runs keep their fp32 weights, bf16 and fp8 runs get bf16."""
+    return "fp32" if precision == "fp32" else "bf16"
+
+
+def export_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike, dtype: str | None = None,
                       max_shard_bytes: int = 2 * GiB) -> dict:
     """Export a meshtrain DCP checkpoint to a Hugging Face directory (see save_hf for what
     is written). `checkpoint` is a step_XXXXXXXX directory, a checkpoints root, or a run
     directory (its newest complete checkpoint). The model comes from meta.json's
-    extra.config (the RunConfig); tokenizer files come from its data.tokenizer.
+    extra.config (the RunConfig); tokenizer files come from its data.tokenizer; dtype None
+    is export_dtype of its train.precision, as checkpoint.export writes.
 
     Streaming: parameters are read from the checkpoint one at a time (a dcp.load of a
     state dict holding only that tensor, with meshtrain's safe metadata reader), converted
@@ -562,6 +570,7 @@ def export_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike, dty
     def fetch(name: str) -> torch.Tensor:
         return _read_checkpoint_param(path, name, *shapes[name])
 
+    dtype = export_dtype(run.train.precision) if dtype is None else dtype
     summary = _export(arch, cfg, fetch, out, dtype, max_shard_bytes, run.data.tokenizer, None, None)
     return {**summary, "checkpoint": str(path), "step": meta["step"]}
 
@@ -665,8 +674,11 @@ def _export(arch: str, cfg, fetch: Callable[[str], torch.Tensor], out, dtype: st
         generation = {"_from_model_config": True}
         generation.update({k: config[k] for k in ("bos_token_id", "eos_token_id") if config[k] is not None})
         _write_json(tmp / "generation_config.json", generation)
-        for src, name in tok_files:
-            shutil.copyfile(src, tmp / name)
+        for name, content in tok_files.items():
+            with open(tmp / name, "wb") as f:
+                f.write(content)
+                f.flush()
+                os.fsync(f.fileno())
 
     if write:
         _publish(out, build)
@@ -728,25 +740,27 @@ def _check_piece(piece: Piece, src: torch.Tensor) -> None:
         raise ConfigError(f"parameter {piece.ours} has shape {tuple(src.shape)}, expected {piece.shape}")
 
 
-def _tokenizer_files(tokenizer: str | None) -> tuple[list[tuple[Path, str]], int | None, int | None]:
-    """(files to copy as (source, name), bos id, eos id) for data.tokenizer."""
+def _tokenizer_files(tokenizer: str | None) -> tuple[dict[str, bytes], int | None, int | None]:
+    """({file name: content}, bos id, eos id) for data.tokenizer. Contents are read here, so
+    what is checked below is what is written."""
     if tokenizer is None:
-        return [], None, None
+        return {}, None, None
     if tokenizer == "bytes":
         from ..data.tokenizer import ByteTokenizer
 
-        return [], ByteTokenizer.bos_id, ByteTokenizer.eos_id
+        files = {name: text.encode("utf-8") for name, text in ByteTokenizer().hf_files().items()}
+        return files, ByteTokenizer.bos_id, ByteTokenizer.eos_id
     path = Path(tokenizer)
     path = path / "tokenizer.json" if path.is_dir() else path
     if not path.is_file():
         warnings.warn(f"export: tokenizer {tokenizer} not found, so no tokenizer files are exported; copy "
                       "tokenizer.json next to the weights yourself", stacklevel=3)
-        return [], None, None
+        return {}, None, None
     # The path comes from the checkpoint's meta.json: a damaged or hostile one must not get
     # an arbitrary file copied into the export, which may then be published.
     try:
-        with open(path, encoding="utf-8") as f:
-            content = json.load(f)
+        files = {"tokenizer.json": path.read_bytes()}
+        content = json.loads(files["tokenizer.json"])
         is_tokenizer = isinstance(content, dict) and "model" in content
     except (OSError, ValueError):
         is_tokenizer = False
@@ -754,8 +768,8 @@ def _tokenizer_files(tokenizer: str | None) -> tuple[list[tuple[Path, str]], int
         warnings.warn(f"export: tokenizer {path} is not a Hugging Face tokenizer.json (JSON with a model key), so "
                       "no tokenizer files are exported; copy the right tokenizer.json next to the weights yourself",
                       stacklevel=3)
-        return [], None, None
-    files = [(path, "tokenizer.json")] + [(path.parent / n, n) for n in TOKENIZER_FILES if (path.parent / n).is_file()]
+        return {}, None, None
+    files.update({n: (path.parent / n).read_bytes() for n in TOKENIZER_FILES if (path.parent / n).is_file()})
     try:
         from ..data.tokenizer import load_tokenizer
 
@@ -779,7 +793,10 @@ def _publish(out: Path, build: Callable[[Path], None]) -> None:
     """build(tmp) in a temporary sibling of `out`, then rename it to `out`."""
     _check_out(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{out.name}-", dir=out.parent))
+    # mkdir, not tempfile.mkdtemp: the published directory gets the umask's mode (0o755
+    # under umask 022), as one made by hand would, not mkdtemp's private 0o700.
+    tmp = out.parent / f".tmp-{out.name}-{os.getpid()}-{secrets.token_hex(4)}"
+    tmp.mkdir()
     try:
         build(tmp)
         _fsync_dir(tmp)

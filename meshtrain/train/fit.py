@@ -304,7 +304,7 @@ class _Run:
         rep.start(self._kept_metrics())
         rep.print(self._banner())
         rep.print(f"  {rep.tensorboard_line()}")
-        for note in skipped:
+        for note in [*self.data.notes, *skipped]:
             rep.print(f"[yellow]{note}[/]")
         if self.resume is not None:
             rep.print(f"resumed from {self.resume} at step {self.state.step} "
@@ -461,7 +461,7 @@ class _Run:
 
     def _export(self) -> Path:
         """The final weights as a Hugging Face directory <run_dir>/export (replaced whole)."""
-        from ..interop.hf import save_hf
+        from ..interop.hf import export_dtype, save_hf
 
         cfg, out = self.cfg, self.run_dir / "export"
         fresh, old = self.run_dir / ".export-new", self.run_dir / ".export-old"
@@ -470,7 +470,7 @@ class _Run:
                 shutil.rmtree(leftover, ignore_errors=True)
         if self.ranks.world > 1:
             dist.barrier()
-        dtype = "fp32" if cfg.train.precision == "fp32" else "bf16"
+        dtype = export_dtype(cfg.train.precision)
         tokenizer = cfg.data.tokenizer
         if self.plan.mesh.pp > 1:  # no rank holds every stage: export from this step's checkpoint
             from ..interop.hf import export_checkpoint
