@@ -2,17 +2,19 @@
 
     meshtrain fit --config configs/tiny.yaml [--train.steps 20 --parallel.tp 2 ...]
     meshtrain fit --config configs/tiny.yaml --print_config
-    meshtrain preprocess --input docs.jsonl --output-prefix data/docs --tokenizer bytes --append-eod
+    meshtrain preprocess --input docs.jsonl --output_prefix data/docs --tokenizer bytes --append_eod
     meshtrain plan --config configs/llama3-405b.yaml --world 16384 --gpu h100 --json plan.json
     meshtrain export --checkpoint runs/tiny --out runs/tiny/hf [--dtype bf16|fp32]
-    meshtrain generate --checkpoint runs/tiny --prompt "Four score" --max-new-tokens 40 --temperature 0
+    meshtrain generate --checkpoint runs/tiny --prompt "Four score" --max_new_tokens 40 --temperature 0
 
 Every key of the YAML file can be overridden with a dotted flag. Bad input (a config
 value, a dataset, a checkpoint) is printed as one line without a traceback and exits with
 status 2, as argument errors do. A run stopped by its own safeguards (non-finite losses)
 prints one line and exits 1. A rank that fails in a self-launched run is reported with its
 own traceback, first, and the command exits 1 (3 for a rank the watchdog found stalled,
-when it runs under torchrun).
+when it runs under torchrun). SIGINT / SIGTERM end a run after a step with a checkpoint
+and exit 0; a second one ends it at once with exit 130 / 143. Options spelled with
+underscores also take dashes (--output-prefix).
 """
 
 from __future__ import annotations
@@ -59,13 +61,15 @@ def build_parser():
     preprocess = ArgumentParser(**_STRICT, description="Tokenize a JSON-lines file into a Megatron-LM indexed dataset "
                                             "(<prefix>.bin and <prefix>.idx).")
     preprocess.add_argument("--input", required=True, help="A .jsonl file: one JSON object per line.")
-    preprocess.add_argument("--output-prefix", required=True, help="Path of the output without .bin/.idx.")
+    preprocess.add_argument("--output_prefix", "--output-prefix",
+                            required=True, help="Path of the output without .bin/.idx.")
     preprocess.add_argument("--tokenizer", default="bytes", help="bytes, or the path of a tokenizer.json.")
-    preprocess.add_argument("--append-eod", action="store_true", help="End every document with EOS.")
+    preprocess.add_argument("--append_eod", "--append-eod", action="store_true", help="End every document with EOS.")
     preprocess.add_argument("--workers", type=int, default=1, help="Processes that tokenize in parallel.")
-    preprocess.add_argument("--text-key", default="text", help="The JSON key holding each document's text.")
+    preprocess.add_argument("--text_key", "--text-key",
+                            default="text", help="The JSON key holding each document's text.")
     export = ArgumentParser(**_STRICT, description="Write a checkpoint as a Hugging Face model directory: safetensors "
-                                        "(sharded with an index above --max-shard-gb), config.json, "
+                                        "(sharded with an index above --max_shard_gb), config.json, "
                                         "generation_config.json and the run's tokenizer files. Streams one "
                                         "tensor at a time.")
     export.add_argument("--checkpoint", required=True,
@@ -74,18 +78,21 @@ def build_parser():
     export.add_argument("--dtype", default=None, choices=["bf16", "fp32"],
                         help="Weight dtype of the export (default: the run's, as checkpoint.export writes: fp32 "
                              "for train.precision fp32, else bf16).")
-    export.add_argument("--max-shard-gb", type=float, default=2.0, help="Split the weights into files this large.")
+    export.add_argument("--max_shard_gb", "--max-shard-gb",
+                        type=float, default=2.0, help="Split the weights into files this large.")
     generate = ArgumentParser(**_STRICT, description="Continue a prompt with a trained model (one process, KV cache).")
     generate.add_argument("--checkpoint", required=True,
                           help="A checkpoint directory, a run directory (its latest), or a Hugging Face model directory.")
     generate.add_argument("--prompt", default=None, help="Text, encoded with the run's tokenizer.")
-    generate.add_argument("--prompt-ids", default=None, help="Token ids instead of --prompt, e.g. 1,2,3.")
-    generate.add_argument("--max-new-tokens", type=int, default=32, help="Tokens to generate at most.")
+    generate.add_argument("--prompt_ids", "--prompt-ids",
+                          default=None, help="Token ids instead of --prompt, e.g. 1,2,3.")
+    generate.add_argument("--max_new_tokens", "--max-new-tokens",
+                          type=int, default=32, help="Tokens to generate at most.")
     generate.add_argument("--temperature", type=float, default=1.0, help="0: greedy.")
-    generate.add_argument("--top-k", type=int, default=None, help="Sample among the k most likely tokens.")
-    generate.add_argument("--top-p", type=float, default=None, help="Sample within this probability mass.")
+    generate.add_argument("--top_k", "--top-k", type=int, default=None, help="Sample among the k most likely tokens.")
+    generate.add_argument("--top_p", "--top-p", type=float, default=None, help="Sample within this probability mass.")
     generate.add_argument("--seed", type=int, default=0, help="Seed of the sampler.")
-    generate.add_argument("--output-format", default="text", choices=["text", "json"],
+    generate.add_argument("--output_format", "--output-format", default="text", choices=["text", "json"],
                           help="json: one object per line with prompt_ids, generated_ids and text.")
     generate.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available).")
     subcommands = parser.add_subcommands(dest="command")
@@ -326,7 +333,7 @@ def _export(a) -> None:
     from .interop.hf import export_checkpoint
 
     if not a.max_shard_gb > 0:
-        raise ConfigError(f"--max-shard-gb={a.max_shard_gb}: give a positive size in GB")
+        raise ConfigError(f"--max_shard_gb={a.max_shard_gb}: give a positive size in GB")
     summary = export_checkpoint(a.checkpoint, a.out, dtype=a.dtype, max_shard_bytes=int(a.max_shard_gb * 2**30))
     print(f"exported step {summary['step']} of {summary['checkpoint']} to {a.out} ({summary['dtype']}, "
           f"{len(summary['files'])} file(s), {summary['total_bytes'] / 2**20:,.1f} MiB)")

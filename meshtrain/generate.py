@@ -1,7 +1,7 @@
 """`meshtrain generate`: text from a trained model, one process, one device.
 
-    meshtrain generate --checkpoint runs/tiny --prompt "Once upon" --max-new-tokens 32
-    meshtrain generate --checkpoint hf/Llama-3.2-1B --prompt-ids 128000,9906 --temperature 0
+    meshtrain generate --checkpoint runs/tiny --prompt "Once upon" --max_new_tokens 32
+    meshtrain generate --checkpoint hf/Llama-3.2-1B --prompt_ids 128000,9906 --temperature 0
 
 The source is a meshtrain checkpoint directory (step_XXXXXXXX), a run directory (its
 newest complete checkpoint) or a Hugging Face directory (config.json + *.safetensors).
@@ -40,15 +40,15 @@ def _family(arch: str):
 
 def _check_sampling(max_new_tokens, temperature, top_k, top_p) -> None:
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-        raise ConfigError(f"--max-new-tokens={max_new_tokens!r} must be an integer >= 0")
+        raise ConfigError(f"--max_new_tokens={max_new_tokens!r} must be an integer >= 0")
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) \
             or not math.isfinite(temperature) or temperature < 0:
         raise ConfigError(f"--temperature={temperature!r} must be a number >= 0 (0: greedy)")
     if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0):
-        raise ConfigError(f"--top-k={top_k!r} must be an integer >= 1 (0 or unset: no top-k filtering)")
+        raise ConfigError(f"--top_k={top_k!r} must be an integer >= 1 (0 or unset: no top-k filtering)")
     if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, (int, float))
                               or not 0 < top_p <= 1):
-        raise ConfigError(f"--top-p={top_p!r} must be in (0, 1] (1 or unset: no top-p filtering)")
+        raise ConfigError(f"--top_p={top_p!r} must be in (0, 1] (1 or unset: no top-p filtering)")
 
 
 def _eos_set(eos_id) -> frozenset[int]:
@@ -95,7 +95,7 @@ def generate(params: Mapping[str, torch.Tensor], arch: str, family_cfg, prompt_i
     _check_sampling(max_new_tokens, temperature, top_k, top_p)
     prompt_ids = [int(t) for t in prompt_ids]
     if not prompt_ids:
-        raise ConfigError("the prompt is empty: give at least one token (--prompt or --prompt-ids)")
+        raise ConfigError("the prompt is empty: give at least one token (--prompt or --prompt_ids)")
     vocab = family_cfg.vocab_size
     bad = [t for t in prompt_ids if not 0 <= t < vocab]
     if bad:
@@ -104,8 +104,8 @@ def generate(params: Mapping[str, torch.Tensor], arch: str, family_cfg, prompt_i
     total = len(prompt_ids) + max_new_tokens
     if total > family_cfg.max_seq_len:
         room = family_cfg.max_seq_len - len(prompt_ids)
-        fix = f"lower --max-new-tokens to {room}" if room > 0 else "shorten the prompt"
-        raise ConfigError(f"the prompt ({len(prompt_ids)} tokens) plus --max-new-tokens={max_new_tokens} is "
+        fix = f"lower --max_new_tokens to {room}" if room > 0 else "shorten the prompt"
+        raise ConfigError(f"the prompt ({len(prompt_ids)} tokens) plus --max_new_tokens={max_new_tokens} is "
                           f"{total} tokens, more than the model's max_seq_len={family_cfg.max_seq_len}: {fix}")
     if max_new_tokens == 0:
         return []
@@ -209,7 +209,7 @@ def _tokenizer_or_none(spec, where: Path):
     try:
         return load_tokenizer(spec)
     except DataError as e:
-        warnings.warn(f"{where}: no tokenizer ({e}); token ids only (--prompt-ids)", stacklevel=3)
+        warnings.warn(f"{where}: no tokenizer ({e}); token ids only (--prompt_ids)", stacklevel=3)
         return None
 
 
@@ -234,7 +234,7 @@ def _parse_ids(prompt_ids) -> list[int]:
         try:
             return [int(p) for p in pieces]
         except ValueError:
-            raise ConfigError(f"--prompt-ids={prompt_ids!r} must be comma-separated integers, e.g. 1,2,3") from None
+            raise ConfigError(f"--prompt_ids={prompt_ids!r} must be comma-separated integers, e.g. 1,2,3") from None
     return [int(t) for t in prompt_ids]
 
 
@@ -248,16 +248,16 @@ def main_generate(checkpoint: str, prompt: str | None = None, prompt_ids: str | 
     generated_ids, text (the continuation; null without a tokenizer), stop ("eos" or
     "length") and seed. Returns that object (not an exit code)."""
     if output_format not in OUTPUT_FORMATS:
-        raise ConfigError(f"--output-format={output_format!r}: choose {' or '.join(OUTPUT_FORMATS)}")
+        raise ConfigError(f"--output_format={output_format!r}: choose {' or '.join(OUTPUT_FORMATS)}")
     if (prompt is None) == (prompt_ids is None):
-        raise ConfigError("give exactly one of --prompt (text) and --prompt-ids (comma-separated token ids)")
+        raise ConfigError("give exactly one of --prompt (text) and --prompt_ids (comma-separated token ids)")
     _check_sampling(max_new_tokens, temperature, top_k, top_p)
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     arch, cfg, params, tokenizer = load_for_generate(checkpoint, device)
     if prompt is not None:
         if tokenizer is None:
             raise ConfigError(f"--prompt needs a tokenizer, and {checkpoint} has none (no tokenizer.json, or the "
-                              "run's data.tokenizer cannot be read): give token ids with --prompt-ids 1,2,3")
+                              "run's data.tokenizer cannot be read): give token ids with --prompt_ids 1,2,3")
         ids = tokenizer.encode(prompt)
     else:
         ids = _parse_ids(prompt_ids)

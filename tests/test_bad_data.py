@@ -68,7 +68,7 @@ def preprocess_fails(capsys, tmp_path: Path, src: Path, *words) -> None:
         for word in (str(src), *words):
             assert word in str(e.value), (word, str(e.value))
         assert snapshot(out) == before, prefix
-    line = data_error(capsys, "preprocess", "--input", str(src), "--output-prefix", existing, "--workers", "2")
+    line = data_error(capsys, "preprocess", "--input", str(src), "--output_prefix", existing, "--workers", "2")
     for word in (str(src), *words):
         assert word in line, (word, line)
     assert snapshot(out) == before
@@ -91,7 +91,7 @@ def test_line_that_is_not_an_object(capsys, tmp_path):
 
 def test_line_without_the_text_key(capsys, tmp_path):
     src = jsonl(tmp_path / "in.jsonl", b'{"body": "fine"}')
-    preprocess_fails(capsys, tmp_path, src, f"{src}:{BAD_LINE}: no 'text' key (keys: 'body')", "--text-key")
+    preprocess_fails(capsys, tmp_path, src, f"{src}:{BAD_LINE}: no 'text' key (keys: 'body')", "--text_key")
 
 
 @pytest.mark.parametrize("content", [b"", b"\n  \n\n"], ids=["empty", "blank-lines"])

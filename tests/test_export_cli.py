@@ -97,8 +97,8 @@ def test_bad_interop_input_exits_2_with_one_line(exported, tmp_path, args, words
 def test_generate_greedy_is_the_same_from_the_checkpoint_the_export_and_transformers(exported):
     outputs = []
     for source in (exported, exported / "checkpoints" / "step_00000003", exported / "export"):
-        proc = run_cli("generate", "--checkpoint", str(source), "--prompt-ids", "256,70,111,117,114",
-                       "--max-new-tokens", "12", "--temperature", "0", "--output-format", "json")
+        proc = run_cli("generate", "--checkpoint", str(source), "--prompt_ids", "256,70,111,117,114",
+                       "--max_new_tokens", "12", "--temperature", "0", "--output_format", "json")
         assert proc.returncode == 0, proc.stderr
         outputs.append(json.loads(proc.stdout.strip().splitlines()[-1]))
     # The export's generated tokenizer.json decodes the text as the bytes tokenizer does.

@@ -379,7 +379,7 @@ def test_preprocess_then_fit_with_a_blend_and_evaluation(tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
     for prefix, n in ((a, 40), (b, 30)):
         proc = run_cli("preprocess", "--input", str(_jsonl(tmp_path / f"{prefix.name}.jsonl", n)),
-                       "--output-prefix", str(prefix), "--tokenizer", "bytes", "--append-eod")
+                       "--output_prefix", str(prefix), "--tokenizer", "bytes", "--append_eod")
         assert proc.returncode == 0, proc.stderr
         assert (tmp_path / f"{prefix.name}.idx").exists() and "documents" in proc.stdout
     run_dir = tmp_path / "run"
@@ -446,18 +446,19 @@ def test_bad_input_exits_2_with_one_line_and_writes_nothing(finished_run, tmp_pa
 def test_bad_preprocess_input_names_the_line(tmp_path):
     src = tmp_path / "bad.jsonl"
     src.write_text('{"text": "fine"}\n{"text": broken}\n')
-    proc = run_cli("preprocess", "--input", str(src), "--output-prefix", str(tmp_path / "out"))
+    proc = run_cli("preprocess", "--input", str(src), "--output_prefix", str(tmp_path / "out"))
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     assert f"{src}:2" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert not list(tmp_path.glob("out*"))
 
 
-def test_tensorboard_gets_the_metrics_when_installed(tmp_path, one_thread):
-    pytest.importorskip("tensorboard")
+def test_tensorboard_gets_the_metrics_and_the_run_says_so(tmp_path, one_thread, capsys):
+    """tensorboard is in the dev extra: this runs in CI."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     cfg = _small_cfg(tmp_path, steps=2, warmup_steps=1, eval_every=2)
     records = fit(cfg)
+    assert f"tensorboard: {Path(cfg.run_dir) / 'tensorboard'}" in capsys.readouterr().out
     events = EventAccumulator(str(Path(cfg.run_dir) / "tensorboard"))
     events.Reload()
     assert [e.value for e in events.Scalars("train/loss")] == pytest.approx([r["loss"] for r in records])

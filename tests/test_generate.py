@@ -141,7 +141,7 @@ def test_generation_stops_at_eos():
 
 def test_too_many_tokens_is_a_one_line_config_error():
     params = init_params("gpt2", GPT2)
-    with pytest.raises(ConfigError, match="--max-new-tokens") as err:
+    with pytest.raises(ConfigError, match="--max_new_tokens") as err:
         generate(params, "gpt2", GPT2, prompt(10), 60, temperature=0)
     assert "\n" not in str(err.value) and "54" in str(err.value)
     for bad in ({"temperature": -1.0}, {"top_k": -2}, {"top_p": 0.0}):
@@ -201,10 +201,10 @@ def test_source_errors_are_one_line_config_errors(tmp_path):
     _save_run(tmp_path, tokenizer=str(tmp_path / "gone" / "tokenizer.json"))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        with pytest.raises(ConfigError, match="--prompt-ids") as err:
+        with pytest.raises(ConfigError, match="--prompt_ids") as err:
             main_generate(str(tmp_path / "run"), prompt="hello", device="cpu")
         assert "\n" not in str(err.value)
-        with pytest.raises(ConfigError, match="--max-new-tokens") as err:
+        with pytest.raises(ConfigError, match="--max_new_tokens") as err:
             main_generate(str(tmp_path / "run"), prompt_ids="1,2,3", max_new_tokens=62, device="cpu")
         assert "\n" not in str(err.value)
         with pytest.raises(ConfigError, match="exactly one"):
@@ -252,7 +252,7 @@ def test_greedy_matches_transformers(tmp_path, capsys, arch, cfg):
     eos = model.config.eos_token_id
     n = expected.index(eos) + 1 if eos in expected else 20
     assert record["generated_ids"] == expected[:n] and record["text"] is None
-    with pytest.raises(ConfigError, match="--prompt-ids") as err:
+    with pytest.raises(ConfigError, match="--prompt_ids") as err:
         main_generate(str(hf_dir), prompt="hello", device="cpu")
     assert "\n" not in str(err.value)
 

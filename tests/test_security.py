@@ -130,7 +130,7 @@ def read_metadata(step: Path):
 def load_both_ways(capsys, step: Path, tmp_path: Path) -> list[tuple[int, str]]:
     """(exit code, stderr) of exporting and of generating from the checkpoint."""
     return [cli(capsys, "export", "--checkpoint", str(step), "--out", str(tmp_path / "hf")),
-            cli(capsys, "generate", "--checkpoint", str(step), "--prompt-ids", "1,2", "--max-new-tokens", "1",
+            cli(capsys, "generate", "--checkpoint", str(step), "--prompt_ids", "1,2", "--max_new_tokens", "1",
                 "--device", "cpu")]
 
 
@@ -179,7 +179,7 @@ def test_metadata_cannot_point_outside_the_checkpoint(capsys, tmp_path, step_dir
     for info in metadata.storage_data.values():
         info.relative_path = str(outside / "w.distcp") if absolute else "../outside/w.distcp"
     (step / ".metadata").write_bytes(pickle.dumps(metadata))
-    code, err = cli(capsys, "generate", "--checkpoint", str(step), "--prompt-ids", "1,2", "--max-new-tokens", "1",
+    code, err = cli(capsys, "generate", "--checkpoint", str(step), "--prompt_ids", "1,2", "--max_new_tokens", "1",
                     "--device", "cpu")
     assert code == 2, err
 
@@ -191,7 +191,7 @@ def test_metadata_cannot_point_outside_the_checkpoint(capsys, tmp_path, step_dir
 def hf_dir(step_dir, tmp_path_factory) -> Path:
     """The checkpoint exported in several shards, so that it has an index."""
     out = tmp_path_factory.mktemp("export") / "hf"
-    assert main(["export", "--checkpoint", str(step_dir), "--out", str(out), "--max-shard-gb", "1e-5"]) == 0
+    assert main(["export", "--checkpoint", str(step_dir), "--out", str(out), "--max_shard_gb", "1e-5"]) == 0
     assert len(list(out.glob("*.safetensors"))) > 2
     return out
 
@@ -212,7 +212,7 @@ def opened(monkeypatch) -> list[Path]:
 
 
 def generate(capsys, model: Path) -> tuple[int, str]:
-    return cli(capsys, "generate", "--checkpoint", str(model), "--prompt-ids", "1,2", "--max-new-tokens", "1",
+    return cli(capsys, "generate", "--checkpoint", str(model), "--prompt_ids", "1,2", "--max_new_tokens", "1",
                "--device", "cpu")
 
 
@@ -281,7 +281,7 @@ def test_export_writes_only_inside_out(capsys, tmp_path, step_dir):
     parent = tmp_path / "exports"
     parent.mkdir()
     with pytest.warns(UserWarning, match="is not a Hugging Face tokenizer.json"):
-        code, err = cli(capsys, "export", "--checkpoint", str(step), "--out", str(parent / "hf"), "--max-shard-gb",
+        code, err = cli(capsys, "export", "--checkpoint", str(step), "--out", str(parent / "hf"), "--max_shard_gb",
                         "1e-5")
     assert code == 0, err
     assert os.listdir(parent) == ["hf"]

@@ -118,8 +118,8 @@ def test_export_modes_default_dtype_and_bytes_tokenizer(tmp_path, capsys):
         os.umask(umask)
 
     # A text prompt on the export of a bytes run: encoded as bytes, the text decoded.
-    assert main(["generate", "--checkpoint", str(tmp_path / "out" / "1"), "--prompt", "Four €", "--max-new-tokens",
-                 "6", "--temperature", "0", "--output-format", "json", "--device", "cpu"]) == 0
+    assert main(["generate", "--checkpoint", str(tmp_path / "out" / "1"), "--prompt", "Four €", "--max_new_tokens",
+                 "6", "--temperature", "0", "--output_format", "json", "--device", "cpu"]) == 0
     record = json.loads(capsys.readouterr().out)
     assert record["prompt_ids"] == reference_ids("Four €")
     assert record["text"] == bytes(i for i in record["generated_ids"] if i < 256).decode("utf-8", errors="replace")

@@ -105,7 +105,7 @@ def test_generate_with_a_text_prompt_from_the_run_and_the_export(walkthrough):
     record = json.loads(from_export[0].stdout)
     assert record["prompt_ids"] == [256, *PROMPT.encode()]
     assert record["text"] == bytes_text(record["generated_ids"]) and record["text"]
-    by_ids = by_prefix(done, "meshtrain generate --checkpoint runs/tiny/hf --prompt-ids 256,70,111")
+    by_ids = by_prefix(done, "meshtrain generate --checkpoint runs/tiny/hf --prompt_ids 256,70,111")
     assert len(by_ids) == 1 and by_ids[0].stdout.startswith("Fo")
 
 

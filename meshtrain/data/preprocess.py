@@ -44,7 +44,7 @@ def preprocess(input, output_prefix, tokenizer="bytes", append_eod: bool = False
         if eod is None:
             name = getattr(tok, "name", type(tok).__name__)
             raise DataError(f"tokenizer {name}: no end-of-document token (looked for {', '.join(EOS_TOKENS)}); "
-                            "drop --append-eod or use a tokenizer that has one")
+                            "drop --append_eod or use a tokenizer that has one")
     dtype = np.uint16 if tok.vocab_size <= 65536 else np.int32
     record = tokenizer_record(tok)
     with IndexedWriter(prefix, dtype, record) as writer:
@@ -161,7 +161,7 @@ class _Encoder:
                             f'such as {{"{key}": "..."}}')
         if key not in obj:
             keys = ", ".join(repr(k) for k in list(obj)[:8]) or "none"
-            raise DataError(f"{where}: no {key!r} key (keys: {keys}); set the text key (--text-key) to the field "
+            raise DataError(f"{where}: no {key!r} key (keys: {keys}); set the text key (--text_key) to the field "
                             "that holds the text")
         text = obj[key]
         if not isinstance(text, str):

@@ -32,7 +32,7 @@ class Tokenizer(Protocol):
 
 class ByteTokenizer:
     """Token = UTF-8 byte (0..255), BOS 256, EOS 257: vocabulary 258. encode puts BOS first
-    and no EOS (preprocess --append-eod adds it); decode drops the special tokens."""
+    and no EOS (preprocess --append_eod adds it); decode drops the special tokens."""
 
     name = kind = "bytes"
     sha256 = None

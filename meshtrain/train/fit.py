@@ -197,6 +197,9 @@ def _resume_path(cfg: RunConfig, repair: bool = False) -> Path | None:
             checkpoint.cleanup_incomplete(root)
         return checkpoint.latest(root)
     path = Path(resume)
+    if not path.exists():
+        raise ConfigError(f"checkpoint.resume={resume!r} does not exist: give a <run_dir>/checkpoints/step_XXXXXXXX "
+                          "directory, or auto (the newest in run_dir), or none (start over)")
     if not (path / "meta.json").is_file():
         raise ConfigError(f"checkpoint.resume={resume!r} is not a complete checkpoint directory (no meta.json): "
                           "give a <run_dir>/checkpoints/step_XXXXXXXX directory, or auto, or none")

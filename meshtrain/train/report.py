@@ -72,6 +72,7 @@ class StepTable:
             (self.columns if width <= WIDTH else self.extra).append(col)
 
     def header(self) -> str:
+        """The column names (after the first row, which chooses the columns)."""
         return " ".join(f"{h:>{w}}" for h, w, _, _ in self.columns)
 
     def rows(self, r: dict) -> list[str]:
