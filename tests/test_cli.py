@@ -162,7 +162,8 @@ def test_help_shows_the_field_docstrings(capsys):
      "model.moe.capacity_factor", "positive"),
     (["--parallel.pp", "2"], "parallel.fsdp=-1", "parallel.nproc_per_node"),  # 2 stages need 2 processes
     (["--model.init_from", ""], "model.init_from", "Hugging Face"),
-    (["--checkpoint.resume", "runs/x/step_10"], "checkpoint.resume", "meta.json"),
+    (["--checkpoint.resume", "runs/x/step_10"], "checkpoint.resume", "does not exist"),
+    (["--checkpoint.resume", "configs"], "checkpoint.resume", "meta.json"),
     (["--data.paths", "data/owt_text_document"], "data/owt_text_document", ".idx"),
     (["--data.paths", "[[0, a], [1, b]]"], "data.paths", "positive"),
     (["--data.tokenizer", "gpt2"], "gpt2", "tokenizer"),
