@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 
 import pytest
 
 from meshtrain.data.errors import DataError
 from meshtrain.launch import RankFailed, launch
+from meshtrain.stopping import NOTE_DIR
 
 
 def _rank_and_world(x):
@@ -24,8 +26,10 @@ def _bad_data_on_rank_1():
 def _crash_on_rank_1_then_peer_errors():
     if os.environ["RANK"] == "1":
         raise RuntimeError("the real cause, on rank 1")
-    time.sleep(1)
-    raise ConnectionError("connection closed by peer")  # what the other ranks see afterwards
+    # What the other ranks see afterwards: after rank 1 has failed, however late it started.
+    while not Path(os.environ[NOTE_DIR], "rank1.json").exists():
+        time.sleep(0.05)
+    raise ConnectionError("connection closed by peer")
 
 
 def test_results_come_back_by_rank():

@@ -387,7 +387,7 @@ def _bad_schedule():
 def _bad_warmup():
     from meshtrain.train.schedule import LRSchedule
 
-    LRSchedule(lr=1e-3, warmup_steps=20, total_steps=10)
+    LRSchedule(lr=1e-3, warmup_steps=-1, total_steps=10)
 
 
 # id -> (what raises, substrings the message must contain: field/parameter, sizes, fix)
@@ -448,7 +448,7 @@ CONFIG_ERRORS = {
     "bad_lr_schedule": (
         _bad_schedule, ["train.lr_schedule='cosin'", "choose one of cosine, linear, wsd, constant"]),
     "bad_warmup": (
-        _bad_warmup, ["train.warmup_steps=20", "train.steps=10"]),
+        _bad_warmup, ["train.warmup_steps=-1", "at least 0"]),
     "bad_precision": (
         _bad_precision, ["train.precision='fp16'", "choose one of fp32, bf16"]),
     "dim_not_divisible_by_heads": (
