@@ -1,11 +1,18 @@
 """Every layout trains to the numbers of one process (fp32, gloo CPU ranks).
 
-The reference is a single-process run with no plan; each layout runs 10 steps with
+The reference is a single-process run with no plan; each layout runs STEPS steps with
 gradient accumulation (2 micro-steps) against a reference that takes the whole batch
-in one step, so accumulation is checked at the same time.
+in one step, so accumulation is checked at the same time. Each layout must match the
+reference's loss and gradient norm on every step, its whole gradients on the first step
+(seen through make_train_step's inspect_grads) and its final parameters. The clip is set
+below every step's natural gradient norm, so clipping engages on every step and the norm
+scales every update. The clipped AdamW update itself is checked against
+torch.nn.utils.clip_grad_norm_ + torch.optim.AdamW, on one process and on fsdp x tp.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -14,12 +21,23 @@ from meshtrain import AdamW, LRSchedule, MeshSpec, Rules, TrainState, build, ini
 from meshtrain.models import llama
 from meshtrain.models.spec import init_slice
 from meshtrain.testing import run_ranks
+from meshtrain.train.step import full_value, make_update
 
 # GQA (6 query heads over 2 kv heads), an ffn and vocab that are not powers of two.
 CFG = llama.LlamaConfig(dim=48, n_layers=2, n_heads=6, n_kv_heads=2, ffn_dim=100, vocab_size=130, max_seq_len=32)
 # 6 steps: past the 3 warm-up steps of the schedule into its decay; each step checked.
 STEPS, BATCH, SEQ = 6, 8, 16
 LOSS_RTOL, PARAM_ATOL = 1e-5, 1e-5
+# The gradient norm per step, against one process: as the loss.
+NORM_RTOL = 1e-5
+# Below the natural gradient norm of every step (the reference's are 0.95-1.003; asserted
+# in test_clipping_engages_on_every_step), so every update is scaled by clip / norm.
+GRAD_CLIP = 0.5
+# The first step's whole gradients, against one process. Measured (torch 2.13, CPU): at
+# most 1.86e-8 for every layout here, eager, aot_eager and inductor, and for 4 micro-steps
+# on one process (the 2-micro-step accumulation order alone gives it); 10x that, rounded
+# up. The smallest tensor's largest gradient is 1.3e-4, 600x this (checked below).
+GRAD_ATOL = 2e-7
 
 # Uneven fsdp shards: the embedding tables split 130 rows over 4 ranks.
 UNEVEN = {"tok_emb": {"vocab": ("fsdp",), "embed": ()}, "output": {"vocab": ("fsdp",), "embed": ()}}
@@ -30,8 +48,7 @@ LAYOUTS = {
         "tp2": ({"tp": 2}, False, None), "tp2_sp": ({"tp": 2}, True, None),
         "cp2_allgather": ({"cp": 2}, False, None, "allgather"), "cp2_ring": ({"cp": 2}, False, None, "ring"),
         "cp2_a2a": ({"cp": 2}, False, None, "a2a")},
-    # fsdp x tp without sp is covered by tp2 and fsdp2_tp2_sp (its gathers and tp collectives).
-    4: {"dp2_fsdp2": ({"dp": 2, "fsdp": 2}, False, None),
+    4: {"dp2_fsdp2": ({"dp": 2, "fsdp": 2}, False, None), "fsdp2_tp2": ({"fsdp": 2, "tp": 2}, False, None),
         "fsdp2_tp2_sp": ({"fsdp": 2, "tp": 2}, True, None), "dp2_tp2_sp": ({"dp": 2, "tp": 2}, True, None),
         "fsdp4_uneven": ({"fsdp": 4}, False, UNEVEN), "cp4_ring": ({"cp": 4}, False, None, "ring"),
         "cp2_tp2_sp_ring": ({"cp": 2, "tp": 2}, True, None, "ring"),
@@ -49,22 +66,52 @@ def batches(micro_steps: int, steps: int = STEPS):
 
 def _optimizer():
     return dict(optimizer=AdamW(lr=3e-4, weight_decay=0.1),
-                schedule=LRSchedule(lr=3e-4, min_lr=3e-5, warmup_steps=3, total_steps=STEPS), grad_clip=1.0)
+                schedule=LRSchedule(lr=3e-4, min_lr=3e-5, warmup_steps=3, total_steps=STEPS), grad_clip=GRAD_CLIP)
 
 
-def single_process(micro_steps: int = 1, compile=False):
+class GradRecorder:
+    """An inspect_grads callback: whole copies (gathered: a collective every rank holding
+    the parameter reaches) of the gradients of the steps numbered in `steps` (1-based)."""
+
+    def __init__(self, steps=(1,)):
+        self.steps, self.seen, self.grads = set(steps), 0, {}
+
+    def __call__(self, grads: dict) -> None:
+        self.seen += 1
+        if self.seen in self.steps:
+            self.grads[self.seen] = {n: full_value(g).detach().clone() for n, g in grads.items()}
+
+
+class Run(NamedTuple):
+    losses: list[float]
+    params: dict  # final, whole
+    norms: list[float]  # metrics["grad_norm"] per step
+    grads: dict  # step (1-based) -> {name: whole gradient before clipping}
+    moments: dict | None = None  # final {"exp_avg": {name: whole}, "exp_avg_sq": ...}, when asked for
+
+
+def _whole(tensors: dict) -> dict:
+    return {n: full_value(t).detach().clone() for n, t in tensors.items()}
+
+
+def single_process(micro_steps: int = 1, compile=False, grad_steps=(1,)) -> Run:
     model = build("llama", CFG)
     params = {n: init_slice(s, n, seed=0).requires_grad_() for n, s in model.specs.items()}
-    step = make_train_step(model, compile=compile, **_optimizer())
+    recorder = GradRecorder(grad_steps)
+    step = make_train_step(model, compile=compile, inspect_grads=recorder, **_optimizer())
     state = TrainState.create(params)
-    losses = [step(state, b)["loss"] for b in batches(micro_steps)]
-    return losses, {n: p.detach().clone() for n, p in params.items()}
+    metrics = [step(state, b) for b in batches(micro_steps)]
+    return Run([m["loss"] for m in metrics], _whole(params), [m["grad_norm"] for m in metrics], recorder.grads,
+               {k: _whole(v) for k, v in state.optimizer.items()})
 
 
 # The layouts the compiled runs cover: each graph shape once (fsdp2 and tp2_sp run under
 # inductor below; fsdp2_tp2_sp holds the gathers, the tp collectives and sp together; dp's
 # only collectives, the gradient all-reduces, are fsdp2's reductions without the gathers).
 COMPILED = {"tp2", "fsdp2_tp2_sp", "cp2_ring", "cp2_a2a"}
+# The sharded layout whose every step's gradients (and final Adam moments) are kept, for
+# the check of the clipped update against torch (test_clipped_update_equals_torch_sharded).
+TORCH_CHECKED = "fsdp2_tp2"
 
 
 def train_layouts(world: int, compile, names=None):
@@ -81,52 +128,81 @@ def train_layouts(world: int, compile, names=None):
                          if cp_comm else "allgather")
         mesh = plan.mesh.build()
         params = init_params(plan, mesh, seed=0)
-        initial = {n: p.full_tensor().detach().clone() for n, p in params.items()}
-        step = make_train_step(model, plan, mesh, compile=compile, **_optimizer())
+        initial = _whole(params)
+        every_step = name == TORCH_CHECKED and not compile
+        recorder = GradRecorder(range(1, STEPS + 1) if every_step else (1,))
+        step = make_train_step(model, plan, mesh, compile=compile, inspect_grads=recorder, **_optimizer())
         state = TrainState.create(params)
-        losses = [step(state, b)["loss"] for b in batches(micro_steps=2)]
-        final = {n: p.full_tensor().detach().clone() for n, p in params.items()}
-        out[name] = (losses, initial, final)
+        metrics = [step(state, b) for b in batches(micro_steps=2)]
+        moments = {k: _whole(v) for k, v in state.optimizer.items()} if every_step else None
+        out[name] = initial, Run([m["loss"] for m in metrics], _whole(params), [m["grad_norm"] for m in metrics],
+                                 recorder.grads, moments)
     return out
 
 
 @pytest.fixture(scope="module")
-def reference():
-    return single_process()
+def reference() -> Run:
+    return single_process(grad_steps=range(1, STEPS + 1))
 
 
-def _check(reference, results):
-    ref_losses, ref_params = reference
+def check_run(run: Run, ref: Run, what: str, grad_atol: float = GRAD_ATOL, param_atol: float = PARAM_ATOL) -> None:
+    """Losses and gradient norms on every step, the first step's whole gradients (of the
+    parameters `run` holds), the final parameters. (The clipped update's own arithmetic is
+    checked against torch below.)"""
+    torch.testing.assert_close(torch.tensor(run.losses), torch.tensor(ref.losses), rtol=LOSS_RTOL, atol=0,
+                               msg=lambda m: f"{what} losses: {m}")
+    torch.testing.assert_close(torch.tensor(run.norms), torch.tensor(ref.norms), rtol=NORM_RTOL, atol=0,
+                               msg=lambda m: f"{what} gradient norms: {m}")
+    assert set(run.grads[1]) <= set(ref.grads[1]), what
+    for n, g in run.grads[1].items():
+        torch.testing.assert_close(g, ref.grads[1][n], rtol=0, atol=grad_atol,
+                                   msg=lambda m: f"{what} step-1 gradient of {n}: {m}")
+    for n, p in run.params.items():
+        torch.testing.assert_close(p, ref.params[n], rtol=0, atol=param_atol, msg=lambda m: f"{what} {n}: {m}")
+
+
+def _check(reference: Run, results):
     initial_values = {n: init_slice(s, n, seed=0) for n, s in build("llama", CFG).specs.items()}
-    for name, (losses, initial, final) in results.items():
+    for name, (initial, run) in results.items():
         for n in initial_values:  # layout-invariant init: bitwise
             assert torch.equal(initial[n], initial_values[n]), f"{name}: initial {n} differs"
-        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=LOSS_RTOL, atol=0,
-                                   msg=lambda m: f"{name} losses: {m}")
-        for n, ref in ref_params.items():
-            torch.testing.assert_close(final[n], ref, rtol=0, atol=PARAM_ATOL, msg=lambda m: f"{name} {n}: {m}")
+        assert sorted(run.grads[1]) == sorted(reference.grads[1]), name
+        check_run(run, reference, name)
+
+
+def test_clipping_engages_on_every_step(reference):
+    """Guards the norm checks: with the clip below every step's norm, a wrong norm scales
+    every update, and a missing clip changes every update."""
+    assert all(n > GRAD_CLIP * 1.5 for n in reference.norms), reference.norms
 
 
 def test_gradient_accumulation_equals_large_batch(reference):
-    losses, params = single_process(micro_steps=4)
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference[0]), rtol=LOSS_RTOL, atol=0)
-    for n, ref in reference[1].items():
-        torch.testing.assert_close(params[n], ref, rtol=0, atol=PARAM_ATOL)
+    check_run(single_process(micro_steps=4), reference, "4 micro-steps")
 
 
 def test_training_moves_the_parameters(reference):
     """Guards the equivalence tests against a run that changes nothing."""
-    _, params = reference
     initial = {n: init_slice(s, n, seed=0) for n, s in build("llama", CFG).specs.items()}
-    for n in params:  # every tensor moves by far more than the tolerance
-        assert (params[n] - initial[n]).abs().max().item() > 100 * PARAM_ATOL, n
+    for n, p in reference.params.items():  # every tensor moves by far more than the tolerance
+        assert (p - initial[n]).abs().max().item() > 100 * PARAM_ATOL, n
+    for n, g in reference.grads[1].items():  # and every gradient is far above its tolerance
+        assert g.abs().max().item() > 100 * GRAD_ATOL, n
+
+
+_RUNS = {}
+
+
+def layout_runs(world: int, compile) -> list:
+    """Each rank's results of train_layouts (one launch per world and mode, shared by tests)."""
+    if (world, compile) not in _RUNS:
+        _RUNS[world, compile] = run_ranks(train_layouts, world, world, compile)
+    return _RUNS[world, compile]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_layouts_match_single_process(reference, world):
-    results = run_ranks(train_layouts, world, world, False)
-    for rank_result in results:  # every rank sees the same replicated numbers
+    for rank_result in layout_runs(world, False):  # every rank sees the same replicated numbers
         _check(reference, rank_result)
 
 
@@ -142,11 +218,7 @@ def test_compiled_layouts_match_single_process(reference, world):
 
 @pytest.mark.slow
 def test_inductor_single_process_matches_eager(reference):
-    losses, params = single_process(compile=True)
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference[0]), rtol=LOSS_RTOL, atol=0)
-    for n, ref in reference[1].items():
-        torch.testing.assert_close(params[n], ref, rtol=0, atol=PARAM_ATOL)
-
+    check_run(single_process(compile=True), reference, "inductor")
 
 
 @pytest.mark.slow
@@ -155,3 +227,93 @@ def test_inductor_sharded_layouts_match_single_process(reference):
     all-gather / reduce-scatter, vocab-parallel loss)."""
     results = run_ranks(train_layouts, 2, 2, True, ["fsdp2", "tp2_sp"], start="spawn")
     _check(reference, results[0])
+
+
+# --- the clipped update against torch ------------------------------------------------------
+
+def torch_update(initial: dict, grads: dict, opt: dict | None = None) -> Run:
+    """torch.nn.utils.clip_grad_norm_ + torch.optim.AdamW from `initial`, step t taking
+    grads[t] (1-based) and the schedule's learning rate for step t: what our update should
+    do with the same gradients. Weight decay on >= 2-D parameters only, as AdamW() decays."""
+    opt = opt or _optimizer()
+    adamw, schedule = opt["optimizer"], opt["schedule"]
+    params = {n: p.clone().requires_grad_() for n, p in initial.items() if n in grads[1]}
+    groups = [{"params": [p for p in params.values() if p.ndim >= 2], "weight_decay": adamw.weight_decay},
+              {"params": [p for p in params.values() if p.ndim < 2], "weight_decay": 0.0}]
+    torch_adamw = torch.optim.AdamW(groups, lr=adamw.lr, betas=adamw.betas, eps=adamw.eps)
+    norms = []
+    for t in sorted(grads):
+        for n, p in params.items():
+            p.grad = grads[t][n].clone()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(list(params.values()), opt["grad_clip"])))
+        for group in torch_adamw.param_groups:
+            group["lr"] = schedule(t - 1)
+        torch_adamw.step()
+    moments = {k: {n: torch_adamw.state[p][k] for n, p in params.items()} for k in ("exp_avg", "exp_avg_sq")}
+    return Run([], {n: p.detach() for n, p in params.items()}, norms, grads, moments)
+
+
+# Against clip_grad_norm_ + torch.optim.AdamW on the same gradients: the norm sums the
+# same squares in another order, the update is the same arithmetic in another order.
+# Measured on one process and on fsdp2 x tp2 (6 steps): norms <= 1.19e-7 relative,
+# parameters <= 5.96e-8, Adam moments <= 3.0e-7 of each tensor's largest moment (an
+# elementwise relative bound does not work: exp_avg has entries that cancel to ~0).
+# Tolerances ~10x those. A skipped clip changes the moments by ~2x (clip / norm ~ 0.5).
+TORCH_NORM_RTOL = 1.2e-6
+TORCH_ATOL = 6e-7
+TORCH_MOMENT_TOL = 3e-6  # times the tensor's largest |moment|
+
+
+def check_against_torch(run: Run, initial: dict, what: str) -> None:
+    expected = torch_update(initial, run.grads)
+    torch.testing.assert_close(torch.tensor(run.norms), torch.tensor(expected.norms), rtol=TORCH_NORM_RTOL, atol=0,
+                               msg=lambda m: f"{what} norms against clip_grad_norm_: {m}")
+    for n, p in expected.params.items():
+        torch.testing.assert_close(run.params[n], p, rtol=0, atol=TORCH_ATOL,
+                                   msg=lambda m: f"{what} {n} against torch: {m}")
+        for k in ("exp_avg", "exp_avg_sq"):
+            want = expected.moments[k][n]
+            torch.testing.assert_close(run.moments[k][n], want, rtol=0, atol=TORCH_MOMENT_TOL * want.abs().max().item(),
+                                       msg=lambda m: f"{what} {k} of {n} against torch: {m}")
+
+
+def test_clipped_update_equals_torch_one_process(reference):
+    initial = {n: init_slice(s, n, seed=0) for n, s in build("llama", CFG).specs.items()}
+    check_against_torch(reference, initial, "one process")
+
+
+@pytest.mark.slow
+def test_clipped_update_equals_torch_sharded():
+    """fsdp x tp at world 4 (the run test_layouts_match_single_process[4] makes): the norm
+    of sharded gradients and the update on each rank's shards."""
+    initial, run = layout_runs(4, False)[0][TORCH_CHECKED]
+    check_against_torch(run, initial, TORCH_CHECKED)
+
+
+def test_update_equals_torch_where_the_clip_epsilon_and_adam_eps_matter():
+    """clip / (norm + 1e-6), as torch's clip_grad_norm_: gradient norms of 2e-6 to 4e-6
+    under a clip of 1e-6 give coefficients of 1/3 to 1/5 (clip / norm would give 1/2 to
+    1/4), and clipped gradients near Adam's eps make the update itself depend on them."""
+    g = torch.Generator().manual_seed(0)
+    initial = {"w": torch.randn(4, 3, generator=g), "b": torch.randn(3, generator=g)}
+    grads = {}
+    for t in (1, 2, 3):
+        raw = {n: torch.randn(p.shape, generator=g) for n, p in initial.items()}
+        total = torch.cat([r.flatten() for r in raw.values()]).norm()
+        grads[t] = {n: r * (1e-6 * (t + 1) / total) for n, r in raw.items()}
+    opt = {**_optimizer(), "grad_clip": 1e-6}
+    params = {n: p.clone().requires_grad_() for n, p in initial.items()}
+    state = TrainState.create(params)
+    apply = make_update(opt["optimizer"], opt["schedule"], opt["grad_clip"])
+    norms = []
+    for t in (1, 2, 3):
+        for n, p in params.items():
+            p.grad = grads[t][n].clone()
+        norms.append(float(apply(state)[0]))
+    ours = Run([], _whole(params), norms, grads, {k: _whole(v) for k, v in state.optimizer.items()})
+    expected = torch_update(initial, grads, opt)
+    torch.testing.assert_close(torch.tensor(norms), torch.tensor(expected.norms), rtol=1e-6, atol=0)
+    for n in initial:
+        torch.testing.assert_close(ours.params[n], expected.params[n], rtol=0, atol=1e-7)
+        for k in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(ours.moments[k][n], expected.moments[k][n], rtol=1e-6, atol=0)

@@ -46,7 +46,7 @@ from ..parallel.context import ShardedContext
 from ..parallel.plan import without_pp
 from ..train.optim import AdamW, local
 from ..train.schedule import LRSchedule
-from ..train.step import MoeTerms, TrainState, full_value, make_update, moe_step
+from ..train.step import InspectGrads, MoeTerms, TrainState, full_value, make_update, moe_step
 from .partition import Stage
 from .schedule import B, BI, BW, F, RECV_B, RECV_F, SEND_B, SEND_F, Schedule, check_checkpointing, forward_only
 
@@ -202,18 +202,21 @@ def make_pipeline_step(model: ModelDef, stages: list[Stage], schedule: Schedule,
                        optimizer: AdamW = AdamW(), lr_schedule: LRSchedule | None = None,
                        precision: str = "fp32", grad_clip: float | None = 1.0, fp8_recipe: str = "tensorwise",
                        activation_checkpointing: str = "none",
-                       record_timings: bool = False) -> Callable[[TrainState, dict], dict]:
+                       record_timings: bool = False, inspect_grads: InspectGrads | None = None
+                       ) -> Callable[[TrainState, dict], dict]:
     """`step(state, batch) -> metrics` for this rank; `plan` and `device_mesh` are the whole
     layout's, pp included. record_timings: metrics["timings"] lists (kind, stage, seconds)
     of this rank's compute actions, then ("update", -1, seconds) for the gradient
     exchange, norm and optimizer step (for the bench; host time). state.params holds `stage_param_names(stages, pp_rank)` (DTensors on the
     non-pp sub-mesh when there is one); batch as for make_train_step (full
-    (micro_steps, batch, seq) tensors on every rank)."""
+    (micro_steps, batch, seq) tensors on every rank). `inspect_grads` sees this rank's
+    gradients before clipping, a tied table's copies already summed (see make_update)."""
     if any(a.kind == BI for rank in schedule.ranks for a in rank):
         check_checkpointing("zb", activation_checkpointing)
     pipe = _Pipe(model, stages, schedule.pp, plan, device_mesh,
                  Policy.of(precision, fp8_recipe, activation_checkpointing))
-    apply_update = make_update(optimizer, lr_schedule or LRSchedule(lr=optimizer.lr, kind="constant"), grad_clip)
+    apply_update = make_update(optimizer, lr_schedule or LRSchedule(lr=optimizer.lr, kind="constant"), grad_clip,
+                               inspect_grads=inspect_grads)
     actions = schedule.ranks[pipe.rank]
     data_ranks = pipe.plan.mesh.dp * pipe.plan.mesh.fsdp if pipe.plan is not None else 1
     tied = [n for st in stages if st.rank == pipe.rank for n in st.shared]  # held here, owned on rank 0

@@ -16,6 +16,10 @@ from ..models.policy import Policy
 from .optim import AdamW, adamw_update, all_reduce_sum, grad_norm_squared_local, init_state, local, replica_count
 from .schedule import LRSchedule
 
+# Called with {name: gradient} for every trainable parameter: see make_update.
+InspectGrads = Callable[[dict[str, torch.Tensor]], None]
+
+
 @dataclass
 class TrainState:
     params: dict[str, torch.Tensor]
@@ -30,8 +34,8 @@ class TrainState:
 def make_train_step(model: ModelDef, plan=None, device_mesh=None, *, optimizer: AdamW = AdamW(),
                     schedule: LRSchedule | None = None, precision: str = "fp32", grad_clip: float | None = 1.0,
                     compile: bool | str = False, fp8_recipe: str = "tensorwise",
-                    activation_checkpointing: str = "none", policy: Policy | None = None
-                    ) -> Callable[[TrainState, dict], dict]:
+                    activation_checkpointing: str = "none", policy: Policy | None = None,
+                    inspect_grads: InspectGrads | None = None) -> Callable[[TrainState, dict], dict]:
     """Build `step(state, batch) -> metrics`.
 
     batch["tokens"] and batch["targets"] are (micro_steps, batch, seq) tensors, or lists of
@@ -48,6 +52,8 @@ def make_train_step(model: ModelDef, plan=None, device_mesh=None, *, optimizer: 
     Metrics: loss, grad_norm, lr, skipped (True when the loss or the gradient norm was not
     finite and the update was left out, see make_update); with MoE blocks also expert_imbalance and (when a balance
     loss or z-loss is on) aux_loss, the terms added to the objective.
+    `inspect_grads`, when given, sees every step's accumulated gradients before they are
+    clipped: see make_update.
     """
     if compile and plan is not None:
         check_compile_with_cp(plan.mesh)
@@ -65,7 +71,7 @@ def make_train_step(model: ModelDef, plan=None, device_mesh=None, *, optimizer: 
 
     if compile:
         loss_sum = _compiled(loss_sum, compile)
-    apply_update = make_update(optimizer, schedule, grad_clip, compile)
+    apply_update = make_update(optimizer, schedule, grad_clip, compile, inspect_grads)
 
     def step(state: TrainState, batch: dict) -> dict:
         tokens, targets = batch["tokens"], batch["targets"]
@@ -162,7 +168,8 @@ def check_compile_with_checkpointing(moe: bool, activation_checkpointing: str) -
                           "none")
 
 
-def make_update(optimizer: AdamW, schedule: LRSchedule, grad_clip: float | None, compile: bool | str = False):
+def make_update(optimizer: AdamW, schedule: LRSchedule, grad_clip: float | None, compile: bool | str = False,
+                inspect_grads: InspectGrads | None = None):
     """The optimizer half of a step, shared by the plain and the pipelined step:
     `apply(state, uncounted=(), loss=None) -> (grad_norm, lr, updated)` takes the global
     gradient norm (each rank's share of the squared norm, one scalar all-reduce over the
@@ -170,7 +177,16 @@ def make_update(optimizer: AdamW, schedule: LRSchedule, grad_clip: float | None,
     gradients. Parameters named in `uncounted` (a second copy of a tied table) stay out of
     the norm. When the norm (or the given `loss`) is not finite, the parameters and the
     optimizer state are left as they were and `updated` is False: the norm is global, so
-    every rank decides the same."""
+    every rank decides the same.
+
+    `inspect_grads(grads)` is called first, on every rank, with {name: gradient} of every
+    trainable parameter this rank holds: the gradients accumulated over the step's
+    micro-batches (a tied table's copies already summed), before the norm and clipping,
+    as the parameters hold them (DTensors in the parameter's layout when sharded). Use it
+    to log per-parameter gradient norms or to test gradients. The tensors are the live
+    gradients, clipped in place and dropped right after: copy what you keep. Calling
+    `.full_tensor()` on one is a collective, so every rank holding that parameter must
+    make the same calls in the same order. None (the default) costs nothing."""
 
     def norm_of(grads, replicas):
         return all_reduce_sum(grad_norm_squared_local(grads, replicas)).sqrt()
@@ -195,6 +211,8 @@ def make_update(optimizer: AdamW, schedule: LRSchedule, grad_clip: float | None,
         lr = schedule(state.step)
         state.step += 1
         with torch.no_grad():
+            if inspect_grads is not None:
+                inspect_grads({n: state.params[n].grad for n in names})
             norm = norm_of(grads, replicas)
             # One host read per step (the metrics read the norm anyway): a NaN or inf must
             # never reach the weights or the Adam moments.
