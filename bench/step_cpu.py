@@ -12,8 +12,11 @@ in the same run from the same initial parameters on the same batches:
 
 Order of work: build all four; run --warmup steps of each (this includes the inductor
 compile, timed and reported separately, never counted in tokens/s) and compare every
-warm-up step's loss (rtol 1e-5) and the parameters afterwards (per-tensor update, rtol 1e-2) against
-ref-eager: if anything differs the bench refuses to report speed and exits 1. Then
+warm-up step's loss (rtol 1e-5), grad norm before clipping (rtol 2e-6) and the parameters
+afterwards (per-tensor update, rtol 1e-3) against ref-eager: if anything differs the bench
+refuses to report speed and exits 1. The clip (--grad-clip: 1.0, 0.25 with --tiny) sits
+below the natural grad norm (~2.3, tiny ~0.77), so it engages in every warm-up step (the
+JSON's clipped_steps). Then
 --rounds measurement rounds, each timing --steps steps of every implementation, the
 order alternating (ABCD, DCBA, ...) so drift in machine load hits all of them alike.
 Reported: median tokens/s over rounds, min-max, ratio to ref-eager, load average.
@@ -48,15 +51,24 @@ from meshtrain.models.spec import init_slice  # noqa: E402
 
 BASELINE = "ref-eager"
 LOSS_RTOL = 1e-5
+# Every warm-up step's grad norm (before clipping). Measured: 7.8e-8 (tiny), 2.1e-7 (full,
+# aot_eager and inductor); about 10x the larger.
+GRAD_NORM_RTOL = 2e-6
 # Parameters after the warm-up: per tensor, |p - p_ref| / |p_ref - p_init| (Frobenius norms). fp32
-# rounding gives ~1e-4 (Adam's first steps are sign-like, so a tiny gradient's rounding moves its
-# element by up to lr); a wrong update rule (e.g. decay on the norm scales) gives > 1e-2.
-UPDATE_RTOL = 1e-2
+# rounding gives 1e-5 to 1e-4 (tiny 1.3e-5 to 1.9e-5; full 3.3e-5 eager, 4.1e-5 inductor; ~1e-4
+# in earlier runs: Adam's first steps are sign-like, so a tiny gradient's rounding moves its
+# element by up to lr); 10x the largest. Adam hides a constant gradient scale, so a clip that
+# is not applied shows only through the ratio of the steps' clip factors: 1.1e-2 on the tiny
+# config (7.4e-3 in bench/mfu.py's), 7x past 1e-3, while 1e-2 (used before) let mfu's pass. A
+# wrong update rule (e.g. decay on the norm scales) gives > 1e-1.
+UPDATE_RTOL = 1e-3
 
+# grad_clip: below each config's natural grad norm (full ~2.3, tiny ~0.77), so every warm-up
+# step is clipped and the clip is part of what the check compares.
 FULL = dict(dim=256, layers=4, heads=8, kv_heads=4, ffn=688, vocab=512, batch=8, seq=128, micro=1,
-            warmup=3, steps=5, rounds=10)
+            warmup=3, steps=5, rounds=10, grad_clip=1.0)
 TINY = dict(dim=64, layers=2, heads=4, kv_heads=2, ffn=176, vocab=256, batch=4, seq=64, micro=1,
-            warmup=2, steps=2, rounds=2)
+            warmup=2, steps=2, rounds=2, grad_clip=0.25)
 
 
 def parse_args(argv=None):
@@ -70,6 +82,8 @@ def parse_args(argv=None):
     m.add_argument("--seq", type=int, default=None, help="default 128")
     m.add_argument("--micro", type=int, default=None, help="micro-batches per step (gradient accumulation; default 1)")
     r = p.add_argument_group("measurement")
+    r.add_argument("--grad-clip", type=float, default=None, help="global grad-norm clip (default 1.0, --tiny 0.25: "
+                   "below the natural norm, so clipping engages)")
     r.add_argument("--warmup", type=int, default=None, help="untimed steps per implementation (compile + loss check; "
                    "default 3)")
     r.add_argument("--steps", type=int, default=None, help="timed steps per implementation per round (default 5)")
@@ -124,7 +138,7 @@ def build_runners(args, cfg, init, batches, optimizer) -> dict[str, Runner]:
     def ours(name, compile):
         params = {n: v.clone().requires_grad_() for n, v in init.items()}
         state = TrainState.create(params)
-        step = make_train_step(model, optimizer=optimizer, grad_clip=1.0, compile=compile)
+        step = make_train_step(model, optimizer=optimizer, grad_clip=args.grad_clip, compile=compile)
         runners[name] = Runner(name, lambda b: step(state, b), lambda: params, batches)
 
     def ref(name, compile):
@@ -132,7 +146,7 @@ def build_runners(args, cfg, init, batches, optimizer) -> dict[str, Runner]:
         load_meshtrain_params(module, init)
         opt = make_optimizer(module, optimizer.lr, optimizer.betas, optimizer.eps, optimizer.weight_decay)
         forward = torch.compile(module, backend=args.backend) if compile else module
-        step = make_reference_step(module, opt, grad_clip=1.0, forward=forward)
+        step = make_reference_step(module, opt, grad_clip=args.grad_clip, forward=forward)
         runners[name] = Runner(name, step, lambda: {meshtrain_name(n): p for n, p in module.named_parameters()},
                                batches)
 
@@ -145,14 +159,15 @@ def build_runners(args, cfg, init, batches, optimizer) -> dict[str, Runner]:
     return runners
 
 
-def warmup_and_check(runners, n_steps, init) -> tuple[dict, list[str]]:
+def warmup_and_check(runners, n_steps, init, grad_clip: float) -> tuple[dict, list[str]]:
     """Run the warm-up steps (timing them: compile included), compare with the baseline."""
     info, errors = {}, []
     for name, r in runners.items():
         t0 = time.perf_counter()
         metrics = [r.step() for _ in range(n_steps)]
         info[name] = {"warmup_s": time.perf_counter() - t0, "losses": [m["loss"] for m in metrics],
-                      "grad_norms": [m["grad_norm"] for m in metrics]}
+                      "grad_norms": [m["grad_norm"] for m in metrics],
+                      "clipped_steps": sum(m["grad_norm"] > grad_clip for m in metrics)}
     base = info[BASELINE]
     base_params = runners[BASELINE].params()
     for name, r in runners.items():
@@ -170,6 +185,9 @@ def warmup_and_check(runners, n_steps, init) -> tuple[dict, list[str]]:
         if loss_rel > LOSS_RTOL:
             errors.append(f"{name}: loss differs from {BASELINE} by rel {loss_rel:.2e} > {LOSS_RTOL:g} "
                           f"({info[name]['losses']} vs {base['losses']})")
+        if gn_rel > GRAD_NORM_RTOL:
+            errors.append(f"{name}: grad norms differ from {BASELINE} by rel {gn_rel:.2e} > {GRAD_NORM_RTOL:g} "
+                          f"({info[name]['grad_norms']} vs {base['grad_norms']})")
         if upd[worst] > UPDATE_RTOL:
             errors.append(f"{name}: after {n_steps} steps the update of {worst} differs from {BASELINE}'s "
                           f"by rel {upd[worst]:.2e} > {UPDATE_RTOL:g}")
@@ -262,12 +280,14 @@ def main(argv=None) -> int:
         inductor_config.cpp.enable_kernel_profile = True
     runners = build_runners(args, cfg, init, batches, optimizer)
     print(f"warm-up: {args.warmup} steps each (compile included), checking losses against {BASELINE} ...", flush=True)
-    check, errors = warmup_and_check(runners, args.warmup, init)
+    check, errors = warmup_and_check(runners, args.warmup, init, args.grad_clip)
     for name, c in check.items():
         extra = "" if name == BASELINE else (f"  loss rel {c['loss_max_rel_diff']:.1e}, grad-norm rel "
                                              f"{c['grad_norm_max_rel_diff']:.1e}, update rel "
                                              f"{c['update_max_rel_diff']:.1e}")
-        print(f"  {name:14s} {c['warmup_s']:7.1f} s  losses {', '.join(f'{x:.6f}' for x in c['losses'])}{extra}")
+        print(f"  {name:14s} {c['warmup_s']:7.1f} s  losses {', '.join(f'{x:.6f}' for x in c['losses'])}, grad norms "
+              f"{', '.join(f'{x:.4f}' for x in c['grad_norms'])} (clip {args.grad_clip:g} engaged in "
+              f"{c['clipped_steps']} of {args.warmup}){extra}")
     if errors:
         print("REFUSING TO REPORT: the implementations do not compute the same step:", file=sys.stderr)
         for e in errors:

@@ -1,6 +1,7 @@
 """bench/step_cpu.py --tiny in a subprocess: our compiled step and the plain nn.Module
-reference compute the same steps (the bench refuses to report otherwise) and the JSON has
-the ratio. aot_eager keeps it quick (no C++ code generation); it says nothing about speed."""
+reference compute the same steps with the grad-norm clip engaged in every step (the bench
+refuses to report otherwise; checked again here) and the JSON has the ratio. aot_eager
+keeps it quick (no C++ code generation); it says nothing about speed."""
 
 import json
 import math
@@ -22,3 +23,12 @@ def test_step_bench_tiny(tmp_path):
     assert [r["impl"] for r in data["results"]] == ["ours-compiled", "ours-eager", "ref-eager"]
     assert math.isfinite(data["ratio"]) and data["ratio"] > 0
     assert data["config"]["tiny"] and data["config"]["backend"] == "aot_eager"
+    # The clip (0.25) is below the natural norm (~0.77): every warm-up step is clipped.
+    warmup = data["config"]["warmup"]
+    assert data["config"]["grad_clip"] == 0.25
+    assert all(c["clipped_steps"] == warmup for c in data["check"].values()), data["check"]
+    for name in ("ours-compiled", "ours-eager"):
+        c = data["check"][name]
+        assert c["grad_norm_max_rel_diff"] <= 2e-6, c  # measured 7.8e-8
+        assert c["loss_max_rel_diff"] <= 1e-5, c
+        assert c["update_max_rel_diff"] <= 1e-3, c  # measured 1.3e-5; a clip left out gives 1.1e-2

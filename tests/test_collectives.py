@@ -39,7 +39,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from meshtrain.models import build
 from meshtrain.models.llama import LlamaConfig
-from meshtrain.parallel.context import ShardedContext
 from meshtrain.parallel.init import init_params
 from meshtrain.parallel.mesh import MeshSpec
 from meshtrain.parallel.plan import make_plan
@@ -49,12 +48,12 @@ from meshtrain.train.step import TrainState, make_train_step
 
 FP32 = 4  # bytes per element; every case here trains in fp32
 
-# Whether gathered parameters are dropped after forward and gathered again in backward
-# (ZeRO-3, FSDP2's reshard_after_forward=True: eager steps since 0273d13) or kept from
-# forward to backward (compiled steps, and the runtime before 0273d13). Read from the
-# runtime's interface, not from its behaviour; the formulas cover both. Every step here
-# is eager.
-REGATHER = hasattr(ShardedContext, "regather_in_backward")
+# Eager steps drop gathered parameters after forward and gather them again in backward
+# (ZeRO-3, FSDP2's reshard_after_forward=True; docs/parallelism.md's r = 1); compiled steps
+# keep them (r = 0, not counted here). Every step here is eager, so r = 1: fixed by the
+# documented design, not read from the code under test (a runtime that lost the re-gather
+# must fail here, not switch the expectation).
+REGATHER = True
 
 # Tiny, odd-sized: vocab 130 and ffn 100 are not powers of two, head_dim 8, GQA 6:2.
 CFG = LlamaConfig(dim=48, n_layers=2, n_heads=6, n_kv_heads=2, ffn_dim=100, vocab_size=130, max_seq_len=64)

@@ -9,7 +9,14 @@ those of 2 self-launched fsdp ranks (gloo), where the cut checkpoint writes are 
 multi-rank ones. Each run_dir is compared with an uninterrupted run of the same layout
 (fp32, the same layout and world: every deterministic field must be equal, not close).
 
-The moments alternate: mid-checkpoint (the next save's temporary directory appears; the
+The first kill of each run_dir lands inside a checkpoint write for certain, by fault
+injection (meshtrain/train/faults.py): one process SIGKILLs itself once it has opened its
+first tensor file of the save of step N (savekill@N); 2 ranks hang there (savestall@N) and
+the whole group is SIGKILLed once every rank's tensor file exists. Its leftover is asserted:
+the `.tmp-step_N` directory holding the tensor files and neither DCP's .metadata nor our
+meta.json, the newest checkpoint N - 1, and the next start resumes from N - 1.
+
+After it the moments alternate: mid-checkpoint (the next save's temporary directory appears; the
 kill comes at a uniformly random point of a save window timed on the save before, so it
 lands before any file, between the ranks' tensor files and DCP's .metadata, after
 meta.json but before the rename, or just after it) and mid-step (a uniformly random
@@ -137,41 +144,53 @@ def _tmp_dir(root: Path, above: int) -> str | None:
     return None
 
 
+def _ranks(extra: list[str]) -> int:
+    return int(extra[extra.index("--parallel.nproc_per_node") + 1]) if "--parallel.nproc_per_node" in extra else 1
+
+
+def _tensor_files(tmp: Path, ranks: int) -> bool:
+    """Whether every rank has opened its DCP tensor file in the save directory `tmp`."""
+    return all((tmp / f"__{r}_0.distcp").exists() for r in range(ranks))
+
+
+def _injected_kill(proc: subprocess.Popen, root: Path, fault: str, fault_step: int, ranks: int, out: Path) -> int:
+    """Waits for the kill inside the save of `fault_step` (see the module docstring);
+    returns how many processes it ended."""
+    if ranks == 1:  # savekill: the process SIGKILLs itself inside the save
+        rc = proc.wait(timeout=WAIT_S)
+        assert rc == -signal.SIGKILL, (fault, rc, out.read_text())
+        return 1
+    # savestall: every rank hangs inside the save; the caller kills the group
+    tmp = root / f".tmp-{checkpoint.step_dir(root, fault_step).name}"
+    _until(f"every rank's tensor file in {tmp.name}", lambda: _tensor_files(tmp, ranks), proc, out)
+    return len(_group_alive(proc.pid))
+
+
 def _drive(name: str, extra: list[str], trials: int, env: dict, work: Path, rng: random.Random) -> tuple:
-    """Start, kill -9 at a random moment, repeat `trials` times; then let it finish.
-    Returns the run_dir, one record per trial and the outputs of every start."""
+    """Start, kill -9 inside a checkpoint write (injected), then at random moments, until
+    `trials` kills; then let it finish. Returns the run_dir, one record per trial and the
+    outputs of every start."""
     run_dir = work / name
     root = run_dir / "checkpoints"
+    ranks = _ranks(extra)
     records, outs = [], []
     for i in range(trials):
-        kind = ("checkpoint", "step")[i % 2]
+        kind = "injected" if i == 0 else ("step", "checkpoint")[(i - 1) % 2]
         resume = _step(checkpoint.latest(root))  # what this start must resume from
         out = work / f"{name}-{i}.out"
         outs.append(out)
         launched = time.monotonic()
-        proc = _start(run_dir, extra, env, out)
+        fault_step = resume + 2  # the save of resume + 1 completes first: progress
+        fault = f"{'savekill' if ranks == 1 else 'savestall'}@{fault_step}"
+        proc = _start(run_dir, extra, {**env, "MESHTRAIN_FAULT": fault} if kind == "injected" else env, out)
         try:
-            # Progress first: a checkpoint after the one this start resumed from.
-            _until("new checkpoint", lambda: _complete_step(root) > resume, proc, out, poll=0.005)
-            started = time.monotonic() - launched
-            if kind == "checkpoint":  # at a random point of the next save's window
-                # Time one whole save (temporary directory to final name) first: two ranks
-                # take several times longer than one process, mostly before any file.
-                timed = int(_until("checkpoint save", lambda: _tmp_dir(root, resume + 1), proc, out)[-8:])
-                t0 = time.monotonic()
-                _until("checkpoint", lambda: _complete_step(root) >= timed, proc, out)
-                window = time.monotonic() - t0
-                what = _until("checkpoint save", lambda: _tmp_dir(root, timed), proc, out)
-                delay = rng.uniform(0, window)
-                what += f" appeared, save window {window * 1000:.0f} ms"
-            else:  # a random fraction of a step period after a new metrics line
-                line = resume + 2
-                logged = _until(f"metrics line {line}", lambda: line in (m := _logged(run_dir)) and m, proc, out)
-                period = logged[line]["elapsed_s"] - logged[line - 1]["elapsed_s"]
-                delay = rng.uniform(0, 1) * period
-                what = f"after line {line}, step period {period * 1000:.0f} ms"
-            time.sleep(delay)
-            group = len(_group_alive(proc.pid))  # the launcher and its ranks, all to be killed
+            if kind == "injected":
+                group = _injected_kill(proc, root, fault, fault_step, ranks, out)
+                started, delay, what = time.monotonic() - launched, 0.0, f"MESHTRAIN_FAULT={fault}"
+            else:
+                started, delay, what = _random_moment(kind, proc, run_dir, resume, launched, out, rng)
+                time.sleep(delay)
+                group = len(_group_alive(proc.pid))  # the launcher and its ranks, all to be killed
         except BaseException:
             _kill_group(proc)
             raise
@@ -180,15 +199,41 @@ def _drive(name: str, extra: list[str], trials: int, env: dict, work: Path, rng:
         # What the kill cut short: a temporary directory, and how far its save had got.
         leftovers = sorted(f"{p.name}[{' '.join(sorted(os.listdir(p)))}]" if p.is_dir() else p.name
                            for p in root.iterdir() if p.name.startswith("."))
-        records.append({"run": name, "trial": i, "kind": kind, "delay_ms": round(delay * 1000, 1), "at": what,
-                        "resumed_from": resume, "on_disk": _step(on_disk), "leftovers": leftovers,
-                        "logged": max(_logged(run_dir), default=0), "start_s": round(started, 1),
-                        "processes": group})
+        records.append({"run": name, "trial": i, "kind": kind, "fault_step": fault_step if kind == "injected" else None,
+                        "delay_ms": round(delay * 1000, 1), "at": what, "resumed_from": resume,
+                        "on_disk": _step(on_disk), "leftovers": leftovers, "logged": max(_logged(run_dir), default=0),
+                        "start_s": round(started, 1), "processes": group})
         print(records[-1], flush=True)
     out = work / f"{name}-final.out"
     outs.append(out)
     _finish(run_dir, extra, env, out)
     return run_dir, records, outs
+
+
+def _random_moment(kind: str, proc: subprocess.Popen, run_dir: Path, resume: int, launched: float, out: Path,
+                   rng: random.Random) -> tuple[float, float, str]:
+    """(seconds the start took to its first new checkpoint, the delay to kill after, what
+    it lands after) for a random moment mid-checkpoint or mid-step."""
+    root = run_dir / "checkpoints"
+    # Progress first: a checkpoint after the one this start resumed from.
+    _until("new checkpoint", lambda: _complete_step(root) > resume, proc, out, poll=0.005)
+    started = time.monotonic() - launched
+    if kind == "checkpoint":  # at a random point of the next save's window
+        # Time one whole save (temporary directory to final name) first: two ranks
+        # take several times longer than one process, mostly before any file.
+        timed = int(_until("checkpoint save", lambda: _tmp_dir(root, resume + 1), proc, out)[-8:])
+        t0 = time.monotonic()
+        _until("checkpoint", lambda: _complete_step(root) >= timed, proc, out)
+        window = time.monotonic() - t0
+        what = _until("checkpoint save", lambda: _tmp_dir(root, timed), proc, out)
+        delay = rng.uniform(0, window)
+        return started, delay, what + f" appeared, save window {window * 1000:.0f} ms"
+    # A random fraction of a step period after a new metrics line.
+    line = resume + 2
+    logged = _until(f"metrics line {line}", lambda: line in (m := _logged(run_dir)) and m, proc, out)
+    period = logged[line]["elapsed_s"] - logged[line - 1]["elapsed_s"]
+    delay = rng.uniform(0, 1) * period
+    return started, delay, f"after line {line}, step period {period * 1000:.0f} ms"
 
 
 def _finish(run_dir: Path, extra: list[str], env: dict, out: Path) -> None:
@@ -241,6 +286,15 @@ def test_kill_9_at_random_moments_resumes_on_the_uninterrupted_curve(tmp_path):
         for r in records:
             assert r["on_disk"] > r["resumed_from"], r
             assert r["processes"] >= (3 if "--parallel.nproc_per_node" in extra else 1), r
+        # The injected kill landed inside the save of its step: that save's temporary
+        # directory is left with every rank's tensor file and no .metadata or meta.json,
+        # and the newest checkpoint is the one before it.
+        (injected,) = [r for r in records if r["kind"] == "injected"]
+        k = injected["fault_step"]
+        tmp = f".tmp-{checkpoint.step_dir(run_dir / 'checkpoints', k).name}"
+        assert injected["on_disk"] == k - 1, injected
+        files = [f"__{r}_0.distcp" for r in range(_ranks(extra))]
+        assert [x for x in injected["leftovers"] if x.startswith(tmp)] == [f"{tmp}[{' '.join(files)}]"], injected
         for i, out in enumerate(outs):
             text = out.read_text()
             found = RESUMED.findall(text)

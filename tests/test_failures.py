@@ -217,17 +217,23 @@ def test_a_full_disk_mid_run_stops_with_one_line_and_the_run_resumes(tmp_path, m
 
     opened = builtins.open
 
+    run_dir, whole = tmp_path / "run", tmp_path / "whole"
+
     def full_at_step_3(path, mode="r", *args, **kwargs):
-        if str(path).endswith("metrics.jsonl") and mode == "a" and len(_records(tmp_path)) == 2:
+        if str(path).endswith("metrics.jsonl") and mode == "a" and len(_records(run_dir)) == 2:
             raise OSError(errno.ENOSPC, "No space left on device", str(path))
         return opened(path, mode, *args, **kwargs)
 
     monkeypatch.setattr(builtins, "open", full_at_step_3)
-    args = [*ONE, "--train.steps", "4", "--checkpoint.every", "2", "--run_dir", str(tmp_path)]
+    args = [*ONE, "--train.steps", "4", "--checkpoint.every", "2", "--run_dir", str(run_dir)]
     assert main(args) == 1
     err = capsys.readouterr().err
     assert "metrics.jsonl (No space left on device)" in err and len(err.strip().splitlines()) == 1
     monkeypatch.setattr(builtins, "open", opened)
     assert main(args) == 0
     assert "resumed from" in capsys.readouterr().out
-    assert [r["step"] for r in _records(tmp_path)] == [1, 2, 3, 4]
+    assert [r["step"] for r in _records(run_dir)] == [1, 2, 3, 4]
+    # ... on the uninterrupted run's curve, bit for bit (fp32, one process).
+    assert main([*args[:-1], str(whole)]) == 0
+    curve = [{k: r[k] for k in ("step", "loss", "lr", "grad_norm")} for r in _records(run_dir)]
+    assert curve == [{k: r[k] for k in ("step", "loss", "lr", "grad_norm")} for r in _records(whole)]

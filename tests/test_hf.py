@@ -34,7 +34,10 @@ from meshtrain.train.step import TrainState
 SCALING = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8}
 LLAMA = LlamaConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=96, max_seq_len=32)
 GPT2 = GPT2Config(dim=64, n_layers=2, n_heads=4, ffn_dim=96, vocab_size=96, max_seq_len=32)
-ATOL = 1e-4
+# Max |logit difference| against transformers, fp32 (this CPU, transformers 5.x), measured
+# per test below: 1.2e-7 to 7.2e-7 (|logits| up to ~2). 3e-6 is 4x the largest; a wrong
+# rope_theta exported (doubled: 3.6e-5 at theta 500000, 5e-4 at 10000) is 12x or more.
+ATOL = 3e-6
 
 
 def _params(arch: str, cfg, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -113,6 +116,9 @@ def test_llama_export_loads_in_transformers(tmp_path, case):
         # The scaling matters at these lengths: without it the logits differ by >> ATOL.
         plain = LlamaConfig(**{**vars(cfg), "rope_scaling": None})
         assert (_ours("llama", plain, params, tokens) - ours).abs().max() > 10 * ATOL
+    # The tolerance resolves rope_theta: doubled, the logits move by far more than ATOL.
+    doubled = LlamaConfig(**{**vars(cfg), "rope_theta": 2 * cfg.rope_theta})
+    assert (_ours("llama", doubled, params, tokens) - ours).abs().max() > 5 * ATOL
 
 
 @pytest.mark.parametrize("tied", [False, True])

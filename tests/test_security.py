@@ -181,7 +181,12 @@ def test_metadata_cannot_point_outside_the_checkpoint(capsys, tmp_path, step_dir
     (step / ".metadata").write_bytes(pickle.dumps(metadata))
     code, err = cli(capsys, "generate", "--checkpoint", str(step), "--prompt_ids", "1,2", "--max_new_tokens", "1",
                     "--device", "cpu")
-    assert code == 2, err
+    # Refused for the path itself, before any tensor is read (the file outside is valid, so
+    # an exit 2 for another reason would not show the check at work).
+    name = str(outside / "w.distcp") if absolute else "../outside/w.distcp"
+    assert code == 2 and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert f"checkpoint {step}: DCP .metadata names the tensor file {name!r}, which is not a file of this " \
+           "directory" in err, err
 
 
 # --- model directories: index entries stay inside; export writes only --out -------------
