@@ -118,9 +118,9 @@ def main(argv: list[str] | None = None) -> int:
     from argparse import ArgumentError
 
     from .data.errors import DataError
-    from .launch import RankFailed
-    from .stopping import Interrupted
-    from .train.checkpoint import CheckpointError
+    from .run.launch import RankFailed
+    from .run.stopping import Interrupted
+    from .checkpoint import CheckpointError
 
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__.split("\n\nEvery key")[0])
@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         parser = build_parser()
         args = parser.parse_args(_quote_slices(argv))
         if args.command == "fit":
-            from .train.fit import fit
+            from .run.fit import fit
 
             fit(_run_config(args.fit))
         elif args.command == "plan":
@@ -298,7 +298,7 @@ def _plan(a) -> None:
 
     from rich.console import Console
 
-    from .parallel.dryrun import dry_run
+    from .estimate.dryrun import dry_run
 
     start = time.perf_counter()
     values = a.clone()

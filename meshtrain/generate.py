@@ -141,7 +141,7 @@ def load_for_generate(source: str | os.PathLike, device: torch.device | str = "c
     """(arch, family_cfg, params, tokenizer or None) from a meshtrain checkpoint step
     directory, a run directory (its newest complete checkpoint) or a Hugging Face directory
     (config.json + *.safetensors). Parameters come in the dtype they were saved in."""
-    from .train.checkpoint import META, latest
+    from .checkpoint import META, latest
 
     path = Path(source)
     if not path.exists():
@@ -165,7 +165,7 @@ def load_for_generate(source: str | os.PathLike, device: torch.device | str = "c
 
 def _load_meshtrain(step_path: Path, device):
     from .config.schema import RunConfig
-    from .train.checkpoint import META, CheckpointError, load
+    from .checkpoint import META, CheckpointError, load
     from .train.step import TrainState
 
     try:

@@ -25,7 +25,7 @@ import yaml
 from meshtrain.cli import main
 from meshtrain.config import RunConfig
 from meshtrain.errors import ConfigError
-from meshtrain.train.fit import fit
+from meshtrain.run.fit import fit
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "configs" / "tiny.yaml"

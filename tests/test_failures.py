@@ -1,7 +1,7 @@
 """A run that goes wrong ends clearly: non-finite losses (skip or abort), a stalled rank
 (the watchdog names it), a rank that raises or is killed (its error first, promptly).
 
-Faults are injected with MESHTRAIN_FAULT (meshtrain/train/faults.py); multi-rank cases
+Faults are injected with MESHTRAIN_FAULT (meshtrain/run/faults.py); multi-rank cases
 run the real CLI on 2 self-launched gloo ranks.
 """
 
@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from meshtrain.cli import main
-from meshtrain.train import checkpoint
-from meshtrain.train.fit import _LossGuard
-from meshtrain.train.watchdog import Watchdog
+from meshtrain import checkpoint
+from meshtrain.run.fit import _LossGuard
+from meshtrain.run.watchdog import Watchdog
 from test_cli import SMALL, TINY, run_cli
 
 ONE = ["fit", "--config", str(TINY), *SMALL, "--train.log_every", "1"]

@@ -27,8 +27,8 @@ from meshtrain.models import LocalContext, build
 from meshtrain.models.gpt2 import GPT2Config
 from meshtrain.models.llama import LlamaConfig
 from meshtrain.models.spec import init_slice
-from meshtrain.train import checkpoint as ckpt
-from meshtrain.train.checkpoint import CheckpointError
+from meshtrain import checkpoint as ckpt
+from meshtrain.checkpoint import CheckpointError
 from meshtrain.train.step import TrainState
 
 SCALING = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8}

@@ -23,7 +23,7 @@ from meshtrain.models import LocalContext, build
 from meshtrain.models.llama import LlamaConfig
 from meshtrain.models.moe import MoeConfig
 from meshtrain.models.spec import init_slice
-from meshtrain.train import checkpoint as ckpt
+from meshtrain import checkpoint as ckpt
 from meshtrain.train.step import TrainState
 
 transformers = pytest.importorskip("transformers")

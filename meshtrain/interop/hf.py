@@ -546,7 +546,7 @@ def export_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike, dty
     Returns a summary dict: out, checkpoint, step, arch, dtype, files, total_bytes, config.
     """
     from ..config.schema import RunConfig
-    from ..train.checkpoint import CheckpointError, read_meta
+    from ..checkpoint import CheckpointError, read_meta
 
     path = resolve_checkpoint(checkpoint)
     meta = read_meta(path)
@@ -578,7 +578,7 @@ def export_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike, dty
 def resolve_checkpoint(checkpoint: str | os.PathLike) -> Path:
     """A step directory as it is; a run directory or a checkpoints root: its newest
     complete checkpoint. CheckpointError when there is none."""
-    from ..train.checkpoint import META, CheckpointError, latest
+    from ..checkpoint import META, CheckpointError, latest
 
     path = Path(checkpoint)
     if not path.is_dir():
@@ -596,9 +596,9 @@ def resolve_checkpoint(checkpoint: str | os.PathLike) -> Path:
 
 def _checkpoint_params(path: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """Global shape and dtype of every parameter in a DCP checkpoint (metadata only)."""
-    from ..train.checkpoint import _SafeReader
+    from ..checkpoint import SafeReader
 
-    metadata = _SafeReader(path).read_metadata()
+    metadata = SafeReader(path).read_metadata()
     planner_data = getattr(metadata, "planner_data", None) or {}
     out = {}
     for fqn, md in metadata.state_dict_metadata.items():
@@ -613,12 +613,12 @@ def _read_checkpoint_param(path: Path, name: str, shape: tuple[int, ...], dtype:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from ..train.checkpoint import CheckpointError, _quiet_dcp, _SafeReader
+    from ..checkpoint import CheckpointError, quiet_dcp, SafeReader
 
     target = torch.empty(shape, dtype=dtype)
     try:
-        with _quiet_dcp(), torch.no_grad():
-            dcp.load({"params": {name: target}}, storage_reader=_SafeReader(path), no_dist=True)
+        with quiet_dcp(), torch.no_grad():
+            dcp.load({"params": {name: target}}, storage_reader=SafeReader(path), no_dist=True)
     except CheckpointException as e:  # a missing, damaged or hostile tensor file: one line, no traceback
         failure = next(iter(e.failures.values()))
         cause = failure[0] if isinstance(failure, tuple) else getattr(failure, "exc", failure)

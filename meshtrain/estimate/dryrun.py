@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 from ..errors import ConfigError
 from .advice import Fit, layouts_that_fit, nothing_fits, search_space
 from .dryrun_view import renderables
-from .mesh import MESH_AXES
-from .plan import Plan, placement_str
-from .plan_table import human_bytes
+from ..parallel.mesh import MESH_AXES
+from ..parallel.plan import Plan, placement_str
+from ..parallel.plan_table import human_bytes
 from .step_memory import GPU_MEMORY, MEMORY_KEYS, step_memory
 
 

@@ -69,7 +69,7 @@ from torch.distributed.tensor import Shard
 from ..errors import ConfigError
 from ..models import ModelDef
 from ..models.policy import keeps_fp32
-from .plan import Plan
+from ..parallel.plan import Plan
 
 R, P = ("R",), ("P",)
 FP32, INT64 = 4, 8
@@ -428,7 +428,7 @@ def step_collectives(plan: Plan, model: ModelDef, *, micro_batch_rows: int, seq_
     the sequences of one micro-step over all data-parallel ranks (micro_batch x dp x fsdp).
     A pipeline rank (plan: the stage plan without pp) runs `layers` layers (a count, or
     their indices) and the embedding and head only where it holds them; its point-to-point
-    traffic is counted by meshtrain/pipeline/estimate.py. Dense and MoE blocks are each
+    traffic is counted by meshtrain/estimate/pipeline.py. Dense and MoE blocks are each
     walked once (their first layer) and multiplied by how many of them run."""
     family = model.family.__name__.rsplit(".", 1)[-1]
     if family not in FAMILIES:

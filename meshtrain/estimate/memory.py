@@ -112,8 +112,8 @@ from typing import Sequence
 
 from ..models.losses import CHUNK_ROWS
 from ..models.policy import keeps_fp32
-from .mesh import GATHERED_AXES
-from .plan import Plan
+from ..parallel.mesh import GATHERED_AXES
+from ..parallel.plan import Plan
 
 _DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp8": 2}  # fp8: bf16 activations, fp8 GEMM operands transient
 FP32, INT64, BOOL = 4, 8, 1

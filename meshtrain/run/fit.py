@@ -17,6 +17,7 @@ and the checkpoint to resume from have been checked, nor by a run already at its
 from __future__ import annotations
 
 import datetime
+import json
 import math
 import os
 import shutil
@@ -27,18 +28,24 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .. import launch, stopping
+from .. import checkpoint
 from ..config import RunConfig
+from ..data import DataError, build_data
 from ..errors import ConfigError, TrainingError
+from ..interop.hf import check_same_model, export_checkpoint, export_dtype, load_hf_params, save_hf
 from ..models.spec import init_slice
 from ..parallel.cp_attention import zigzag_order
-from . import checkpoint
-from .metrics import device_peak_tflops, flops_per_token, memory_gib
-from .report import Reporter
-from .optim import AdamW
-from .schedule import LRSchedule
+from ..parallel.init import init_params
+from ..pipeline import partition
+from ..pipeline.schedule import build as build_schedule
+from ..train import pipeline_step
+from ..train.metrics import device_peak_tflops, flops_per_token, memory_gib
+from ..train.optim import AdamW
+from ..train.schedule import LRSchedule
+from ..train.step import TrainState, make_eval_step, make_train_step
+from . import launch, stopping
 from .faults import Faults
-from .step import TrainState, make_eval_step, make_train_step
+from .report import Reporter
 from .watchdog import TRAIN_STEP, Watchdog
 
 
@@ -136,7 +143,6 @@ def _fit_rank(cfg_dict: dict) -> list[dict]:
 
 
 def _open_data(cfg: RunConfig):
-    from ..data import DataError, build_data
 
     d, t = cfg.data, cfg.train
     try:
@@ -147,7 +153,6 @@ def _open_data(cfg: RunConfig):
 
 def _check_init_from(cfg: RunConfig) -> None:
     """model.init_from must hold weights of the model the config describes."""
-    from ..interop.hf import check_same_model
 
     path = Path(cfg.model.init_from)
     if not (path / "config.json").is_file():
@@ -234,7 +239,6 @@ class _Run:
         elif ranks.world == 1:
             self.mesh = None
             if init_from:
-                from ..interop.hf import load_hf_params
 
                 params = load_hf_params(init_from, cfg.model.arch, cfg.family_config(), device=device)
                 params = {n: t.requires_grad_(model.specs[n].trainable) for n, t in params.items()}
@@ -245,11 +249,9 @@ class _Run:
             self.eval_fn = make_eval_step(model, **options)
             self.rows = _RowSlice(plan, None, self.micro_rows, t.seq_len)
         else:
-            from ..parallel.init import init_params
 
             self.mesh = plan.mesh.build(device.type)
             if init_from:  # each rank reads only the slices of its own shards
-                from ..interop.hf import load_hf_params
 
                 params = load_hf_params(init_from, cfg.model.arch, cfg.family_config(), plan, self.mesh, device)
             else:
@@ -263,16 +265,12 @@ class _Run:
     def _build_pipeline(self, init_from: str | None) -> dict:
         """parallel.pp > 1: this rank's stages, their parameters (sharded on the non-pp
         sub-mesh, if any), the schedule's step and the forward-only evaluation."""
-        from ..parallel.init import init_params
-        from ..pipeline import execute, partition
-        from ..pipeline.schedule import build as build_schedule
 
         cfg, model, plan, device, t, p = self.cfg, self.model, self.plan, self.device, self.cfg.train, self.cfg.parallel
         self.mesh = plan.mesh.build(device.type)
         stages = partition(model, plan.mesh.pp, p.pp_virtual, p.pp_layout, seq_len=t.seq_len, micro_batch=t.micro_batch)
-        names, sub_plan, sub_mesh = execute.local_stage_layout(plan, self.mesh, stages)
+        names, sub_plan, sub_mesh = pipeline_step.local_stage_layout(plan, self.mesh, stages)
         if init_from:
-            from ..interop.hf import load_hf_params
 
             params = load_hf_params(init_from, cfg.model.arch, cfg.family_config(), sub_plan, sub_mesh, device,
                                     names=names)
@@ -283,12 +281,12 @@ class _Run:
         params = {n: x.requires_grad_(model.specs[n].trainable) for n, x in params.items()}
         options = _step_options(cfg)
         schedule = build_schedule(p.pp_schedule, plan.mesh.pp, self.accumulation, p.pp_virtual)
-        self.step_fn = execute.make_pipeline_step(model, stages, schedule, plan, self.mesh,
+        self.step_fn = pipeline_step.make_pipeline_step(model, stages, schedule, plan, self.mesh,
                                                   optimizer=options["optimizer"], lr_schedule=options["schedule"],
                                                   precision=t.precision, grad_clip=options["grad_clip"],
                                                   fp8_recipe=t.fp8_recipe,
                                                   activation_checkpointing=t.activation_checkpointing)
-        self.eval_fn = execute.make_pipeline_eval(model, stages, plan.mesh.pp, self.accumulation, plan, self.mesh,
+        self.eval_fn = pipeline_step.make_pipeline_eval(model, stages, plan.mesh.pp, self.accumulation, plan, self.mesh,
                                                   precision=t.precision, fp8_recipe=t.fp8_recipe)
         self.rows = _RowSlice(sub_plan, sub_mesh, self.micro_rows, t.seq_len)
         return params
@@ -464,7 +462,6 @@ class _Run:
 
     def _export(self) -> Path:
         """The final weights as a Hugging Face directory <run_dir>/export (replaced whole)."""
-        from ..interop.hf import export_dtype, save_hf
 
         cfg, out = self.cfg, self.run_dir / "export"
         fresh, old = self.run_dir / ".export-new", self.run_dir / ".export-old"
@@ -476,7 +473,6 @@ class _Run:
         dtype = export_dtype(cfg.train.precision)
         tokenizer = cfg.data.tokenizer
         if self.plan.mesh.pp > 1:  # no rank holds every stage: export from this step's checkpoint
-            from ..interop.hf import export_checkpoint
 
             ckpt = checkpoint.latest(self.run_dir / "checkpoints")
             if ckpt != checkpoint.step_dir(self.run_dir / "checkpoints", self.state.step):
@@ -512,7 +508,7 @@ class _Run:
 
     def _kept_metrics(self) -> list[dict]:
         """A resumed run keeps the records up to its checkpoint; a new run starts empty."""
-        import json
+
 
         path = self.run_dir / "metrics.jsonl"
         if self.resume is None or not path.exists():
