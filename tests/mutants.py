@@ -83,7 +83,9 @@ MUTANTS = [
            '"rope_theta": 2 * float(cfg.rope_theta)', ("tests/test_hf.py",)),
 ]
 
-_DIFF = re.compile(r"Greatest (?:absolute|relative) difference: ([0-9.eE+-]+|nan|inf) .*?\(up to ([0-9.eE+-]+) allowed\)")
+# torch.testing.assert_close's report, and our own asserts that follow its wording
+_DIFF = re.compile(r"(?:Greatest (?:absolute|relative) difference:|difference\|) ([0-9.eE+-]+|nan|inf) .*?"
+                   r"\(up to ([0-9.eE+-]+) allowed\)")
 
 
 def scratch_copy(dest: Path) -> None:
