@@ -14,11 +14,11 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from ..errors import ConfigError
+from ..pipeline.schedule import PP_SCHEDULES
 
 PRECISIONS = ("fp32", "bf16", "fp8")
 FP8_RECIPES = ("tensorwise", "rowwise")
 CHECKPOINTING = ("none", "selective", "full")
-PP_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb")
 NONFINITE = ("abort", "skip")
 BYTES_VOCAB = 258  # the bytes tokenizer: 256 byte values, BOS and EOS
 # Upper bounds of the model sizes: far above any real model (Llama 3 405B: dim 16384, 126
@@ -678,7 +678,7 @@ def _check_micro_batches(p: ParallelConfig, m: int, t: TrainConfig, dp_size: int
 
 
 def _validate_train(t: TrainConfig) -> None:
-    from ..train.schedule import SCHEDULES
+    from ..train.schedule import LR_SCHEDULES
 
     for key in ("steps", "global_batch", "micro_batch", "seq_len", "log_every", "eval_batches"):
         _check_int(getattr(t, key), f"train.{key}", minimum=1)
@@ -691,7 +691,7 @@ def _validate_train(t: TrainConfig) -> None:
     _check_float(t.min_lr, "train.min_lr", minimum=0.0)
     if t.min_lr > t.lr:
         raise ConfigError(f"train.min_lr={t.min_lr} exceeds train.lr={t.lr}: min_lr is where the decay ends")
-    _choice(t.lr_schedule, "train.lr_schedule", SCHEDULES)
+    _choice(t.lr_schedule, "train.lr_schedule", LR_SCHEDULES)
     _check_float(t.weight_decay, "train.weight_decay", minimum=0.0)
     if t.grad_clip is not None:
         _check_float(t.grad_clip, "train.grad_clip", minimum=0.0)

@@ -404,8 +404,7 @@ MOE_BLOCKS = {"llama": _llama_moe_block}
 
 def _block_kinds(model: ModelDef, layers) -> dict[str, list[int]]:
     """The layer indices a rank runs, by kind ("dense", "moe"). `layers`: None (all), a
-    count (the first that many; a pipeline rank's count, only without MoE blocks) or the
-    indices themselves."""
+    count (the first that many; only without MoE blocks) or the indices themselves."""
     cfg = model.cfg
     moe = set(getattr(cfg, "moe_layers", ()) or ())
     if layers is None:
@@ -413,7 +412,7 @@ def _block_kinds(model: ModelDef, layers) -> dict[str, list[int]]:
     elif isinstance(layers, int):
         if moe:
             raise ConfigError("collective estimate: a layer count cannot say which blocks are MoE; give the "
-                              "layer indices (MoE blocks in pipeline stages are not supported yet)")
+                              "layer indices (as the pipeline estimate does)")
         ids = list(range(layers))
     else:
         ids = list(layers)
