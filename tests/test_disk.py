@@ -254,14 +254,14 @@ def _two_ranks(root: str, point: str):
     if point == "rank1_tensor_file":
         dcp_fs.FileSystem.create_stream = create_stream
     else:
-        ckpt.open = open_meta
+        ckpt.layout.open = open_meta
     try:
         ckpt.save(root, 2, state, {}, keep_last=2)
     except CheckpointError as e:
         return {"message": str(e)}
     finally:
         dcp_fs.FileSystem.create_stream = real_stream
-        vars(ckpt).pop("open", None)
+        vars(ckpt.layout).pop("open", None)
     return {"message": None}
 
 
