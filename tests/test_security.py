@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from meshtrain.cli import main
-from meshtrain.interop.hf import INDEX_FILE
+from meshtrain.interop.pieces import INDEX_FILE
 from meshtrain.checkpoint.reader import _MetadataUnpickler
 
 TINY = str(Path(__file__).resolve().parent.parent / "configs" / "tiny.yaml")

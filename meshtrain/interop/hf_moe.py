@@ -74,7 +74,7 @@ import json
 from typing import Any, Mapping
 
 from ..errors import ConfigError
-from .hf import HFTensor, Piece, _get
+from .pieces import HFTensor, Piece, _get
 
 # model_type -> (the causal-LM class, the base-model class)
 MODEL_TYPES = {"mixtral": ("MixtralForCausalLM", "MixtralModel"), "qwen3": ("Qwen3ForCausalLM", "Qwen3Model"),
