@@ -68,6 +68,7 @@ from torch.distributed.tensor import Shard
 
 from ..errors import ConfigError
 from ..models import ModelDef
+from ..models.experts import expert_capacity
 from ..models.policy import keeps_fp32
 from ..parallel.plan import Plan
 
@@ -276,8 +277,6 @@ def _routed_rows(w: _Walker, m) -> int:
     """Routing slots (rows of dim floats) one rank sends to the experts per MoE call: its
     T local tokens x top_k; with a capacity factor, what the experts keep of them at
     uniform routing (each expert gets T k / E and keeps at most its capacity)."""
-    from ..models.experts import expert_capacity
-
     tokens = w._numel((w.B, w.S), w.act(TOKENS))
     rows = tokens * m.top_k
     if m.capacity_factor is not None:

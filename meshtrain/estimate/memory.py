@@ -112,6 +112,7 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
+from ..models.experts import expert_capacity
 from ..models.losses import CHUNK_ROWS
 from ..models.policy import keeps_fp32
 from ..parallel.mesh import GATHERED_AXES
@@ -183,8 +184,6 @@ def _moe_saved(plan: Plan, m, B: int, S: int, D: int, c: int, checkpointing: str
     """(kept without checkpointing, kept with `checkpointing`) of one MoE block's feed-forward
     half (from the mlp norm on), at the uniform-routing expectation: each rank routes its T
     local tokens x top_k rows and receives as many; see the module docstring."""
-    from ..models.experts import expert_capacity
-
     full = ("batch", "seq", None)
     x_full = _local(plan, (B, S, D), full)
     T = _local(plan, (B, S), ("batch", "seq"))

@@ -14,6 +14,8 @@ from typing import Callable, Mapping
 
 import torch
 
+from ..checkpoint import META, CheckpointError, SafeReader, latest, quiet_dcp, read_meta
+from ..data.tokenizer import ByteTokenizer, load_tokenizer
 from ..errors import ConfigError
 from .hf_config import to_hf_config
 from .layout import hf_layout
@@ -105,7 +107,6 @@ def export_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike, dty
     Nothing is written under `out` unless the export completes.
     Returns a summary dict: out, checkpoint, step, arch, dtype, files, total_bytes, config.
     """
-    from ..checkpoint import CheckpointError, read_meta
     from ..config.schema import RunConfig
 
     path = resolve_checkpoint(checkpoint)
@@ -138,8 +139,6 @@ def export_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike, dty
 def resolve_checkpoint(checkpoint: str | os.PathLike) -> Path:
     """A step directory as it is; a run directory or a checkpoints root: its newest
     complete checkpoint. CheckpointError when there is none."""
-    from ..checkpoint import META, CheckpointError, latest
-
     path = Path(checkpoint)
     if not path.is_dir():
         raise CheckpointError(f"checkpoint {path} does not exist: give a run directory or one of its "
@@ -156,8 +155,6 @@ def resolve_checkpoint(checkpoint: str | os.PathLike) -> Path:
 
 def _checkpoint_params(path: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """Global shape and dtype of every parameter in a DCP checkpoint (metadata only)."""
-    from ..checkpoint import SafeReader
-
     metadata = SafeReader(path).read_metadata()
     planner_data = getattr(metadata, "planner_data", None) or {}
     out = {}
@@ -173,7 +170,6 @@ def _read_checkpoint_param(path: Path, name: str, shape: tuple[int, ...], dtype:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from ..checkpoint import CheckpointError, SafeReader, quiet_dcp
 
     target = torch.empty(shape, dtype=dtype)
     try:
@@ -306,8 +302,6 @@ def _tokenizer_files(tokenizer: str | None) -> tuple[dict[str, bytes], int | Non
     if tokenizer is None:
         return {}, None, None
     if tokenizer == "bytes":
-        from ..data.tokenizer import ByteTokenizer
-
         files = {name: text.encode("utf-8") for name, text in ByteTokenizer().hf_files().items()}
         return files, ByteTokenizer.bos_id, ByteTokenizer.eos_id
     path = Path(tokenizer)
@@ -331,8 +325,6 @@ def _tokenizer_files(tokenizer: str | None) -> tuple[dict[str, bytes], int | Non
         return {}, None, None
     files.update({n: (path.parent / n).read_bytes() for n in TOKENIZER_FILES if (path.parent / n).is_file()})
     try:
-        from ..data.tokenizer import load_tokenizer
-
         tok = load_tokenizer(str(path))
         return files, tok.bos_id, tok.eos_id
     except Exception as e:  # tokenizers missing or unreadable file: still copy, without ids

@@ -74,6 +74,7 @@ import json
 from typing import Any, Mapping
 
 from ..errors import ConfigError
+from ..models.moe import MoeConfig
 from .pieces import HFTensor, Piece, _get
 
 # model_type -> (the causal-LM class, the base-model class)
@@ -257,8 +258,6 @@ def dense_blocks(moe: Mapping, n_layers: int) -> list[int]:
 
 
 def _moe_config(moe: Mapping):
-    from ..models.moe import MoeConfig
-
     layers = moe["layers"]
     return MoeConfig(**{**moe, "layers": layers if isinstance(layers, str) else tuple(layers)})
 

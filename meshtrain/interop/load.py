@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from ..errors import ConfigError
+from ..parallel.mesh import device_mesh_for
 from . import hf_moe
 from .hf_config import _model_fields, read_hf_config
 from .layout import hf_layout
@@ -261,7 +262,6 @@ def _load_planned(files: _WeightFiles, where, pieces, specs, plan, mesh, device,
         missing = sorted(set(specs) ^ set(plan.params))[0]
         raise ConfigError(f"plan and model config differ at parameter {missing}: make the plan from this model's "
                           "specs (make_plan(build(arch, cfg).specs, ...))")
-    from ..parallel.mesh import device_mesh_for
 
     if mesh is None:
         mesh = plan.mesh.build()
