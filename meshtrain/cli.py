@@ -39,7 +39,7 @@ def build_parser():
     # A class_path in a config value must not import anything (a module's import runs its
     # code): the only class a config may name is the MoE section, which is ours.
     set_parsing_settings(docstring_parse_attribute_docstrings=True, import_path_denylist=["*"],
-                         import_path_allowlist=["meshtrain.config.schema.MoeSection"])
+                         import_path_allowlist=["meshtrain.config.sections.MoeSection"])
     parser = ArgumentParser(**_STRICT, prog="meshtrain", description="Megatron-class LLM pre-training in PyTorch.")
     fit = ArgumentParser(**_STRICT, description="Train a model. Values come from the defaults, then --config files, "
                                      "then dotted flags, in the order given.")
@@ -276,7 +276,7 @@ def _known_keys(parser, command: str | None) -> list[str]:
     import dataclasses
 
     from .config import RunConfig
-    from .config.schema import MoeSection
+    from .config.sections import MoeSection
 
     def walk(cls, prefix):
         for f in dataclasses.fields(cls):

@@ -11,7 +11,7 @@ import warnings
 import pytest
 import torch
 
-from meshtrain.config.schema import DataConfig, ModelConfig, RunConfig
+from meshtrain.config import DataConfig, ModelConfig, RunConfig
 from meshtrain.errors import ConfigError
 from meshtrain.generate import generate, load_for_generate, main_generate
 from meshtrain.models import FAMILIES, LocalContext, gpt2, llama

@@ -18,7 +18,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from meshtrain.config.schema import DataConfig, ModelConfig, RunConfig
+from meshtrain.config import DataConfig, ModelConfig, RunConfig
 from meshtrain.errors import ConfigError
 from meshtrain.interop import export as hf_export
 from meshtrain.interop.hf_config import _model_fields

@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from meshtrain.config.schema import DataConfig, ModelConfig, RunConfig
+from meshtrain.config import DataConfig, ModelConfig, RunConfig
 from meshtrain.errors import ConfigError
 from meshtrain.interop import export as hf_export
 from meshtrain.interop import hf

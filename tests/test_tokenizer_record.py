@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from meshtrain.cli import main
-from meshtrain.config.schema import DataConfig, ModelConfig, RunConfig, TrainConfig
+from meshtrain.config import DataConfig, ModelConfig, RunConfig, TrainConfig
 from meshtrain.data import ByteTokenizer, DataError, IndexedWriter, build_data, load_tokenizer, preprocess
 from meshtrain.models import FAMILIES
 from meshtrain import checkpoint

@@ -210,7 +210,7 @@ def import_fields(config: Mapping, t: str, fields: dict, source: str) -> dict:
 
 def moe_fields(values: Mapping) -> dict:
     """All model.moe fields (a MoeSection as a dict): `values` over the defaults."""
-    from ..config.schema import MoeSection
+    from ..config.sections import MoeSection
 
     return {**dataclasses.asdict(MoeSection()), **values}
 

@@ -105,7 +105,7 @@ def _family_cfg(arch: str, family_cfg):
     if isinstance(family_cfg, (_llama.LlamaConfig, _gpt2.GPT2Config)):
         raise ConfigError(f"model.arch={arch!r} but the model config is a {type(family_cfg).__name__}: pass the "
                           f"{want.__name__} of the {arch} model")
-    from ..config.schema import ModelConfig, RunConfig
+    from ..config.sections import ModelConfig
 
     if isinstance(family_cfg, ModelConfig):
         fields = dict(vars(family_cfg))
@@ -117,7 +117,7 @@ def _family_cfg(arch: str, family_cfg):
     if fields.setdefault("arch", arch) != arch:
         raise ConfigError(f"model.arch={fields['arch']!r} differs from the requested arch {arch!r}: pass "
                           "matching ones")
-    return RunConfig(model=ModelConfig(**fields)).family_config()
+    return ModelConfig(**fields).family_config()
 
 
 _REQUIRED = object()
