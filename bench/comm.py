@@ -6,7 +6,7 @@ rank 0 of a larger world: every collective is issued with its real shape, no dat
 under a TorchDispatchMode that records every collective: functional (DTensor) ones and the
 plain c10d calls of context-parallel attention and expert parallelism. The minimum is
 computed here from the model config alone, from first principles, without
-meshtrain.parallel.comms (whose estimate tests/test_comms_estimate.py checks against the
+meshtrain.estimate.comms (whose estimate tests/test_comms_estimate.py checks against the
 runtime): a second opinion.
 
     ratio = measured bytes / analytic minimum      (>= 1; 1.0: no byte beyond the minimum)

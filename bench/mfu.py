@@ -159,7 +159,7 @@ def make_batches(cfg, args, device, n: int = 4, seed: int = 1234) -> list[dict]:
     for _ in range(n):
         t = torch.randint(0, cfg.vocab_size, (args.micro, args.batch, args.seq + 1), generator=g)
         out.append({"tokens": t[..., :-1].contiguous().to(device), "targets": t[..., 1:].contiguous().to(device),
-                    # as meshtrain.train.fit passes it: no count (and no device sync) per step
+                    # as meshtrain.run.fit passes it: no count (and no device sync) per step
                     "num_targets": args.micro * args.batch * args.seq})
     return out
 

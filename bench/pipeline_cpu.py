@@ -68,7 +68,7 @@ def _batches(cfg: LlamaConfig, seq: int, micro: int, m: int, n: int) -> list[dic
 
 def _pipelined(cfg, seq, micro, m, name, v, warmup, steps):
     torch.set_num_threads(1)
-    from meshtrain.pipeline.execute import local_stage_layout, make_pipeline_step
+    from meshtrain.train.pipeline_step import local_stage_layout, make_pipeline_step
 
     model = build("llama", cfg)
     plan = make_plan(model.specs, Rules.default(), MeshSpec(pp=2), world=2)

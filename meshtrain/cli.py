@@ -39,7 +39,7 @@ def build_parser():
     # A class_path in a config value must not import anything (a module's import runs its
     # code): the only class a config may name is the MoE section, which is ours.
     set_parsing_settings(docstring_parse_attribute_docstrings=True, import_path_denylist=["*"],
-                         import_path_allowlist=["meshtrain.config.schema.MoeSection"])
+                         import_path_allowlist=["meshtrain.config.sections.MoeSection"])
     parser = ArgumentParser(**_STRICT, prog="meshtrain", description="Megatron-class LLM pre-training in PyTorch.")
     fit = ArgumentParser(**_STRICT, description="Train a model. Values come from the defaults, then --config files, "
                                      "then dotted flags, in the order given.")
@@ -118,9 +118,9 @@ def main(argv: list[str] | None = None) -> int:
     from argparse import ArgumentError
 
     from .data.errors import DataError
-    from .launch import RankFailed
-    from .stopping import Interrupted
-    from .train.checkpoint import CheckpointError
+    from .run.launch import RankFailed
+    from .run.stopping import Interrupted
+    from .checkpoint import CheckpointError
 
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__.split("\n\nEvery key")[0])
@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         parser = build_parser()
         args = parser.parse_args(_quote_slices(argv))
         if args.command == "fit":
-            from .train.fit import fit
+            from .run.fit import fit
 
             fit(_run_config(args.fit))
         elif args.command == "plan":
@@ -276,7 +276,7 @@ def _known_keys(parser, command: str | None) -> list[str]:
     import dataclasses
 
     from .config import RunConfig
-    from .config.schema import MoeSection
+    from .config.sections import MoeSection
 
     def walk(cls, prefix):
         for f in dataclasses.fields(cls):
@@ -298,7 +298,7 @@ def _plan(a) -> None:
 
     from rich.console import Console
 
-    from .parallel.dryrun import dry_run
+    from .estimate.dryrun import dry_run
 
     start = time.perf_counter()
     values = a.clone()

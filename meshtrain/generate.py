@@ -22,7 +22,14 @@ from typing import Iterable, Mapping
 
 import torch
 
+from .checkpoint import META, CheckpointError, latest, load
+from .config.schema import ModelConfig, RunConfig
+from .data.errors import DataError
+from .data.tokenizer import load_tokenizer
 from .errors import ConfigError
+from .interop.hf import load_hf_params, read_hf_config
+from .models import FAMILIES
+from .train.step import TrainState
 
 OUTPUT_FORMATS = ("text", "json")
 
@@ -31,8 +38,6 @@ OUTPUT_FORMATS = ("text", "json")
 
 
 def _family(arch: str):
-    from .models import FAMILIES
-
     if arch not in FAMILIES:
         raise ConfigError(f"model arch {arch!r} is unknown: generation supports {', '.join(FAMILIES)}")
     return FAMILIES[arch]
@@ -141,8 +146,6 @@ def load_for_generate(source: str | os.PathLike, device: torch.device | str = "c
     """(arch, family_cfg, params, tokenizer or None) from a meshtrain checkpoint step
     directory, a run directory (its newest complete checkpoint) or a Hugging Face directory
     (config.json + *.safetensors). Parameters come in the dtype they were saved in."""
-    from .train.checkpoint import META, latest
-
     path = Path(source)
     if not path.exists():
         raise ConfigError(f"--checkpoint {source}: no such file or directory; give a checkpoint step directory, "
@@ -164,10 +167,6 @@ def load_for_generate(source: str | os.PathLike, device: torch.device | str = "c
 
 
 def _load_meshtrain(step_path: Path, device):
-    from .config.schema import RunConfig
-    from .train.checkpoint import META, CheckpointError, load
-    from .train.step import TrainState
-
     try:
         meta = json.loads((step_path / META).read_text())
         config = meta["extra"]["config"]
@@ -191,9 +190,6 @@ def _load_meshtrain(step_path: Path, device):
 
 
 def _load_hf(hf_dir: Path, device):
-    from .config.schema import ModelConfig, RunConfig
-    from .interop.hf import load_hf_params, read_hf_config
-
     fields = dict(read_hf_config(hf_dir))
     run = RunConfig(model=ModelConfig(**fields))
     arch, cfg = run.model.arch, run.family_config()
@@ -203,9 +199,6 @@ def _load_hf(hf_dir: Path, device):
 
 
 def _tokenizer_or_none(spec, where: Path):
-    from .data.errors import DataError
-    from .data.tokenizer import load_tokenizer
-
     try:
         return load_tokenizer(spec)
     except DataError as e:

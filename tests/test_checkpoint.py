@@ -18,8 +18,8 @@ from meshtrain import MeshSpec, Rules, TrainState, build, init_params, make_plan
 from meshtrain.models.llama import LlamaConfig
 from meshtrain.models.spec import init_slice
 from meshtrain.testing import run_ranks
-from meshtrain.train import checkpoint as ckpt
-from meshtrain.train.checkpoint import CheckpointError
+from meshtrain import checkpoint as ckpt
+from meshtrain.checkpoint import CheckpointError
 from meshtrain.train.optim import init_state, local
 
 CFG = LlamaConfig(dim=32, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=64, max_seq_len=16)
@@ -137,7 +137,7 @@ def test_keep_last_prunes_the_oldest(tmp_path):
 
 def _crash_on_rename(monkeypatch, nth: int):
     calls = []
-    real = ckpt._rename
+    real = ckpt.layout._rename
 
     def rename(src, dst):
         calls.append((src, dst))
@@ -145,7 +145,7 @@ def _crash_on_rename(monkeypatch, nth: int):
             raise KeyboardInterrupt("simulated crash")
         real(src, dst)
 
-    monkeypatch.setattr(ckpt, "_rename", rename)
+    monkeypatch.setattr(ckpt.layout, "_rename", rename)
 
 
 def test_crash_before_rename_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
@@ -169,7 +169,7 @@ def test_crash_before_rename_keeps_the_previous_checkpoint(tmp_path, monkeypatch
 def test_replacing_a_step_is_safe(tmp_path, monkeypatch, exchange):
     state = _single_state(seed=0, filled=False)
     if not exchange:
-        monkeypatch.setattr(ckpt, "_exchange", lambda a, b: False)
+        monkeypatch.setattr(ckpt.layout, "_exchange", lambda a, b: False)
     ckpt.save(tmp_path, 5, state, {"v": 1}, keep_last=1)
     ckpt.save(tmp_path, 5, state, {"v": 2}, keep_last=1)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000005"]

@@ -25,7 +25,7 @@ import yaml
 from meshtrain.cli import main
 from meshtrain.config import RunConfig
 from meshtrain.errors import ConfigError
-from meshtrain.train.fit import fit
+from meshtrain.run.fit import fit
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "configs" / "tiny.yaml"
@@ -110,17 +110,25 @@ def test_tiny_yaml_is_the_contract_and_the_defaults():
 
 def test_every_field_has_a_docstring():
     import meshtrain.config.schema as schema
+    import meshtrain.config.sections as sections
 
-    source = ast.parse(Path(schema.__file__).read_text())
-    for node in source.body:
-        if isinstance(node, ast.ClassDef) and node.name.endswith("Config"):
-            body = node.body
-            for i, stmt in enumerate(body):
-                if isinstance(stmt, ast.AnnAssign):
-                    doc = body[i + 1] if i + 1 < len(body) else None
-                    assert isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant) and \
-                        isinstance(doc.value.value, str) and doc.value.value.strip(), \
-                        f"{node.name}.{stmt.target.id} has no docstring"
+    checked = []
+    for module in (schema, sections):
+        for node in ast.parse(Path(module.__file__).read_text()).body:
+            if isinstance(node, ast.ClassDef) and node.name.endswith(("Config", "Section")):
+                checked.append(node.name)
+                _check_docstrings(node)
+    assert sorted(checked) == sorted(["RunConfig", "ModelConfig", "MoeSection", "ParallelConfig", "TrainConfig",
+                                      "DataConfig", "CheckpointConfig"])
+
+
+def _check_docstrings(node):
+    body = node.body
+    for i, stmt in enumerate(body):
+        if isinstance(stmt, ast.AnnAssign):
+            doc = body[i + 1] if i + 1 < len(body) else None
+            assert isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant) and \
+                isinstance(doc.value.value, str) and doc.value.value.strip(), f"{node.name}.{stmt.target.id} has no docstring"
 
 
 def test_help_shows_the_field_docstrings(capsys):

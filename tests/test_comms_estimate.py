@@ -1,4 +1,4 @@
-"""`step_collectives` (parallel/comms.py, a table of what the runtime issues) against the
+"""`step_collectives` (estimate/comms.py, a table of what the runtime issues) against the
 collectives of real steps, recorded on the fake process group by test_collectives's
 `_Recorder`: for every layout that test exercises, and for GPT-2, the estimate must equal
 the recording (same (phase, op, axis) keys, equal count and bytes). Also: the estimate
@@ -18,7 +18,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from meshtrain.models import build
 from meshtrain.models.gpt2 import GPT2Config
 from meshtrain.models.llama import PRESETS, LlamaConfig
-from meshtrain.parallel.comms import PHASES, step_collectives
+from meshtrain.estimate.comms import PHASES, step_collectives
 from meshtrain.parallel.init import init_params
 from meshtrain.parallel.mesh import MeshSpec
 from meshtrain.parallel.plan import make_plan
@@ -362,7 +362,7 @@ def test_moe_plan_with_every_block_moe():
     import yaml
 
     from meshtrain.config import RunConfig
-    from meshtrain.parallel.dryrun import dry_run
+    from meshtrain.estimate.dryrun import dry_run
     from test_cli import ROOT
 
     raw = yaml.safe_load((ROOT / "configs" / "tiny-moe.yaml").read_text())

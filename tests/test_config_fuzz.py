@@ -5,7 +5,7 @@ this process (`meshtrain.cli.main`, one parser built once).
 Every case must: exit 2 (ConfigError/DataError printed by main, or a jsonargparse type
 error's SystemExit(2)); print a short message without a traceback that names the
 mutated key and the offending value; leave an existing run_dir exactly as it was; and
-start no rank (`meshtrain.launch.launch` and the single-process `_Run` are replaced by
+start no rank (`meshtrain.run.launch.launch` and the single-process `_Run` are replaced by
 functions that fail the test). The generator is deterministic (seeded `random`).
 
 Categories: type (wrong types for ints, floats, bools, strings), range (0, negative,
@@ -29,8 +29,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-import meshtrain.launch
-import meshtrain.train.fit as fit_module
+import meshtrain.run.launch
+import meshtrain.run.fit as fit_module
 from meshtrain import cli
 from meshtrain.config import RunConfig, schema
 from meshtrain.errors import ConfigError
@@ -375,7 +375,7 @@ def harness(tmp_path_factory):
         raise AssertionError("the single-process run was started: the config passed validation")
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(meshtrain.launch, "launch", launched)
+        mp.setattr(meshtrain.run.launch, "launch", launched)
         mp.setattr(fit_module, "_Run", single)
         mp.setattr(cli, "build_parser", _parser)
         for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):

@@ -9,7 +9,7 @@ import pytest
 from rich.console import Console
 
 from meshtrain.cli import main
-from meshtrain.train.report import Reporter, StepTable, duration
+from meshtrain.run.report import Reporter, StepTable, duration
 from test_cli import SMALL, TINY, read_metrics
 
 RECORD = {"step": 14, "loss": 5.31327, "lr": 2.998e-4, "grad_norm": 2.0284, "tokens_per_s": 1234.5,

@@ -10,7 +10,7 @@ multi-rank ones. Each run_dir is compared with an uninterrupted run of the same 
 (fp32, the same layout and world: every deterministic field must be equal, not close).
 
 The first kill of each run_dir lands inside a checkpoint write for certain, by fault
-injection (meshtrain/train/faults.py): one process SIGKILLs itself once it has opened its
+injection (meshtrain/run/faults.py): one process SIGKILLs itself once it has opened its
 first tensor file of the save of step N (savekill@N); 2 ranks hang there (savestall@N) and
 the whole group is SIGKILLed once every rank's tensor file exists. Its leftover is asserted:
 the `.tmp-step_N` directory holding the tensor files and neither DCP's .metadata nor our
@@ -44,7 +44,7 @@ from pathlib import Path
 
 import pytest
 
-from meshtrain.train import checkpoint
+from meshtrain import checkpoint
 from test_cli import ROOT, SMALL, TINY, _env, read_metrics
 
 SEED = 10_03

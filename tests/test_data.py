@@ -454,9 +454,9 @@ def test_preprocess_arguments(tmp_path):
 
 
 def test_token_ids_of_datasets_too_large_to_scan_are_checked_as_read(tmp_path, monkeypatch):
-    import meshtrain.data.dataset as dataset
+    import meshtrain.data.build as build
 
-    monkeypatch.setattr(dataset, "SCAN_LIMIT_BYTES", 8)  # every test dataset counts as large
+    monkeypatch.setattr(build, "SCAN_LIMIT_BYTES", 8)  # every test dataset counts as large
     prefix = write_dataset(tmp_path / "large", [[1, 2, 3, 4], [5, 6, 300, 7]], np.uint16)
     data = build_data(prefix, "bytes", 2, 0, 258, 0.0)  # opening does not scan
     assert data.train.parts[0].samples([0, 1]).tolist() == [[1, 2, 3], [3, 4, 5]]  # clean samples read fine

@@ -28,8 +28,8 @@ from meshtrain.cli import main
 from meshtrain.models.llama import LlamaConfig
 from meshtrain.models.spec import init_slice
 from meshtrain.testing import run_ranks
-from meshtrain.train import checkpoint as ckpt
-from meshtrain.train.checkpoint import CheckpointError
+from meshtrain import checkpoint as ckpt
+from meshtrain.checkpoint import CheckpointError
 from meshtrain.train.optim import init_state
 from test_cli import SMALL, TINY, read_metrics
 
@@ -143,7 +143,7 @@ def _inject(monkeypatch, point: str, code: int) -> None:
             return io.TextIOWrapper(io.BufferedWriter(_FillingStream(open(path, "wb"), room=100, code=code)),
                                     encoding="utf-8")
 
-        monkeypatch.setattr(ckpt, "open", open_meta, raising=False)
+        monkeypatch.setattr(ckpt.layout, "open", open_meta, raising=False)
     elif point in ("rename", "replace_rename", "prune"):
         # rename(s): the directory cannot be renamed into place; prune: the oldest
         # checkpoint cannot be moved aside to be deleted
@@ -157,7 +157,7 @@ def _inject(monkeypatch, point: str, code: int) -> None:
 
         monkeypatch.setattr(os, "rename", rename)
         if point == "replace_rename":  # no atomic swap: the old one is moved aside first
-            monkeypatch.setattr(ckpt, "_exchange", lambda a, b: False)
+            monkeypatch.setattr(ckpt.layout, "_exchange", lambda a, b: False)
     else:
         raise AssertionError(point)
 
@@ -254,14 +254,14 @@ def _two_ranks(root: str, point: str):
     if point == "rank1_tensor_file":
         dcp_fs.FileSystem.create_stream = create_stream
     else:
-        ckpt.open = open_meta
+        ckpt.layout.open = open_meta
     try:
         ckpt.save(root, 2, state, {}, keep_last=2)
     except CheckpointError as e:
         return {"message": str(e)}
     finally:
         dcp_fs.FileSystem.create_stream = real_stream
-        vars(ckpt).pop("open", None)
+        vars(ckpt.layout).pop("open", None)
     return {"message": None}
 
 

@@ -16,7 +16,7 @@ import yaml
 
 from meshtrain.config import RunConfig
 from meshtrain.errors import ConfigError
-from meshtrain.parallel.dryrun import GPU_MEMORY, dry_run
+from meshtrain.estimate.dryrun import GPU_MEMORY, dry_run
 from test_cli import ROOT, run_cli
 
 GOLDEN = Path(__file__).parent / "golden"

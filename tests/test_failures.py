@@ -1,7 +1,7 @@
 """A run that goes wrong ends clearly: non-finite losses (skip or abort), a stalled rank
 (the watchdog names it), a rank that raises or is killed (its error first, promptly).
 
-Faults are injected with MESHTRAIN_FAULT (meshtrain/train/faults.py); multi-rank cases
+Faults are injected with MESHTRAIN_FAULT (meshtrain/run/faults.py); multi-rank cases
 run the real CLI on 2 self-launched gloo ranks.
 """
 
@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from meshtrain.cli import main
-from meshtrain.train import checkpoint
-from meshtrain.train.fit import _LossGuard
-from meshtrain.train.watchdog import Watchdog
+from meshtrain import checkpoint
+from meshtrain.run.guards import LossGuard
+from meshtrain.run.watchdog import Watchdog
 from test_cli import SMALL, TINY, run_cli
 
 ONE = ["fit", "--config", str(TINY), *SMALL, "--train.log_every", "1"]
@@ -100,7 +100,7 @@ def test_abort_stops_at_the_first_non_finite_step_and_keeps_the_checkpoint(tmp_p
 def test_loss_spikes_are_reported_and_skips_counted():
     from types import SimpleNamespace
 
-    guard = _LossGuard(SimpleNamespace(nonfinite="skip", max_skipped=1, spike_factor=1.5))
+    guard = LossGuard(SimpleNamespace(nonfinite="skip", max_skipped=1, spike_factor=1.5))
     notes = [guard.check(s, {"loss": loss, "grad_norm": 1.0}) for s, loss in enumerate([4, 4, 4, 4, 4, 5.9], 1)]
     assert notes[:-1] == [None] * 5 and notes[-1] is None  # 5.9 < 1.5 x 4
     note = guard.check(7, {"loss": 6.5, "grad_norm": 1.0})  # 6.5 > 1.5 x mean(4, 4, 4, 4, 4, 5.9)

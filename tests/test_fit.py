@@ -27,8 +27,8 @@ import torch
 import yaml
 
 from meshtrain.config import RunConfig
-from meshtrain.train import checkpoint
-from meshtrain.train.fit import fit
+from meshtrain import checkpoint
+from meshtrain.run.fit import fit
 from meshtrain.train.metrics import flops_per_token
 from meshtrain.train.step import TrainState
 from test_cli import ROOT, SMALL, TINY, _env, _small_cfg, read_metrics, run_cli, step_rows

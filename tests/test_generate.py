@@ -11,12 +11,12 @@ import warnings
 import pytest
 import torch
 
-from meshtrain.config.schema import DataConfig, ModelConfig, RunConfig
+from meshtrain.config import DataConfig, ModelConfig, RunConfig
 from meshtrain.errors import ConfigError
 from meshtrain.generate import generate, load_for_generate, main_generate
 from meshtrain.models import FAMILIES, LocalContext, gpt2, llama
 from meshtrain.models.spec import init_slice
-from meshtrain.train import checkpoint
+from meshtrain import checkpoint
 from meshtrain.train.step import TrainState
 
 pytestmark = pytest.mark.usefixtures("one_thread")

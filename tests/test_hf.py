@@ -18,17 +18,18 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from meshtrain.config.schema import DataConfig, ModelConfig, RunConfig
+from meshtrain.config import DataConfig, ModelConfig, RunConfig
 from meshtrain.errors import ConfigError
-from meshtrain.interop import hf
+from meshtrain.interop import export as hf_export
+from meshtrain.interop.hf_config import _model_fields
 from meshtrain.interop.hf import (export_checkpoint, from_hf_config, load_hf_params, read_hf_config, save_hf,
                                   to_hf_config)
 from meshtrain.models import LocalContext, build
 from meshtrain.models.gpt2 import GPT2Config
 from meshtrain.models.llama import LlamaConfig
 from meshtrain.models.spec import init_slice
-from meshtrain.train import checkpoint as ckpt
-from meshtrain.train.checkpoint import CheckpointError
+from meshtrain import checkpoint as ckpt
+from meshtrain.checkpoint import CheckpointError
 from meshtrain.train.step import TrainState
 
 SCALING = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8}
@@ -110,7 +111,7 @@ def test_llama_export_loads_in_transformers(tmp_path, case):
     assert diff < ATOL, f"{case}: max |logit difference| {diff} (up to {ATOL} allowed)"
 
     config = json.loads((tmp_path / "out" / "config.json").read_text())
-    assert from_hf_config(config) == hf._model_fields("llama", cfg)
+    assert from_hf_config(config) == _model_fields("llama", cfg)
     if cfg.rope_scaling:
         assert config["rope_scaling"] == {"rope_type": "llama3", **SCALING}
         # The scaling matters at these lengths: without it the logits differ by >> ATOL.
@@ -266,7 +267,7 @@ def _write_tokenizer(directory: Path) -> Path:
 
 
 def _run_config(arch: str, cfg, tokenizer: str = "bytes") -> RunConfig:
-    return RunConfig(model=ModelConfig(**hf._model_fields(arch, cfg)), data=DataConfig(tokenizer=tokenizer))
+    return RunConfig(model=ModelConfig(**_model_fields(arch, cfg)), data=DataConfig(tokenizer=tokenizer))
 
 
 def test_export_checkpoint_equals_in_memory_export(tmp_path):
@@ -302,7 +303,7 @@ def test_export_checkpoint_equals_in_memory_export(tmp_path):
 
 def test_failed_export_leaves_nothing(tmp_path, monkeypatch):
     params = _params("llama", LLAMA)
-    real, calls = hf._assemble, []
+    real, calls = hf_export._assemble, []
 
     def failing(*args):
         calls.append(1)
@@ -310,7 +311,7 @@ def test_failed_export_leaves_nothing(tmp_path, monkeypatch):
             raise RuntimeError("disk full")
         return real(*args)
 
-    monkeypatch.setattr(hf, "_assemble", failing)
+    monkeypatch.setattr(hf_export, "_assemble", failing)
     with pytest.raises(RuntimeError, match="disk full"):
         save_hf(params, "llama", LLAMA, tmp_path / "out", max_shard_bytes=20_000)
     assert os.listdir(tmp_path) == []
@@ -447,14 +448,14 @@ def test_config_roundtrip_and_transformers5_rope_parameters():
     cfg = LlamaConfig(**{**vars(LLAMA), "rope_scaling": SCALING, "rope_theta": 500000.0})
     config = to_hf_config("llama", cfg, bos_token_id=256, eos_token_id=257)
     assert (config["bos_token_id"], config["eos_token_id"], config["head_dim"]) == (256, 257, 16)
-    assert from_hf_config(config) == hf._model_fields("llama", cfg)
+    assert from_hf_config(config) == _model_fields("llama", cfg)
     # transformers 5 writes RoPE as rope_parameters.
     v5 = {k: v for k, v in config.items() if k not in ("rope_theta", "rope_scaling")}
     v5["rope_parameters"] = {"rope_type": "llama3", "rope_theta": 500000.0, **SCALING}
     assert from_hf_config(v5) == from_hf_config(config)
     v5["rope_parameters"] = {"rope_type": "default", "rope_theta": 1234.0}
     assert from_hf_config(v5)["rope_theta"] == 1234.0 and from_hf_config(v5)["rope_scaling"] is None
-    assert from_hf_config(to_hf_config("gpt2", GPT2)) == hf._model_fields("gpt2", GPT2)
+    assert from_hf_config(to_hf_config("gpt2", GPT2)) == _model_fields("gpt2", GPT2)
 
 
 # --------------------------------------------------------------------------- 4 ranks

@@ -14,16 +14,19 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from meshtrain.config.schema import DataConfig, ModelConfig, RunConfig
+from meshtrain.config import DataConfig, ModelConfig, RunConfig
 from meshtrain.errors import ConfigError
+from meshtrain.interop import export as hf_export
 from meshtrain.interop import hf
+from meshtrain.interop import load as hf_load
+from meshtrain.interop.hf_config import _model_fields
 from meshtrain.interop.hf import (export_checkpoint, from_hf_config, load_hf_params, read_hf_config, save_hf,
                                   to_hf_config)
 from meshtrain.models import LocalContext, build
 from meshtrain.models.llama import LlamaConfig
 from meshtrain.models.moe import MoeConfig
 from meshtrain.models.spec import init_slice
-from meshtrain.train import checkpoint as ckpt
+from meshtrain import checkpoint as ckpt
 from meshtrain.train.step import TrainState
 
 transformers = pytest.importorskip("transformers")
@@ -120,8 +123,8 @@ def test_export_loads_in_transformers_and_imports_back(tmp_path, cfg, cls):
     assert again.moe_layers == cfg.moe_layers and again.head_dim == cfg.head_dim and again.qk_norm == cfg.qk_norm
     same = ("num_experts", "top_k", "expert_ffn_dim", "norm_topk", "router", "aux_coef")
     assert all(getattr(again.moe, k) == getattr(cfg.moe, k) for k in same)
-    assert fields == {**hf._model_fields("llama", cfg), **({"ffn_dim": 32} if cls == "MixtralForCausalLM" else {}),
-                      "moe": {**hf._model_fields("llama", cfg)["moe"], "layers": fields["moe"]["layers"]}}
+    assert fields == {**_model_fields("llama", cfg), **({"ffn_dim": 32} if cls == "MixtralForCausalLM" else {}),
+                      "moe": {**_model_fields("llama", cfg)["moe"], "layers": fields["moe"]["layers"]}}
 
 
 def test_qwen3_dense_qk_norm_exports_as_qwen3(tmp_path):
@@ -134,7 +137,7 @@ def test_qwen3_dense_qk_norm_exports_as_qwen3(tmp_path):
     tokens = _tokens(100)
     diff = (_hf_logits(model, tokens) - _ours(cfg, params, tokens)).abs().max().item()
     assert diff < ATOL, f"max |logit difference| {diff}"
-    assert read_hf_config(tmp_path) == hf._model_fields("llama", cfg)
+    assert read_hf_config(tmp_path) == _model_fields("llama", cfg)
     back = load_hf_params(tmp_path, "llama", cfg)
     assert all(torch.equal(back[n], params[n]) for n in params)
 
@@ -196,12 +199,12 @@ def test_reads_only_the_experts_asked_for(tmp_path):
     save_hf(params, "llama", MIXTRAL, tmp_path, dtype="fp32")
     layout = hf.hf_layout("llama", MIXTRAL)
     read: list[str] = []
-    with hf._WeightFiles(tmp_path) as files:
+    with hf_load._WeightFiles(tmp_path) as files:
         where = files.match(layout, "llama", False)
         real = files.read
         files.read = lambda w, piece, index: read.append(w[1]) or real(w, piece, index)
-        pieces = hf._pieces_of(layout)["layers.1.moe.w_up"]
-        block = hf._read_param(files, where, pieces, (slice(1, 3), slice(8, 24), slice(0, 64)))
+        pieces = hf_load._pieces_of(layout)["layers.1.moe.w_up"]
+        block = hf_load._read_param(files, where, pieces, (slice(1, 3), slice(8, 24), slice(0, 64)))
     assert torch.equal(block, params["layers.1.moe.w_up"][1:3, 8:24])
     assert read == [f"model.layers.1.block_sparse_moe.experts.{j}.w3.weight" for j in (1, 2)]
 
@@ -227,11 +230,11 @@ def test_init_from_checks_structure_not_training_fields(tmp_path):
 
 def test_export_checkpoint_reads_each_expert_stack_once(tmp_path, monkeypatch):
     params = _params(QWEN3_MOE)
-    run = RunConfig(model=ModelConfig(**hf._model_fields("llama", QWEN3_MOE)), data=DataConfig(tokenizer="bytes"))
+    run = RunConfig(model=ModelConfig(**_model_fields("llama", QWEN3_MOE)), data=DataConfig(tokenizer="bytes"))
     ckpt.save(tmp_path / "run" / "checkpoints", 2, TrainState.create(params), {"config": run.to_dict()}, keep_last=1)
     reads: list[str] = []
-    real = hf._read_checkpoint_param
-    monkeypatch.setattr(hf, "_read_checkpoint_param", lambda path, name, *a: reads.append(name) or real(path, name, *a))
+    real = hf_export._read_checkpoint_param
+    monkeypatch.setattr(hf_export, "_read_checkpoint_param", lambda path, name, *a: reads.append(name) or real(path, name, *a))
     export_checkpoint(tmp_path / "run", tmp_path / "out", dtype="fp32")
     assert sorted(reads) == sorted(params)  # 4 experts per stack, one read each
     save_hf(params, "llama", QWEN3_MOE, tmp_path / "memory", dtype="fp32", tokenizer="bytes")

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from meshtrain.data.errors import DataError
-from meshtrain.launch import RankFailed, launch
-from meshtrain.stopping import NOTE_DIR
+from meshtrain.run.launch import RankFailed, launch
+from meshtrain.run.stopping import NOTE_DIR
 
 
 def _rank_and_world(x):

@@ -20,7 +20,7 @@ import torch
 
 from meshtrain import MeshSpec, Rules, build, init_params, make_plan
 from meshtrain.models import llama
-from meshtrain.parallel.memory import per_rank_memory
+from meshtrain.estimate.memory import per_rank_memory
 from meshtrain.testing import run_ranks
 
 CFG = llama.LlamaConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=128, max_seq_len=64)

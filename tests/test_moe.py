@@ -103,7 +103,7 @@ def train_layouts(world: int):
 
 def _pipelined(sizes, schedule, balance, world):
     """This rank's stage of a 2-stage pipeline: metrics, and the parameters it holds."""
-    from meshtrain.pipeline.execute import local_stage_layout, make_pipeline_step
+    from meshtrain.train.pipeline_step import local_stage_layout, make_pipeline_step
     from meshtrain.pipeline.partition import partition
     from meshtrain.pipeline.schedule import build as build_schedule
 

@@ -20,7 +20,7 @@ from meshtrain import MeshSpec, Rules, TrainState, build, init_params, make_plan
 from meshtrain.errors import ConfigError
 from meshtrain.models import gpt2
 from meshtrain.models.spec import init_slice
-from meshtrain.pipeline.execute import local_stage_layout, make_pipeline_eval, make_pipeline_step
+from meshtrain.train.pipeline_step import local_stage_layout, make_pipeline_eval, make_pipeline_step
 from meshtrain.pipeline.partition import partition
 from meshtrain.pipeline.schedule import build as build_schedule
 from meshtrain.testing import run_ranks

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from meshtrain.parallel.dryrun import dry_run
+from meshtrain.estimate.dryrun import dry_run
 from meshtrain.parallel.plan import without_pp
 from meshtrain.pipeline.schedule import SEND_B, SEND_F
 from test_cli import ROOT, run_cli

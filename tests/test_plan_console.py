@@ -14,7 +14,7 @@ import shlex
 import pytest
 
 from meshtrain import cli
-from meshtrain.parallel.dryrun import GPU_MEMORY, dry_run
+from meshtrain.estimate.dryrun import GPU_MEMORY, dry_run
 from meshtrain.parallel.plan_table import human_bytes
 from test_cli import ROOT
 from test_dryrun import preset
@@ -128,7 +128,7 @@ def test_advice_says_so_when_nothing_fits(monkeypatch, capsys):
 def test_default_world_is_valid_for_a_folded_expert_axis():
     """Without a preset's worlds: the least world whose fsdp x cp the ep axis divides,
     on whole nodes (qwen3: tp 2 x ep 8 = 16 ranks, two nodes)."""
-    from meshtrain.parallel.dryrun import default_world
+    from meshtrain.estimate.dryrun import default_world
 
     cfg = preset("qwen3-moe-30b-a3b")
     world = default_world(cfg)

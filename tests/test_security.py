@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from meshtrain.cli import main
-from meshtrain.interop.hf import INDEX_FILE
-from meshtrain.train.checkpoint import _MetadataUnpickler
+from meshtrain.interop.pieces import INDEX_FILE
+from meshtrain.checkpoint.reader import _MetadataUnpickler
 
 TINY = str(Path(__file__).resolve().parent.parent / "configs" / "tiny.yaml")
 # The smallest model tiny.yaml allows: the checkpoint below is a few hundred KB.

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from meshtrain.stopping import DUPLICATE_S
-from meshtrain.train import checkpoint
+from meshtrain.run.stopping import DUPLICATE_S
+from meshtrain import checkpoint
 from test_cli import ROOT, SMALL, TINY, _env, read_metrics, run_cli
 
 TINY4 = ROOT / "configs" / "tiny-4proc.yaml"

@@ -17,10 +17,10 @@ import pytest
 import torch
 
 from meshtrain.cli import main
-from meshtrain.config.schema import DataConfig, ModelConfig, RunConfig, TrainConfig
+from meshtrain.config import DataConfig, ModelConfig, RunConfig, TrainConfig
 from meshtrain.data import ByteTokenizer, DataError, IndexedWriter, build_data, load_tokenizer, preprocess
 from meshtrain.models import FAMILIES
-from meshtrain.train import checkpoint
+from meshtrain import checkpoint
 from meshtrain.train.step import TrainState
 from test_cli import SMALL, TINY, run_cli
 

@@ -4,12 +4,16 @@
     preprocess     JSON lines -> Megatron-LM indexed dataset (<prefix>.bin / .idx)
     indexed        read and write those files, byte compatible with Megatron-LM
     tokenizer      bytes, or a Hugging Face tokenizer.json
-    dataset        packing, shuffling, blending, splits: build_data for the trainer
+    dataset        packing, shuffling, the trainer's splits
+    blend          mixing datasets by weight
+    build          build_data: the trainer's data from data.paths, checked
     builtin        the embedded corpus (the default, no-download dataset)
 """
 
 from .builtin import CORPUS, builtin_dataset
-from .dataset import BlendSchedule, EpochShuffle, PackedDataset, TokenData, build_data, parse_paths
+from .blend import BlendSchedule
+from .build import build_data, parse_paths
+from .dataset import EpochShuffle, PackedDataset, TokenData
 from .errors import DataError
 from .indexed import IndexedDataset, IndexedWriter
 from .preprocess import preprocess

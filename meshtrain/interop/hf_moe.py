@@ -74,7 +74,8 @@ import json
 from typing import Any, Mapping
 
 from ..errors import ConfigError
-from .hf import HFTensor, Piece, _get
+from ..models.moe import MoeConfig
+from .pieces import HFTensor, Piece, _get
 
 # model_type -> (the causal-LM class, the base-model class)
 MODEL_TYPES = {"mixtral": ("MixtralForCausalLM", "MixtralModel"), "qwen3": ("Qwen3ForCausalLM", "Qwen3Model"),
@@ -209,7 +210,7 @@ def import_fields(config: Mapping, t: str, fields: dict, source: str) -> dict:
 
 def moe_fields(values: Mapping) -> dict:
     """All model.moe fields (a MoeSection as a dict): `values` over the defaults."""
-    from ..config.schema import MoeSection
+    from ..config.sections import MoeSection
 
     return {**dataclasses.asdict(MoeSection()), **values}
 
@@ -257,8 +258,6 @@ def dense_blocks(moe: Mapping, n_layers: int) -> list[int]:
 
 
 def _moe_config(moe: Mapping):
-    from ..models.moe import MoeConfig
-
     layers = moe["layers"]
     return MoeConfig(**{**moe, "layers": layers if isinstance(layers, str) else tuple(layers)})
 

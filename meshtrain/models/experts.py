@@ -12,6 +12,8 @@ from fractions import Fraction
 import torch
 import torch.nn.functional as F
 
+from ..errors import ConfigError
+
 # ---------------------------------------------------------------- grouped matmul
 #
 # torch._grouped_mm does all experts in one kernel, but on torch 2.13 its fake (meta) kernel
@@ -124,8 +126,6 @@ def expert_capacity(tokens: int, top_k: int, num_experts: int, capacity_factor: 
     room for a perfectly balanced routing. At least 1 whenever there are tokens, as
     capacity_factor must be positive."""
     if capacity_factor <= 0:
-        from ..errors import ConfigError
-
         raise ConfigError(f"capacity_factor {capacity_factor}: must be positive (e.g. 1.25)")
     # The factor's decimal value as written: 1.1 * 100 * 2 / 4 is 55, not ceil(55.00000000000001).
     return math.ceil(Fraction(str(capacity_factor)) * tokens * top_k / num_experts)

@@ -18,6 +18,7 @@ from typing import Mapping
 import torch
 import torch.nn.functional as F
 
+from ..errors import ConfigError
 from .context import ModelContext
 from .layers import KVCache, cached_attention, layer_norm
 from .spec import ParamSpec
@@ -40,8 +41,6 @@ class GPT2Config:
         return self.dim // self.n_heads
 
     def __post_init__(self) -> None:
-        from ..errors import ConfigError
-
         if self.ffn_dim is None:
             object.__setattr__(self, "ffn_dim", 4 * self.dim)
         for name in ("dim", "n_layers", "n_heads", "ffn_dim", "vocab_size", "max_seq_len"):
@@ -108,8 +107,6 @@ def forward_stage(cfg: GPT2Config, params: Mapping[str, torch.Tensor], x: torch.
     stream). `params` needs only the stage's own."""
     seq_len = x.shape[1]
     if seq_len > cfg.max_seq_len:
-        from ..errors import ConfigError
-
         raise ConfigError(f"sequence length {seq_len} exceeds model.max_seq_len={cfg.max_seq_len} "
                           "(GPT-2 learns one embedding per position): use shorter sequences or a "
                           "larger max_seq_len")
@@ -170,8 +167,6 @@ def decode(cfg: GPT2Config, params: Mapping[str, torch.Tensor], tokens: torch.Te
     t = tokens.shape[1]
     end = start_pos + t
     if end > cfg.max_seq_len:
-        from ..errors import ConfigError
-
         raise ConfigError(f"position {end - 1} exceeds model.max_seq_len={cfg.max_seq_len} (GPT-2 learns one "
                           "embedding per position): generate fewer tokens")
     positions = torch.arange(start_pos, end, device=tokens.device)

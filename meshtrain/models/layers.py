@@ -8,6 +8,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..errors import ConfigError
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # Normalise in fp32 whatever the compute dtype, as the reference implementations do.
@@ -97,8 +99,6 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: K
     t = q.shape[1]
     end = start_pos + t
     if start_pos < 0 or end > cache.max_len:
-        from ..errors import ConfigError
-
         raise ConfigError(f"decoding positions {start_pos}..{end - 1} do not fit the KV cache of "
                           f"{cache.max_len} positions: allocate a longer cache")
     cache.k[layer][:, start_pos:end] = k

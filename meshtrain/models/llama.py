@@ -12,9 +12,18 @@ from typing import Mapping
 import torch
 import torch.nn.functional as F
 
+from ..errors import ConfigError
 from .context import LocalContext, ModelContext
+from .layers import (
+    KVCache,
+    apply_rope,
+    cached_attention,
+    rms_norm,
+    rope_cos_sin,
+    rope_frequencies,
+    rope_table,
+)
 from .moe import MoeConfig
-from .layers import KVCache, apply_rope, cached_attention, rms_norm, rope_cos_sin, rope_frequencies, rope_table
 from .spec import ParamSpec
 
 
@@ -45,8 +54,6 @@ class LlamaConfig:
         return self.moe.moe_layers(self.n_layers) if self.moe else ()
 
     def __post_init__(self) -> None:
-        from ..errors import ConfigError
-
         if self.attn_head_dim is None and self.dim % self.n_heads:
             raise ConfigError(f"model.dim={self.dim} is not divisible by model.n_heads={self.n_heads}: "
                               "choose a dim that is a multiple of n_heads")

@@ -16,6 +16,7 @@ from typing import Protocol
 
 import torch
 
+from ..errors import ConfigError
 from .experts import capacity_keep, expert_capacity, expert_swiglu, sort_by_expert
 
 ROUTERS = ("softmax", "sigmoid")
@@ -39,8 +40,6 @@ class MoeConfig:
     bias_update_rate: float = 1e-3
 
     def __post_init__(self) -> None:
-        from ..errors import ConfigError
-
         if self.router not in ROUTERS:
             raise ConfigError(f"model.moe.router={self.router!r}: choose one of {', '.join(ROUTERS)}")
         if self.balance not in BALANCES:
@@ -54,8 +53,6 @@ class MoeConfig:
     def moe_layers(self, n_layers: int) -> tuple[int, ...]:
         """The indices of the MoE blocks: 'all', a Python slice such as '3:' (all but the
         first three) or '::2' (every other), or a list of indices."""
-        from ..errors import ConfigError
-
         spec = self.layers
         if spec == "all":
             return tuple(range(n_layers))

@@ -24,8 +24,8 @@ from functools import partial
 from typing import Mapping, Sequence
 
 import torch
-from torch._prims_common import make_contiguous_strides_for
 import torch.distributed._functional_collectives as funcol
+from torch._prims_common import make_contiguous_strides_for
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
@@ -33,8 +33,8 @@ from ..errors import ConfigError
 from ..models.context import MoeRecords, causal_attention
 from ..models.fp8 import fp8_linear
 from ..models.losses import cross_entropy_sum
-from ..models.policy import Policy
 from ..models.moe import balance_loss, route, routed_experts, sequence_stats, z_loss
+from ..models.policy import Policy
 from .cp_attention import context_parallel_attention, zigzag_order
 from .expert_parallel import AllToAllExchange, CopyToTensorParallel
 from .plan import Plan

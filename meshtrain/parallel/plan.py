@@ -20,28 +20,8 @@ from ..errors import ConfigError
 from ..models.spec import ParamSpec
 from .cp_attention import CP_COMMS
 from .mesh import GATHERED_AXES, MESH_AXES, ExpertMeshSpec, MeshSpec
+from .placements import MARKED_ACTIVATIONS, placement_str
 from .rules import Rules
-
-# Activation layouts worth showing next to the parameters.
-MARKED_ACTIVATIONS: dict[str, tuple[str | None, ...]] = {
-    "tokens": ("batch", "seq"),
-    "residual": ("batch", "seq_sp", None),
-    "block_input": ("batch", "seq", None),
-    "q": ("batch", "seq", "q_heads", None),
-    "kv": ("batch", "seq", "kv_heads", None),
-    "mlp_hidden": ("batch", "seq", "mlp"),
-    "logits": ("batch", "seq", "vocab"),
-}
-
-
-def placement_str(p: Placement) -> str:
-    if isinstance(p, _StridedShard):
-        return f"SS({p.dim},{p.split_factor})"
-    if isinstance(p, Shard):
-        return f"S({p.dim})"
-    if isinstance(p, Replicate):
-        return "R"
-    return str(p)
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,8 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
+from .placements import MARKED_ACTIVATIONS, placement_str
+
 
 def _pattern(name: str) -> str:
     return re.sub(r"\.\d+\.", ".*.", name)
@@ -25,8 +27,6 @@ def human_bytes(n: float) -> str:
 
 
 def plan_table(plan) -> Table:
-    from .plan import placement_str
-
     mesh = " x ".join(f"{a}={plan.mesh.size(a)}" for a in plan.mesh.axes)
     cp = f", cp_comm {plan.cp_comm} (zigzag sequence)" if plan.mesh.cp > 1 else ""
     experts = plan.mesh.experts()
@@ -80,8 +80,6 @@ def _groups(plan, names) -> OrderedDict[str, list]:
 
 
 def activation_table(plan) -> Table:
-    from .plan import MARKED_ACTIVATIONS, placement_str
-
     table = Table(title="marked activations")
     for col in ("activation", "logical axes", "mesh axes", "placements"):
         table.add_column(col)

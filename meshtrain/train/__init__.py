@@ -1,1 +1,2 @@
-"""Step factory, optimizer and learning-rate schedules."""
+"""Step factories (one process, sharded, pipelined), the optimizer, learning-rate schedules
+and the FLOPs / MFU accounting of a step."""

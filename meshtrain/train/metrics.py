@@ -12,7 +12,6 @@ Activation recomputation is not counted: it is hardware FLOPs, not model FLOPs.
 
 from __future__ import annotations
 
-import os
 import resource
 import sys
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from ..errors import ConfigError
 
-SCHEDULES = ("cosine", "linear", "wsd", "constant")
+LR_SCHEDULES = ("cosine", "linear", "wsd", "constant")  # train.lr_schedule
 
 
 @dataclass(frozen=True)
@@ -20,8 +20,8 @@ class LRSchedule:
     decay_fraction: float = 0.2  # WSD: share of the steps after warmup spent decaying
 
     def __post_init__(self) -> None:
-        if self.kind not in SCHEDULES:
-            raise ConfigError(f"train.lr_schedule={self.kind!r}: choose one of {', '.join(SCHEDULES)}")
+        if self.kind not in LR_SCHEDULES:
+            raise ConfigError(f"train.lr_schedule={self.kind!r}: choose one of {', '.join(LR_SCHEDULES)}")
         if self.warmup_steps < 0:
             raise ConfigError(f"train.warmup_steps={self.warmup_steps} must be at least 0")
 

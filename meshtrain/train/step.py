@@ -12,8 +12,18 @@ import torch
 from ..errors import ConfigError
 from ..models import ModelDef
 from ..models.context import LocalContext
+from ..models.moe import expert_bias_step, imbalance
 from ..models.policy import Policy
-from .optim import AdamW, adamw_update, all_reduce_sum, grad_norm_squared_local, init_state, local, replica_count
+from ..parallel.context import ShardedContext
+from .optim import (
+    AdamW,
+    adamw_update,
+    all_reduce_sum,
+    grad_norm_squared_local,
+    init_state,
+    local,
+    replica_count,
+)
 from .schedule import LRSchedule
 
 # Called with {name: gradient} for every trainable parameter: see make_update.
@@ -140,8 +150,6 @@ def moe_step(state: TrainState, cfg, layers, load: torch.Tensor, updated: bool =
     batch are `load` (layers x E, the same on every rank): the aux-free bias moves toward
     balance (unless the step's update was skipped); returns each layer's load imbalance
     (max / mean)."""
-    from ..models.moe import expert_bias_step, imbalance
-
     if cfg.balance == "aux_free" and updated:
         with torch.no_grad():
             for j, i in enumerate(layers):
@@ -247,7 +255,6 @@ def make_eval_step(model: ModelDef, plan=None, device_mesh=None, *, precision: s
 def _context(plan, device_mesh, policy: Policy):
     if plan is None:
         return LocalContext(policy)
-    from ..parallel.context import ShardedContext
 
     return ShardedContext(plan, device_mesh, policy)
 

@@ -2,13 +2,14 @@
 
 `step_memory` is what `meshtrain plan` reports and what its advice (`advice.py`) compares
 against a device: the most loaded rank's bytes (`memory.py`), or under pp the most loaded
-pp rank's (`pipeline.estimate`), with the config's micro-batch, precision, checkpointing
+pp rank's (`estimate.pipeline`), with the config's micro-batch, precision, checkpointing
 and compile setting.
 """
 
 from __future__ import annotations
 
 from .memory import per_rank_memory
+from .pipeline import pipeline_estimate
 
 MEMORY_KEYS = ("params", "grads", "optimizer", "activations", "peak")  # what a plan reports per rank
 # Device memory in bytes (data sheet capacities).
@@ -21,7 +22,6 @@ def step_memory(cfg, plan, model) -> tuple[dict, object | None]:
     t, p = cfg.train, cfg.parallel
     micro_steps = cfg.accumulation_steps(plan.mesh.dp * plan.mesh.fsdp)
     if plan.mesh.pp > 1:  # ranks differ by stage: report the most loaded
-        from ..pipeline.estimate import pipeline_estimate
 
         pipeline = pipeline_estimate(plan, model, schedule=p.pp_schedule, virtual=p.pp_virtual, layout=p.pp_layout,
                                      micro_batch=t.micro_batch, seq_len=t.seq_len, micro_steps=micro_steps,

@@ -25,6 +25,8 @@ import threading
 import time
 import traceback
 
+from .launch import report_failure
+
 EXIT_STALLED = 3
 TRAIN_STEP = "forward, backward and optimizer update"  # the operation that includes the first compile
 _KEY = "meshtrain/watchdog/{}"
@@ -117,8 +119,6 @@ class Watchdog:
         return message, [s["rank"] for s in stalled]
 
     def _fire(self) -> None:
-        from ..launch import report_failure
-
         message, stalled = self.diagnose(self._peers(), time.time())
         if self.rank not in stalled:
             # A waiting rank reports after the stalled one, whose report (with the stack

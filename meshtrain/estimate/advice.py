@@ -20,7 +20,7 @@ import math
 from dataclasses import dataclass
 
 from ..errors import ConfigError
-from .plan_table import human_bytes
+from ..parallel.plan_table import human_bytes
 from .step_memory import step_memory
 
 CHECKPOINTING = ("none", "selective", "full")  # least recompute first

@@ -7,7 +7,7 @@ its own shard of the activation (the residual stream in its ("batch", "seq_sp", 
 layout) with the rank of the neighbouring stage that has the same coordinates on the other
 axes, so point-to-point traffic is one shard per rank, never a gathered tensor.
 
-The semantics are the IR's (schedule.py): sends are posted without waiting (isend), recvs
+The semantics are the IR's (pipeline/schedule.py): sends are posted without waiting (isend), recvs
 block, and between two ranks sends and recvs match in posting order.
 
 Backward: B runs the stage's full backward. The zero-bubble split runs BI as the input
@@ -44,11 +44,11 @@ from ..models.context import LocalContext
 from ..models.policy import Policy
 from ..parallel.context import ShardedContext
 from ..parallel.plan import without_pp
-from ..train.optim import AdamW, local
-from ..train.schedule import LRSchedule
-from ..train.step import InspectGrads, MoeTerms, TrainState, full_value, make_update, moe_step
-from .partition import Stage
-from .schedule import B, BI, BW, F, RECV_B, RECV_F, SEND_B, SEND_F, Schedule, check_checkpointing, forward_only
+from ..pipeline.partition import Stage
+from ..pipeline.schedule import B, BI, BW, F, RECV_B, RECV_F, SEND_B, SEND_F, Schedule, check_checkpointing, forward_only
+from .optim import AdamW, local
+from .schedule import LRSchedule
+from .step import InspectGrads, MoeTerms, TrainState, full_value, make_update, moe_step
 
 RESIDUAL = ("batch", "seq_sp", None)  # the layout activations cross stage boundaries in
 _TIED_TAG = 7  # the tied-embedding gradient exchange, apart from the schedule's traffic

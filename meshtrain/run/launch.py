@@ -24,8 +24,10 @@ from typing import Any, Callable
 
 import torch.distributed as dist
 
+from ..checkpoint import CheckpointError
+from ..data.errors import DataError
+from ..errors import ConfigError, TrainingError
 from . import stopping
-from .errors import ConfigError, TrainingError
 
 _REPORT_DIR = stopping.NOTE_DIR  # where self-launched ranks leave their error or stop note
 
@@ -168,9 +170,6 @@ def _killed(error) -> dict | None:
 def _bad_input_errors() -> dict[str, type]:
     """The errors the CLI prints as their one-line message: bad input (exit 2) and a run
     stopped by its own safeguards (exit 1)."""
-    from .data.errors import DataError
-    from .train.checkpoint import CheckpointError
-
     return {"config": ConfigError, "data": DataError, "checkpoint": CheckpointError, "training": TrainingError}
 
 

@@ -17,11 +17,12 @@ import math
 from dataclasses import dataclass, field
 
 from ..errors import ConfigError
+from ..parallel.mesh import MESH_AXES
+from ..parallel.plan import Plan, placement_str
+from ..parallel.plan_table import human_bytes
 from .advice import Fit, layouts_that_fit, nothing_fits, search_space
+from .comms import expert_exchange, step_collectives
 from .dryrun_view import renderables
-from .mesh import MESH_AXES
-from .plan import Plan, placement_str
-from .plan_table import human_bytes
 from .step_memory import GPU_MEMORY, MEMORY_KEYS, step_memory
 
 
@@ -116,8 +117,6 @@ def dry_run(cfg, world: int | None = None, gpu: str | None = None, *, suggest: b
     `gpu` (h100, h200, a100), a peak over the device's memory sets `error` and `advice`,
     the layouts that fit (`check()` raises the error). Layouts that cannot be built at all
     raise ConfigError here."""
-    from .comms import expert_exchange, step_collectives
-
     if gpu is not None and gpu not in GPU_MEMORY:
         raise ConfigError(f"--gpu {gpu!r}: choose one of {', '.join(GPU_MEMORY)}")
     world = default_world(cfg) if world is None else world

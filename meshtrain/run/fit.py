@@ -17,9 +17,9 @@ and the checkpoint to resume from have been checked, nor by a run already at its
 from __future__ import annotations
 
 import datetime
+import json
 import math
 import os
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -27,18 +27,17 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .. import launch, stopping
+from .. import checkpoint
 from ..config import RunConfig
-from ..errors import ConfigError, TrainingError
-from ..models.spec import init_slice
-from ..parallel.cp_attention import zigzag_order
-from . import checkpoint
-from .metrics import device_peak_tflops, flops_per_token, memory_gib
-from .report import Reporter
-from .optim import AdamW
-from .schedule import LRSchedule
+from ..train.metrics import device_peak_tflops, flops_per_token, memory_gib
+from ..train.step import TrainState
+from . import launch, stopping
+from .build import build_run
+from .export import export_run
 from .faults import Faults
-from .step import TrainState, make_eval_step, make_train_step
+from .guards import LossGuard
+from .report import Reporter
+from .start import check_init_from, check_writable, config_changes, finished, open_data, resume_path
 from .watchdog import TRAIN_STEP, Watchdog
 
 
@@ -59,18 +58,18 @@ def _fit(cfg: RunConfig) -> list[dict]:
     if ranks is None:  # launch the ranks ourselves, once everything they read is known good
         nproc = cfg.parallel.nproc_per_node
         cfg.plan(world=nproc)
-        _open_data(cfg)
-        if _resume_path(cfg) is None and cfg.model.init_from:  # also checks checkpoint.resume
-            _check_init_from(cfg)
-        _check_writable(Path(cfg.run_dir))
+        open_data(cfg)
+        if resume_path(cfg) is None and cfg.model.init_from:  # also checks checkpoint.resume
+            check_init_from(cfg)
+        check_writable(Path(cfg.run_dir))
         if stopping.REQUEST.name:
             name = stopping.REQUEST.name
             raise stopping.Interrupted(f"stopped by {name} before the ranks started: nothing was written", name)
-        if _finished(cfg, print_it=True):
+        if finished(cfg, print_it=True):
             return []
         results = launch.launch(_fit_rank, (cfg.to_dict(),), nproc)
         return [] if results is None else results[0]  # None: stopped by a signal, checkpointed
-    if _finished(cfg, print_it=ranks.rank == 0):
+    if finished(cfg, print_it=ranks.rank == 0):
         return []
     model = cfg.model_def()
     # The plan and every layout error come before any process group exists.
@@ -111,18 +110,6 @@ def _mark(watchdog: Watchdog | None, step: int, op: str) -> None:
         watchdog.mark(step, op)
 
 
-def _check_writable(run_dir: Path) -> None:
-    """A run_dir that cannot be written fails now, before any step is spent."""
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        probe = run_dir / f".write-test-{os.getpid()}"
-        probe.write_text("")
-        probe.unlink()
-    except OSError as e:
-        raise ConfigError(f"run_dir={str(run_dir)!r} cannot be written ({e.strerror or e}): make it writable, or set "
-                          "run_dir to a directory that is; nothing in it was changed") from None
-
-
 def _fit_rank(cfg_dict: dict) -> list[dict]:
     history = fit(RunConfig.from_dict(cfg_dict))
     if stopping.REQUEST.name:
@@ -135,77 +122,6 @@ def _fit_rank(cfg_dict: dict) -> list[dict]:
     return history
 
 
-def _open_data(cfg: RunConfig):
-    from ..data import DataError, build_data
-
-    d, t = cfg.data, cfg.train
-    try:
-        return build_data(d.paths, d.tokenizer, t.seq_len, cfg.seed, cfg.model.vocab_size, d.valid_fraction)
-    except DataError as e:
-        raise DataError(f"data.paths={d.paths!r}: {e}") from None
-
-
-def _check_init_from(cfg: RunConfig) -> None:
-    """model.init_from must hold weights of the model the config describes."""
-    from ..interop.hf import check_same_model
-
-    path = Path(cfg.model.init_from)
-    if not (path / "config.json").is_file():
-        raise ConfigError(f"model.init_from={cfg.model.init_from!r} is not a Hugging Face model directory (no "
-                          "config.json): give a directory written by save_pretrained or meshtrain export")
-    check_same_model(path, cfg.model.arch, cfg.family_config())
-
-
-def _finished(cfg: RunConfig, print_it: bool) -> bool:
-    """A run whose checkpoint to resume from is already at its last step does nothing: it
-    rewrites no file and starts no rank (running the same command twice is harmless)."""
-    path = _resume_path(cfg)
-    meta = checkpoint.read_meta(path) if path is not None else None
-    t = cfg.train
-    stop = min(t.stop_at or t.steps, t.steps)
-    if meta is None or meta["step"] < stop:
-        return False
-    if print_it:
-        until = f"train.stop_at={t.stop_at}" if t.stop_at and t.stop_at < t.steps else f"train.steps={t.steps}"
-        print(f"nothing to do: {path} is at step {meta['step']} and {until}; raise train.steps to train further, or "
-              "start over with --checkpoint.resume none or another run_dir", flush=True)
-    return True
-
-
-def _config_changes(old: dict, new: dict, prefix: str = "") -> list[str]:
-    """`key old -> new` for every value that differs between two RunConfig dicts, except
-    train.stop_at (where this invocation stops, not what the run is)."""
-    changes = []
-    for key in [*new, *(k for k in old if k not in new)]:
-        a, b, name = old.get(key), new.get(key), prefix + key
-        if isinstance(a, dict) and isinstance(b, dict):
-            changes += _config_changes(a, b, name + ".")
-        elif a != b and name != "train.stop_at":
-            changes.append(f"{name} {a!r} -> {b!r}")
-    return changes
-
-
-def _resume_path(cfg: RunConfig, repair: bool = False) -> Path | None:
-    """The checkpoint this run starts from. `repair` (every rank of the run, together)
-    first clears what an interrupted save left behind."""
-    resume = cfg.checkpoint.resume
-    if resume == "none":
-        return None
-    if resume == "auto":
-        root = Path(cfg.run_dir) / "checkpoints"
-        if repair:
-            checkpoint.cleanup_incomplete(root)
-        return checkpoint.latest(root)
-    path = Path(resume)
-    if not path.exists():
-        raise ConfigError(f"checkpoint.resume={resume!r} does not exist: give a <run_dir>/checkpoints/step_XXXXXXXX "
-                          "directory, or auto (the newest in run_dir), or none (start over)")
-    if not (path / "meta.json").is_file():
-        raise ConfigError(f"checkpoint.resume={resume!r} is not a complete checkpoint directory (no meta.json): "
-                          "give a <run_dir>/checkpoints/step_XXXXXXXX directory, or auto, or none")
-    return path
-
-
 class _Run:
     """One rank's training run: state, data, loop, evaluation, checkpoints, reports."""
 
@@ -215,83 +131,23 @@ class _Run:
         self.watchdog, self.faults = watchdog, Faults(ranks.rank)
         t = cfg.train
         _mark(watchdog, 0, "opening the data")
-        self.data = _open_data(cfg)  # before anything is written: bad data costs nothing
+        self.data = open_data(cfg)  # before anything is written: bad data costs nothing
         self.run_dir = Path(cfg.run_dir)
         # Bad input (checkpoint.resume, model.init_from) fails before run_dir is created.
-        if _resume_path(cfg) is None and cfg.model.init_from:
-            _check_init_from(cfg)
-        _check_writable(self.run_dir)  # before the leftovers of a crashed save are cleared
+        if resume_path(cfg) is None and cfg.model.init_from:
+            check_init_from(cfg)
+        check_writable(self.run_dir)  # before the leftovers of a crashed save are cleared
         _mark(watchdog, 0, "finding the checkpoint to resume from")
-        self.resume = _resume_path(cfg, repair=True)
+        self.resume = resume_path(cfg, repair=True)
         _mark(watchdog, 0, "building the parameters")
         self.dp_size = plan.mesh.dp * plan.mesh.fsdp
         self.accumulation = cfg.accumulation_steps(self.dp_size)
         self.micro_rows = t.global_batch // self.accumulation  # sequences per micro-step, all ranks
-        options = dict(precision=t.precision, compile=t.compile, fp8_recipe=t.fp8_recipe)
         init_from = cfg.model.init_from if self.resume is None else None  # a checkpoint wins
-        if plan.mesh.pp > 1:
-            params = self._build_pipeline(init_from)
-        elif ranks.world == 1:
-            self.mesh = None
-            if init_from:
-                from ..interop.hf import load_hf_params
-
-                params = load_hf_params(init_from, cfg.model.arch, cfg.family_config(), device=device)
-                params = {n: t.requires_grad_(model.specs[n].trainable) for n, t in params.items()}
-            else:
-                params = {n: init_slice(s, n, cfg.seed, device=device).requires_grad_(s.trainable)
-                          for n, s in model.specs.items()}
-            self.step_fn = make_train_step(model, **_step_options(cfg))
-            self.eval_fn = make_eval_step(model, **options)
-            self.rows = _RowSlice(plan, None, self.micro_rows, t.seq_len)
-        else:
-            from ..parallel.init import init_params
-
-            self.mesh = plan.mesh.build(device.type)
-            if init_from:  # each rank reads only the slices of its own shards
-                from ..interop.hf import load_hf_params
-
-                params = load_hf_params(init_from, cfg.model.arch, cfg.family_config(), plan, self.mesh, device)
-            else:
-                params = init_params(plan, self.mesh, cfg.seed, device=device)
-            self.step_fn = make_train_step(model, plan, self.mesh, **_step_options(cfg))
-            self.eval_fn = make_eval_step(model, plan, self.mesh, **options)
-            self.rows = _RowSlice(plan, self.mesh, self.micro_rows, t.seq_len)
-        self.state = TrainState.create(params)
+        built = build_run(cfg, model, plan, ranks.world, device, self.accumulation, self.micro_rows, init_from)
+        self.mesh, self.step_fn, self.eval_fn, self.rows = built.mesh, built.step_fn, built.eval_fn, built.rows
+        self.state = TrainState.create(built.params)
         self.consumed = 0  # global training samples consumed: the data position
-
-    def _build_pipeline(self, init_from: str | None) -> dict:
-        """parallel.pp > 1: this rank's stages, their parameters (sharded on the non-pp
-        sub-mesh, if any), the schedule's step and the forward-only evaluation."""
-        from ..parallel.init import init_params
-        from ..pipeline import execute, partition
-        from ..pipeline.schedule import build as build_schedule
-
-        cfg, model, plan, device, t, p = self.cfg, self.model, self.plan, self.device, self.cfg.train, self.cfg.parallel
-        self.mesh = plan.mesh.build(device.type)
-        stages = partition(model, plan.mesh.pp, p.pp_virtual, p.pp_layout, seq_len=t.seq_len, micro_batch=t.micro_batch)
-        names, sub_plan, sub_mesh = execute.local_stage_layout(plan, self.mesh, stages)
-        if init_from:
-            from ..interop.hf import load_hf_params
-
-            params = load_hf_params(init_from, cfg.model.arch, cfg.family_config(), sub_plan, sub_mesh, device,
-                                    names=names)
-        elif sub_plan is not None:
-            params = init_params(sub_plan, sub_mesh, cfg.seed, device=device, names=names)
-        else:
-            params = {n: init_slice(model.specs[n], n, cfg.seed, device=device) for n in names}
-        params = {n: x.requires_grad_(model.specs[n].trainable) for n, x in params.items()}
-        options = _step_options(cfg)
-        schedule = build_schedule(p.pp_schedule, plan.mesh.pp, self.accumulation, p.pp_virtual)
-        self.step_fn = execute.make_pipeline_step(model, stages, schedule, plan, self.mesh,
-                                                  optimizer=options["optimizer"], lr_schedule=options["schedule"],
-                                                  precision=t.precision, grad_clip=options["grad_clip"],
-                                                  fp8_recipe=t.fp8_recipe,
-                                                  activation_checkpointing=t.activation_checkpointing)
-        self.eval_fn = execute.make_pipeline_eval(model, stages, plan.mesh.pp, self.accumulation, plan, self.mesh,
-                                                  precision=t.precision, fp8_recipe=t.fp8_recipe)
-        self.rows = _RowSlice(sub_plan, sub_mesh, self.micro_rows, t.seq_len)
-        return params
 
     # --- the loop ----------------------------------------------------------------------
 
@@ -312,7 +168,7 @@ class _Run:
         if self.resume is not None:
             rep.print(f"resumed from {self.resume} at step {self.state.step} "
                       f"({self.consumed:,} samples consumed)")
-            changes = _config_changes(self.resumed_config, cfg.to_dict())
+            changes = config_changes(self.resumed_config, cfg.to_dict())
             if changes:
                 rep.print(f"[yellow]config changed since {self.resume.name}: {'; '.join(changes)}[/]")
         peak = device_peak_tflops(self.device, t.precision)
@@ -327,7 +183,7 @@ class _Run:
         warm, warmup_s = start, None
         last_time, last_step = start, first_step
         stopping.REQUEST.after = self._on_disk
-        guard = _LossGuard(t)
+        guard = LossGuard(t)
         if t.compile and self.state.step < stop:
             rep.compiling()
         try:
@@ -463,36 +319,8 @@ class _Run:
                                on_write=lambda: self.faults.in_save(step))
 
     def _export(self) -> Path:
-        """The final weights as a Hugging Face directory <run_dir>/export (replaced whole)."""
-        from ..interop.hf import export_dtype, save_hf
-
-        cfg, out = self.cfg, self.run_dir / "export"
-        fresh, old = self.run_dir / ".export-new", self.run_dir / ".export-old"
-        if self.ranks.rank == 0:
-            for leftover in (fresh, old):
-                shutil.rmtree(leftover, ignore_errors=True)
-        if self.ranks.world > 1:
-            dist.barrier()
-        dtype = export_dtype(cfg.train.precision)
-        tokenizer = cfg.data.tokenizer
-        if self.plan.mesh.pp > 1:  # no rank holds every stage: export from this step's checkpoint
-            from ..interop.hf import export_checkpoint
-
-            ckpt = checkpoint.latest(self.run_dir / "checkpoints")
-            if ckpt != checkpoint.step_dir(self.run_dir / "checkpoints", self.state.step):
-                ckpt = self._save()
-            if self.ranks.rank == 0:
-                export_checkpoint(ckpt, fresh, dtype=dtype)
-        else:
-            save_hf(self.state.params, cfg.model.arch, cfg.family_config(), fresh, dtype=dtype, tokenizer=tokenizer)
-        if self.ranks.rank == 0:
-            if out.exists():
-                out.rename(old)
-            fresh.rename(out)
-            shutil.rmtree(old, ignore_errors=True)
-        if self.ranks.world > 1:
-            dist.barrier()
-        return out
+        return export_run(self.cfg, self.run_dir, self.state.params, self.state.step, self.plan.mesh.pp > 1,
+                          self.ranks.rank, self.ranks.world, self._save)
 
     # --- files ---------------------------------------------------------------------------
 
@@ -512,8 +340,6 @@ class _Run:
 
     def _kept_metrics(self) -> list[dict]:
         """A resumed run keeps the records up to its checkpoint; a new run starts empty."""
-        import json
-
         path = self.run_dir / "metrics.jsonl"
         if self.resume is None or not path.exists():
             return []
@@ -550,83 +376,3 @@ def _count(n: int) -> str:
     return str(n)
 
 
-class _LossGuard:
-    """train.nonfinite and train.spike_factor, applied to each step's metrics on every rank
-    alike (the loss and the gradient norm are global values)."""
-
-    WINDOW = 20  # steps of the mean a spike is measured against
-
-    def __init__(self, t):
-        self.t, self.in_a_row, self.skipped, self.recent = t, 0, 0, []
-
-    def check(self, step: int, metrics: dict) -> str | None:
-        """Raise TrainingError when the run must stop; return a warning line, or None."""
-        t, loss = self.t, metrics["loss"]
-        if metrics.get("skipped"):
-            what = f"the loss is {loss} and the gradient norm {metrics['grad_norm']} at step {step}"
-            if t.nonfinite == "abort":
-                raise TrainingError(f"{what} (train.nonfinite=abort); the weights were not updated with it. Lower "
-                                    "train.lr, use train.precision fp32 or a smaller train.grad_clip, or set "
-                                    "train.nonfinite skip to skip such steps")
-            self.in_a_row += 1
-            self.skipped += 1
-            if self.in_a_row > t.max_skipped:
-                raise TrainingError(f"{what}: {self.in_a_row} steps in a row were not finite, more than "
-                                    f"train.max_skipped={t.max_skipped}; the run diverged. Resume from the last "
-                                    "checkpoint with a lower train.lr, or raise train.max_skipped")
-            return (f"step {step} skipped: {what}; the parameters and optimizer state are unchanged "
-                    f"({self.in_a_row} in a row, {self.skipped} in this run; train.max_skipped={t.max_skipped})")
-        self.in_a_row = 0
-        note = None
-        if t.spike_factor and len(self.recent) >= 5:
-            mean = sum(self.recent) / len(self.recent)
-            if loss > t.spike_factor * mean:
-                note = (f"loss spike at step {step}: {loss:.4f} is {loss / mean:.2f} x the mean {mean:.4f} of the "
-                        f"previous {len(self.recent)} steps (train.spike_factor={t.spike_factor:g})")
-        self.recent = (self.recent + [loss])[-self.WINDOW:]
-        return note
-
-
-class _RowSlice:
-    """Which rows (and columns) of a micro-batch this rank holds, from the plan's layout
-    of ("batch", "seq") activations, and how to wrap them as that DTensor."""
-
-    def __init__(self, plan, mesh, rows: int, seq_len: int):
-        self.mesh, self.shape = mesh, (rows, seq_len)
-        if mesh is None:
-            self.offset, self.local = (0, 0), self.shape
-            return
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-        self.placements = plan.activation(("batch", "seq")).placements
-        self.local, self.offset = compute_local_shape_and_global_offset(self.shape, mesh, self.placements)
-        # Positions of this rank's columns; split over cp they are its zigzag chunks.
-        self.columns = torch.arange(seq_len)
-        if "cp" in plan.mesh.axes:
-            self.columns = zigzag_order(seq_len, plan.mesh.cp)
-        self.columns = self.columns[self.offset[1]: self.offset[1] + self.local[1]]
-
-    def read(self, source, start: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's (tokens, targets) of the micro-batch starting at row `start`."""
-        window = source.batch(start + self.offset[0], self.local[0])
-        if self.mesh is None:
-            return window[:, :-1], window[:, 1:]
-        return window[:, self.columns], window[:, self.columns + 1]
-
-    def wrap(self, local: torch.Tensor):
-        if self.mesh is None:
-            return local
-        from torch.distributed.tensor import DTensor
-
-        local = local.contiguous()
-        return DTensor.from_local(local, self.mesh, self.placements, run_check=False, shape=torch.Size(self.shape),
-                                  stride=(self.shape[1], 1))
-
-
-def _step_options(cfg: RunConfig) -> dict:
-    t = cfg.train
-    return dict(optimizer=AdamW(lr=t.lr, weight_decay=t.weight_decay),
-                schedule=LRSchedule(lr=t.lr, min_lr=t.min_lr, warmup_steps=t.warmup_steps, total_steps=t.steps,
-                                    kind=t.lr_schedule),
-                precision=t.precision, grad_clip=t.grad_clip or None, compile=t.compile, fp8_recipe=t.fp8_recipe,
-                activation_checkpointing=t.activation_checkpointing)

@@ -24,12 +24,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..parallel.comms import step_collectives
-from ..parallel.memory import per_rank_memory
+from .comms import step_collectives
+from .memory import per_rank_memory
 from ..parallel.plan import Plan, without_pp
-from .partition import Stage, partition
-from .schedule import Schedule, build
-from .simulate import Result, simulate, stage_costs_from_partition
+from ..pipeline.partition import Stage, partition
+from ..pipeline.schedule import Schedule, build
+from ..pipeline.simulate import Result, simulate, stage_costs_from_partition
 
 RESIDUAL = ("batch", "seq_sp", None)
 

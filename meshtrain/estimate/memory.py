@@ -66,8 +66,9 @@ kept (`saved_weights`), eager or compiled. The
 expert bias (aux_free) is added, never kept. Checkpointing of MoE blocks: full keeps the
 layer input; selective (an estimate) keeps the attention part as above, the router
 scores, chosen experts and gates, and the matmul outputs (routed and shared gate / up
-pre-activations, the expert output). A pipeline rank given only a layer count (MoE
-blocks in stages are not supported by the runtime) counts each layer as the larger kind.
+pre-activations, the expert output). A pipeline rank given only a layer count, which cannot
+say which of its blocks are MoE, counts each layer as the larger kind (the pipeline
+estimate gives layer indices).
 
 Context parallelism (cp > 1) replaces the kernel by parallel/cp_attention.py, which keeps
 q, k, v, output and log-sum-exp like a fused kernel (a2a: on the head split, the same
@@ -88,7 +89,8 @@ themselves in fp32 (no new memory) but as a new bf16 copy under bf16. Gathered (
 weights are re-gathered in backward by eager steps (ZeRO-3): nothing kept; compiled
 steps keep every gathered weight from forward to backward (`gathered_weights`).
 
-Activation checkpointing (not in the runtime yet, so these are estimates only):
+Activation checkpointing (train.activation_checkpointing; the runtime's policies are
+models/policy.py):
   full       each layer keeps only its input (c*D, [seq_sp]); backward recomputes one
              layer at a time, so one layer's activations come back as a transient.
   selective  op-level (torchtitan's "op" policy): keep the layer input, the outputs of
@@ -110,10 +112,11 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
+from ..models.experts import expert_capacity
 from ..models.losses import CHUNK_ROWS
 from ..models.policy import keeps_fp32
-from .mesh import GATHERED_AXES
-from .plan import Plan
+from ..parallel.mesh import GATHERED_AXES
+from ..parallel.plan import Plan
 
 _DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp8": 2}  # fp8: bf16 activations, fp8 GEMM operands transient
 FP32, INT64, BOOL = 4, 8, 1
@@ -181,8 +184,6 @@ def _moe_saved(plan: Plan, m, B: int, S: int, D: int, c: int, checkpointing: str
     """(kept without checkpointing, kept with `checkpointing`) of one MoE block's feed-forward
     half (from the mlp norm on), at the uniform-routing expectation: each rank routes its T
     local tokens x top_k rows and receives as many; see the module docstring."""
-    from ..models.experts import expert_capacity
-
     full = ("batch", "seq", None)
     x_full = _local(plan, (B, S, D), full)
     T = _local(plan, (B, S), ("batch", "seq"))

@@ -1,0 +1,253 @@
+"""Each section's own fields checked: types, bounds, choices, and what one section alone
+can rule out. Every failure is a ConfigError naming the key and the fix."""
+
+from __future__ import annotations
+
+import math
+
+from ..errors import ConfigError
+from ..pipeline.schedule import PP_SCHEDULES
+from .sections import (
+    CHECKPOINTING,
+    FP8_RECIPES,
+    MAX_SIZES,
+    MAX_STEPS,
+    MAX_TIMEOUT_S,
+    NONFINITE,
+    PRECISIONS,
+    CheckpointConfig,
+    DataConfig,
+    ModelConfig,
+    MoeSection,
+    ParallelConfig,
+    TrainConfig,
+)
+
+
+def _check_int(value, key: str, minimum: int | None = None, maximum: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{key}={value!r} must be an integer")
+    if minimum is not None and value < minimum:
+        raise ConfigError(f"{key}={value} must be at least {minimum}")
+    maximum = MAX_SIZES.get(key) if maximum is None else maximum
+    if maximum is not None and value > maximum:
+        raise ConfigError(f"{key}={value} exceeds the largest supported value {maximum}, far beyond any real "
+                          f"model: choose a smaller {key.rsplit('.', 1)[-1]}")
+
+
+def _check_float(value, key: str, minimum: float | None = None, positive: bool = False) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ConfigError(f"{key}={value!r} must be a finite number")
+    if positive and value <= 0:
+        raise ConfigError(f"{key}={value} must be positive")
+    if minimum is not None and value < minimum:
+        raise ConfigError(f"{key}={value} must be at least {minimum}")
+
+
+def _check_bool(value, key: str) -> None:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{key}={value!r} must be true or false")
+
+
+def _choice(value, key: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ConfigError(f"{key}={value!r}: choose one of {', '.join(choices)}")
+
+
+def _validate_model(m: ModelConfig) -> None:
+    from ..models import FAMILIES
+
+    supported = tuple(a for a in ("llama", "gpt2") if a in FAMILIES)
+    if m.arch not in supported:
+        raise ConfigError(f"model.arch={m.arch!r}: choose one of {', '.join(supported)}")
+    for key in ("dim", "n_layers", "n_heads", "vocab_size", "max_seq_len"):
+        _check_int(getattr(m, key), f"model.{key}", minimum=1)
+    for key in ("n_kv_heads", "ffn_dim"):
+        if getattr(m, key) is not None:
+            _check_int(getattr(m, key), f"model.{key}", minimum=1)
+    _check_float(m.norm_eps, "model.norm_eps", positive=True)
+    _check_bool(m.tie_embeddings, "model.tie_embeddings")
+    if m.init_from is not None and (not isinstance(m.init_from, str) or not m.init_from):
+        raise ConfigError(f"model.init_from={m.init_from!r}: give the path of a Hugging Face model directory, "
+                          "or null")
+    if m.rope_scaling is not None:
+        keys = {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}
+        if m.arch != "llama":
+            raise ConfigError(f"model.rope_scaling={m.rope_scaling!r} is llama-only, but model.arch={m.arch!r} "
+                              "(learned positions): set model.rope_scaling null")
+        if not isinstance(m.rope_scaling, dict) or set(m.rope_scaling) != keys:
+            raise ConfigError(f"model.rope_scaling={m.rope_scaling!r}: give null, or (llama only) a mapping with "
+                              f"exactly the keys {', '.join(sorted(keys))}")
+        for key, value in m.rope_scaling.items():
+            _check_float(value, f"model.rope_scaling.{key}", positive=True)
+        s = m.rope_scaling
+        if s["factor"] < 1:
+            raise ConfigError(f"model.rope_scaling.factor={s['factor']} must be at least 1 (it stretches the "
+                              "low frequencies for a longer context, e.g. 8)")
+        if s["low_freq_factor"] >= s["high_freq_factor"]:
+            raise ConfigError(f"model.rope_scaling.low_freq_factor={s['low_freq_factor']} must be below "
+                              f"model.rope_scaling.high_freq_factor={s['high_freq_factor']} (the frequencies "
+                              "between them are interpolated; Llama 3.1: 1 and 4)")
+        _check_int(s["original_max_position_embeddings"], "model.rope_scaling.original_max_position_embeddings",
+                   minimum=1)
+    if m.arch == "llama":
+        if m.ffn_dim is None:
+            raise ConfigError("model.ffn_dim is null, but llama needs an explicit MLP size: set model.ffn_dim "
+                              "(e.g. about 8/3 * dim rounded to a multiple of 16)")
+        if m.rope_theta is None:
+            raise ConfigError("model.rope_theta is null, but llama uses RoPE: set model.rope_theta "
+                              "(10000.0 for Llama-2-style models, 500000.0 for Llama-3)")
+        _check_float(m.rope_theta, "model.rope_theta", positive=True)
+    else:  # gpt2: no GQA, learned positions
+        if m.n_kv_heads is not None and m.n_kv_heads != m.n_heads:
+            raise ConfigError(f"model.n_kv_heads={m.n_kv_heads}: model.arch=gpt2 has no grouped-query attention; set "
+                              f"model.n_kv_heads to null (or to model.n_heads={m.n_heads}), e.g. "
+                              "--model.n_kv_heads null")
+        if m.rope_theta is not None:
+            raise ConfigError(f"model.rope_theta={m.rope_theta}: model.arch=gpt2 uses learned absolute positions, not "
+                              "RoPE; set model.rope_theta to null, e.g. --model.rope_theta null")
+    _check_bool(m.qk_norm, "model.qk_norm")
+    if m.head_dim is not None:
+        _check_int(m.head_dim, "model.head_dim", minimum=2)
+    if m.arch != "llama":
+        for key, value in (("qk_norm", m.qk_norm or None), ("head_dim", m.head_dim), ("moe", m.moe)):
+            if value is not None:
+                raise ConfigError(f"model.{key}={value!r} is llama-only, but model.arch={m.arch!r}: set model.arch "
+                                  f"llama, or model.{key} {'false' if key == 'qk_norm' else 'null'} (model.qk_norm, "
+                                  "model.head_dim and model.moe are llama-only)")
+    else:  # RoPE rotates pairs of dims: the head dim must be even (said here in terms of the keys)
+        if m.head_dim is not None and m.head_dim % 2:
+            raise ConfigError(f"model.head_dim={m.head_dim} is odd: RoPE rotates pairs of dims; choose an even "
+                              "head_dim")
+        if m.head_dim is None and m.dim % m.n_heads == 0 and (m.dim // m.n_heads) % 2:
+            raise ConfigError(f"model.dim={m.dim} / model.n_heads={m.n_heads} = {m.dim // m.n_heads} is odd, but "
+                              "RoPE needs an even head dim: choose dim and n_heads with an even ratio, or set "
+                              "model.head_dim")
+    if m.moe is not None:
+        _validate_moe(m.moe, m.n_layers)
+    # The family's own checks (head divisibility, even head dim, ...).
+    m.family_config()
+
+
+def _validate_moe(e: MoeSection, n_layers: int) -> None:
+    from ..models.moe import BALANCES, ROUTERS
+
+    if not isinstance(e, MoeSection):
+        raise ConfigError(f"model.moe={e!r} must be a mapping of its fields, or null")
+    for key, minimum in (("num_experts", 1), ("top_k", 1), ("expert_ffn_dim", 1), ("shared_experts", 0)):
+        _check_int(getattr(e, key), f"model.moe.{key}", minimum=minimum)
+    if e.top_k > e.num_experts:
+        raise ConfigError(f"model.moe.top_k={e.top_k} exceeds model.moe.num_experts={e.num_experts}: a token "
+                          "cannot go to more experts than there are")
+    _choice(e.router, "model.moe.router", ROUTERS)
+    _choice(e.balance, "model.moe.balance", BALANCES)
+    for key in ("aux_coef", "z_loss_coef", "bias_update_rate"):
+        _check_float(getattr(e, key), f"model.moe.{key}", minimum=0.0)
+    _check_float(e.route_scale, "model.moe.route_scale", positive=True)
+    _check_bool(e.norm_topk, "model.moe.norm_topk")
+    if e.capacity_factor is not None:
+        _check_float(e.capacity_factor, "model.moe.capacity_factor", positive=True)
+    from ..models.moe import MoeConfig
+
+    if not MoeConfig(layers=e.layers).moe_layers(n_layers):
+        raise ConfigError(f"model.moe.layers={e.layers!r} selects no block of model.n_layers={n_layers}: choose "
+                          "some, or set model.moe null")
+
+
+def _validate_parallel(p: ParallelConfig) -> None:
+    _check_int(p.nproc_per_node, "parallel.nproc_per_node", minimum=1)
+    _check_bool(p.sp, "parallel.sp")
+    _check_int(p.ep, "parallel.ep", minimum=1)
+    _check_int(p.cp, "parallel.cp", minimum=1)
+    from ..parallel.plan import CP_COMMS
+
+    _choice(p.cp_comm, "parallel.cp_comm", CP_COMMS)
+    _check_int(p.pp, "parallel.pp", minimum=1)
+    _check_int(p.pp_virtual, "parallel.pp_virtual", minimum=1)
+    _choice(p.pp_schedule, "parallel.pp_schedule", PP_SCHEDULES)
+    if p.pp == 1 and p.pp_virtual > 1:
+        raise ConfigError(f"parallel.pp_virtual={p.pp_virtual} sets pipeline stages per pp rank, but parallel.pp=1 "
+                          "(no pipeline): set pp_virtual 1, or parallel.pp > 1")
+    if p.pp_layout is not None:
+        if not isinstance(p.pp_layout, list) or not p.pp_layout:
+            raise ConfigError(f"parallel.pp_layout={p.pp_layout!r}: give a list of layers per stage, e.g. [3, 2], "
+                              "or null to balance by cost")
+        for i, k in enumerate(p.pp_layout):
+            _check_int(k, f"parallel.pp_layout[{i}]", minimum=1)
+    _check_float(p.collective_timeout_s, "parallel.collective_timeout_s", positive=True)
+    if p.collective_timeout_s > MAX_TIMEOUT_S:
+        raise ConfigError(f"parallel.collective_timeout_s={p.collective_timeout_s} exceeds {MAX_TIMEOUT_S:g} s "
+                          "(about 3 years), more than a process group's timeout can hold: choose a smaller "
+                          "timeout (the default is 900)")
+    _check_float(p.watchdog_s, "parallel.watchdog_s", minimum=0.0)
+    if p.watchdog_s and p.watchdog_s >= p.collective_timeout_s:
+        raise ConfigError(f"parallel.watchdog_s={p.watchdog_s} must be below parallel.collective_timeout_s="
+                          f"{p.collective_timeout_s}, or a timed-out collective ends the run before the watchdog "
+                          "can name the stalled rank: lower watchdog_s, raise collective_timeout_s, or set "
+                          "watchdog_s 0 (off)")
+    fill = []
+    for axis in ("dp", "fsdp", "tp"):
+        n = getattr(p, axis)
+        _check_int(n, f"parallel.{axis}")
+        if n == 0 or n < -1:
+            raise ConfigError(f"parallel.{axis}={n}: sizes must be positive, or -1 to take the remaining ranks")
+        if n == -1:
+            fill.append(axis)
+    if len(fill) > 1:
+        raise ConfigError(f"parallel: only one axis may be -1 (it takes the remaining ranks), got "
+                          f"{', '.join(f'parallel.{a}=-1' for a in fill)}; give all but one a fixed size")
+
+
+def _validate_train(t: TrainConfig) -> None:
+    from ..train.schedule import LR_SCHEDULES
+
+    for key in ("steps", "global_batch", "micro_batch", "seq_len", "log_every", "eval_batches"):
+        _check_int(getattr(t, key), f"train.{key}", minimum=1)
+    for key in ("steps", "warmup_steps", "stop_at", "eval_every"):  # a typo, not a run
+        _check_int(getattr(t, key), f"train.{key}", minimum=0, maximum=MAX_STEPS)
+    if t.global_batch % t.micro_batch:
+        raise ConfigError(f"train.global_batch={t.global_batch} is not divisible by train.micro_batch="
+                          f"{t.micro_batch}: choose a global_batch that is a multiple of micro_batch")
+    _check_float(t.lr, "train.lr", positive=True)
+    _check_float(t.min_lr, "train.min_lr", minimum=0.0)
+    if t.min_lr > t.lr:
+        raise ConfigError(f"train.min_lr={t.min_lr} exceeds train.lr={t.lr}: min_lr is where the decay ends")
+    _choice(t.lr_schedule, "train.lr_schedule", LR_SCHEDULES)
+    _check_float(t.weight_decay, "train.weight_decay", minimum=0.0)
+    if t.grad_clip is not None:
+        _check_float(t.grad_clip, "train.grad_clip", minimum=0.0)
+    _choice(t.precision, "train.precision", PRECISIONS)
+    _check_bool(t.compile, "train.compile")
+    _choice(t.fp8_recipe, "train.fp8_recipe", FP8_RECIPES)
+    _choice(t.activation_checkpointing, "train.activation_checkpointing", CHECKPOINTING)
+    _choice(t.nonfinite, "train.nonfinite", NONFINITE)
+    _check_int(t.max_skipped, "train.max_skipped", minimum=0)
+    _check_float(t.spike_factor, "train.spike_factor", minimum=0.0)
+    if 0 < t.spike_factor <= 1:
+        raise ConfigError(f"train.spike_factor={t.spike_factor}: a spike is a loss above factor x the recent mean, "
+                          "so the factor must exceed 1 (e.g. 1.5), or be 0 to turn the warning off")
+
+
+def _validate_data(d: DataConfig) -> None:
+    # The shape of data.paths only; files and tokens are checked when the data is opened.
+    from ..data import DataError, parse_paths
+
+    try:
+        parse_paths(d.paths)
+    except DataError as e:
+        raise ConfigError(str(e)) from None
+    if not isinstance(d.tokenizer, str) or not d.tokenizer:
+        raise ConfigError(f"data.tokenizer={d.tokenizer!r}: give bytes or the path of a tokenizer.json")
+    _check_float(d.valid_fraction, "data.valid_fraction", minimum=0.0)
+    if d.valid_fraction >= 1:
+        raise ConfigError(f"data.valid_fraction={d.valid_fraction} leaves no training data: choose a value "
+                          "below 1 (e.g. 0.01)")
+
+
+def _validate_checkpoint(c: CheckpointConfig) -> None:
+    _check_int(c.every, "checkpoint.every", minimum=0)
+    _check_int(c.keep_last, "checkpoint.keep_last", minimum=1)
+    _check_bool(c.export, "checkpoint.export")
+    if not isinstance(c.resume, str) or not c.resume:
+        raise ConfigError(f"checkpoint.resume={c.resume!r}: give auto, none, or a checkpoint directory")
+

@@ -1,0 +1,175 @@
+"""Every collective of one training step, predicted from the plan alone (`meshtrain plan`).
+
+`step_collectives` walks the model the way `ShardedContext` (context.py) and `step`
+(train/step.py) run it, with placements as plain data and no process group, so it works
+on a pure plan at any world size. One dense block and one MoE block are each walked once
+and multiplied by how many of them the model has. It is an explicit model of the runtime,
+not a trace of it:
+`tests/test_comms_estimate.py` runs real steps on the fake process group and checks that
+this table and the runtime issue the same collectives (count and bytes per axis, op and
+phase), so a change to one without the other fails there.
+
+What each runtime call issues (one micro-step; `redistribute` below is the DTensor rule
+per mesh dim: P->R all-reduce, P->S reduce-scatter, S->R all-gather, R->S and equal
+placements nothing, S(i)->S(j) all-to-all):
+
+| call | forward | backward |
+|---|---|---|
+| parameter lookup (`_UseParam`) | stored -> compute placements (all-gather over fsdp), compute dtype | gradient, in the parameter dtype, redistributed to the stored dims first (reduce-scatter), then to the replicated ones (all-reduce of the shard) |
+| the same, eager (`compiled=False`) | | the gather again for every tensor autograd saved of it (`saves` below) |
+| `constrain(x)` | source -> target placements | incoming gradient -> source, its Partials taken as Replicate |
+| `embedding` (vocab split) | output Partial over the table's vocab dims | none (the table gradient is Partial over token-sharding dims) |
+| `attention` (sequence split over cp) | allgather: one all-gather of K/V; a2a: two all-to-alls; ring: cp-1 sends (and receives) of a K/V block | allgather: one fp32 reduce-scatter of dK/dV; a2a: two all-to-alls; ring: cp-1 K/V blocks and cp fp32 dK/dV blocks sent |
+| `cross_entropy_sum` | all-reduce max (rows) and sum (2 x rows) per vocab dim, fp32; all-reduce of the scalar per token-sharding dim | none |
+| `moe` (MoE block, context.py) | router and expert weights gathered (experts over the expert mesh's fsdp); balance == "aux": the per-sequence sums (prob, counts; fp32, (batch, E)) all-reduced over cp, then the scalar loss over each batch dim; z_loss_coef > 0: the scalar over each token-splitting dim; ep > 1: one all-to-all of the per-expert counts (int64, E), then the routed rows out (dispatch) and back (combine) | gradients back as for any lookup, and eager re-gathers of what autograd keeps (the experts; the router in fp32 only, bf16 keeps its fp32 copy); experts Partial over the expert mesh's dp/fsdp; experts split over tp: rows (c) and gates (fp32) all-reduced over tp; ep > 1: the two row all-to-alls mirrored |
+| `update` | | one fp32 scalar all-reduce over the world (optimizer phase, once per step) |
+| the step's MoE load | the per-expert load (MoE layers x E, fp32), summed over micro-steps, all-reduced over each token-splitting dim once per step, after `update` (so forward by the recorder's phases) | |
+
+A parameter's gradient is Partial on a mesh dim where it is used Replicated on an
+activation sharded on that dim (batch, or the sequence under SP), Shard where it is used
+sharded. A linear's output is Shard(last) where its weight splits dim 0, Partial where
+it splits dim 1 against a Shard(last) input; its input gradient is Partial where the
+weight splits dim 0. Assumptions: the batch is given as full tensors (counting targets
+and the logged loss need no collective); activations and their gradients move in the
+compute dtype; uneven shards are padded to a multiple of the group (as DTensor does);
+when one redistribute changes several mesh dims, the all-gathers go first, innermost
+mesh dim first, and the rest follow in mesh order (as DTensor does); compiled
+steps issue what eager steps do, minus the backward re-gathers (not counted by a test).
+
+Bytes are per rank, as tests/test_collectives.py records them: all_gather the gathered
+output, reduce_scatter the input, all_reduce the tensor, all_to_all_single the input
+(the part a rank sends to itself included). Ops are named as it names them
+(`all_gather`, `reduce_scatter_sum`, `all_reduce_sum`, `all_reduce_max`,
+`all_to_all_single`); an all-reduce over the whole world of a mesh with several dims has
+axis "world". Expert weights live on the expert mesh (`plan.mesh.experts()`, fsdp x cp
+refolded as fsdp x ep): their collectives are named by its axes (its "fsdp" is the
+refolded group, counted under "fsdp" with the dense one).
+
+Expert all-to-alls (axis "ep", MoE blocks with ep > 1) are routing-dependent; everything
+else in an MoE block is sized by the plan and counted exactly. Their count is exact: per
+MoE block per micro-step, forward: one of the counts (int64, E elements) and two of token
+rows (dispatch, combine); backward: two (autograd mirrors dispatch and combine). Their
+bytes are the uniform-routing expectation: each rank routes its T local tokens x top_k
+rows of `dim` elements in the compute dtype (with a capacity factor, at most E x the
+capacity of them are kept), and receives as many as it sends, so each of the four row
+all-to-alls has T x top_k x dim x c bytes of input. Dropless, the forward dispatch and
+the backward of the combine are exactly that whatever the routing; the other two move
+the rows that this rank's experts received. Of these bytes, the fraction (ep - 1) / ep
+is expected to leave the rank (the rest are rows for its own experts, which the
+collective copies locally): `expert_exchange` gives both per MoE layer per micro-step.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from ..errors import ConfigError
+from ..models import ModelDef
+from ..parallel.plan import Plan
+from .comm_blocks import FAMILIES, MOE_BLOCKS, _embed, _head, _routed_rows
+from .walker import BLOCK_IN, FP32, INT64, PHASES, P, R, _Walker
+
+
+def _block_kinds(model: ModelDef, layers) -> dict[str, list[int]]:
+    """The layer indices a rank runs, by kind ("dense", "moe"). `layers`: None (all), a
+    count (the first that many; only without MoE blocks) or the indices themselves."""
+    cfg = model.cfg
+    moe = set(getattr(cfg, "moe_layers", ()) or ())
+    if layers is None:
+        ids = list(range(cfg.n_layers))
+    elif isinstance(layers, int):
+        if moe:
+            raise ConfigError("collective estimate: a layer count cannot say which blocks are MoE; give the "
+                              "layer indices (as the pipeline estimate does)")
+        ids = list(range(layers))
+    else:
+        ids = list(layers)
+    return {"dense": [i for i in ids if i not in moe], "moe": [i for i in ids if i in moe]}
+
+
+def step_collectives(plan: Plan, model: ModelDef, *, micro_batch_rows: int, seq_len: int, micro_steps: int,
+                     precision: str = "fp32", compiled: bool = False, layers=None,
+                     embedding: bool = True, head: bool = True) -> list[dict]:
+    """The collectives of one optimizer step: dicts {axis, op, phase, count, bytes}, one per
+    (axis, op, phase); bytes are the total per rank over the step. `micro_batch_rows` is
+    the sequences of one micro-step over all data-parallel ranks (micro_batch x dp x fsdp).
+    A pipeline rank (plan: the stage plan without pp) runs `layers` layers (a count, or
+    their indices) and the embedding and head only where it holds them; its point-to-point
+    traffic is counted by meshtrain/estimate/pipeline.py. Dense and MoE blocks are each
+    walked once (their first layer) and multiplied by how many of them run."""
+    family = model.family.__name__.rsplit(".", 1)[-1]
+    if family not in FAMILIES:
+        raise ConfigError(f"collective estimate: no table for model family {family!r}")
+    if precision not in ("fp32", "bf16", "fp8"):
+        raise ConfigError(f"train.precision={precision!r}: choose fp32, bf16 or fp8")
+    c = _check_batch(plan, micro_batch_rows, precision)
+    kinds = _block_kinds(model, layers)
+    if kinds["moe"] and family not in MOE_BLOCKS:
+        raise ConfigError(f"collective estimate: no MoE table for model family {family!r}")
+    walk = lambda: _Walker(plan, micro_batch_rows, seq_len, c, eager=not compiled)  # noqa: E731
+    parts = []  # (walker, times per micro-step)
+    for kind, table in (("dense", FAMILIES[family]), ("moe", MOE_BLOCKS.get(family))):
+        if kinds[kind]:
+            block = walk()
+            table(block, model.cfg, f"layers.{kinds[kind][0]}.")
+            parts.append((block, len(kinds[kind])))
+    rest = walk()
+    gpt2, tied = family == "gpt2", model.cfg.tie_embeddings
+    if embedding:
+        _embed(rest, model.cfg, gpt2, tied_head=tied and head)
+    if head:
+        _head(rest, model.cfg, gpt2, table_used=embedding)
+    parts.append((rest, 1))
+    total: dict[tuple, list[int]] = defaultdict(lambda: [0, 0])
+    for part, times in parts:
+        for key, (n, nbytes) in part.out.items():
+            total[key][0] += n * times * micro_steps
+            total[key][1] += nbytes * times * micro_steps
+    if kinds["moe"]:  # the per-expert load (MoE layers x E, fp32), summed over micro-steps, all-reduced
+        once = walk()  # once per step, after the update (outside it: counted as forward, as recorded)
+        tokens = once.act(BLOCK_IN)
+        once.redistribute("fwd", (len(kinds["moe"]), model.cfg.moe.num_experts),
+                          tuple(P if q[0] == "S" else R for q in tokens), (R,) * len(tokens), FP32)
+        for key, (n, nbytes) in once.out.items():
+            total[key][0] += n
+            total[key][1] += nbytes
+    if plan.mesh.world > 1:  # the squared grad norm, fp32, over the world
+        axis = plan.mesh.axes[0] if len(plan.mesh.axes) == 1 else "world"
+        total[("opt", "all_reduce_sum", axis)] = [1, 4]
+    return [{"axis": axis, "op": op, "phase": PHASES[phase], "count": n, "bytes": nbytes}
+            for (phase, op, axis), (n, nbytes) in sorted(total.items(), key=lambda kv: (list(PHASES).index(kv[0][0]), kv[0]))]
+
+
+def _check_batch(plan: Plan, micro_batch_rows: int, precision: str):
+    """The compute dtype's bytes (None: each parameter's own) after checking the batch splits."""
+    data = plan.mesh.dp * plan.mesh.fsdp
+    if micro_batch_rows % data:
+        raise ConfigError(f"{micro_batch_rows} sequences per micro-step cannot be split over {data} "
+                          "data-parallel ranks (dp x fsdp)")
+    return 2 if precision in ("bf16", "fp8") else None  # fp8: bf16 gathers and activations
+
+
+def expert_exchange(plan: Plan, model: ModelDef, *, micro_batch_rows: int, seq_len: int,
+                    precision: str = "fp32") -> dict | None:
+    """The expert all-to-alls over ep of one MoE layer in one micro-step, per rank, at the
+    uniform-routing expectation (module docstring); None without MoE blocks or with ep 1.
+    rows: routing slots the rank sends (T local tokens x top_k); bytes: the four token
+    all-to-alls (dispatch and combine, forward and backward) as step_collectives counts
+    them (the whole input, the rows that stay on the rank included) plus the counts
+    exchange; leaving_bytes: the expected share that leaves the rank, (ep - 1) / ep."""
+    cfg = model.cfg
+    moe_layers = getattr(cfg, "moe_layers", ()) or ()
+    if not moe_layers or plan.mesh.experts().ep == 1:
+        return None
+    if precision not in ("fp32", "bf16", "fp8"):
+        raise ConfigError(f"train.precision={precision!r}: choose fp32, bf16 or fp8")
+    c = _check_batch(plan, micro_batch_rows, precision) or 4
+    w = _Walker(plan, micro_batch_rows, seq_len, c, eager=True)
+    ep, m = plan.mesh.experts().ep, cfg.moe
+    rows = _routed_rows(w, m)
+    tokens = 4 * c * rows * cfg.dim
+    counts = INT64 * m.num_experts
+    return {"ep": ep, "moe_layers": len(moe_layers), "rows": rows, "row_bytes": c * cfg.dim,
+            "all_to_alls": 5, "token_bytes": tokens, "counts_bytes": counts, "bytes": tokens + counts,
+            "leaving_bytes": (tokens + counts) * (ep - 1) // ep}
+

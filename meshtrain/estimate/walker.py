@@ -1,0 +1,181 @@
+"""Walks a block's operations over the plan's placements and records the collectives
+the runtime issues for each (the counting machinery of comms.py)."""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+
+from torch.distributed.tensor import Shard
+
+from ..models.policy import keeps_fp32
+from ..parallel.plan import Plan
+
+R, P = ("R",), ("P",)
+
+
+FP32, INT64 = 4, 8
+
+
+RESIDUAL, BLOCK_IN, TOKENS = ("batch", "seq_sp", None), ("batch", "seq", None), ("batch", "seq")
+
+
+PHASES = {"fwd": "forward", "bwd": "backward", "opt": "optimizer"}
+
+
+def _pl(p) -> tuple:
+    return ("S", p.dim) if isinstance(p, Shard) else R  # _StridedShard is a Shard
+
+
+class _Walker:
+    """Accumulates (phase, op, axis) -> [count, bytes] while a family table walks the model."""
+
+    def __init__(self, plan: Plan, B: int, S: int, c: int, eager: bool):
+        self.plan, self.mesh = plan, plan.mesh
+        self.B, self.S, self.c, self.eager = B, S, c, eager
+        self.out: dict[tuple, list[int]] = defaultdict(lambda: [0, 0])
+        self._acts: dict[tuple, tuple] = {}
+
+    # ---------------------------------------------------------------- placements
+    def act(self, axes, partial=()) -> tuple:
+        if axes not in self._acts:
+            self._acts[axes] = tuple(_pl(p) for p in self.plan.activation(axes).placements)
+        return tuple(P if i in partial else p for i, p in enumerate(self._acts[axes]))
+
+    def compute(self, name) -> tuple:
+        return tuple(_pl(p) for p in self.plan.params[name].compute_placements())
+
+    def stored(self, name) -> tuple:
+        return tuple(_pl(p) for p in self.plan.params[name].placements)
+
+    def param_mesh(self, name):
+        """The mesh a parameter's placements refer to (the expert mesh for expert weights)."""
+        return self.plan.params[name].mesh
+
+    def split_dims(self, name, dim) -> set[int]:
+        return {i for i, p in enumerate(self.compute(name)) if p == ("S", dim)}
+
+    def linear(self, x, w) -> tuple:
+        """Placements of linear(x, w) (last dim 2)."""
+        wp = self.compute(w)
+        return tuple(("S", 2) if q == ("S", 0) else P if q == ("S", 1) and p == ("S", 2) else p
+                     for p, q in zip(x, wp))
+
+    def grad_in(self, x, consumers) -> tuple:
+        """Gradient of x arriving from column-parallel linear consumers."""
+        split = set().union(*(self.split_dims(w, 0) for w in consumers))
+        return tuple(P if i in split and p != ("S", 2) else p for i, p in enumerate(x))
+
+    # ---------------------------------------------------------------- collectives
+    def add(self, phase, op, i, nbytes, n=1, mesh=None):
+        """n collectives of nbytes each over mesh dim i (of the dense mesh unless `mesh`)."""
+        mesh = mesh or self.mesh
+        if n and mesh.size(mesh.axes[i]) > 1:
+            entry = self.out[(phase, op, mesh.axes[i])]
+            entry[0] += n
+            entry[1] += n * nbytes
+
+    def redistribute(self, phase, shape, cur, dst, itemsize, n=1, mesh=None):
+        mesh = mesh or self.mesh
+        add = lambda *a: self.add(*a, mesh=mesh)  # noqa: E731
+        numel = lambda *a, **k: self._numel(*a, **k, mesh=mesh)  # noqa: E731
+        cur = list(cur)
+        # DTensor all-gathers innermost mesh dim first (undoing a nested split, e.g. a dim
+        # over fsdp x cp), then takes the other changes in mesh order.
+        gathers = [i for i, (a, b) in enumerate(zip(cur, dst)) if a[0] == "S" and b == R]
+        for i in reversed(gathers):
+            add(phase, "all_gather", i, itemsize * numel(shape, cur, pad=(i, cur[i][1])), n)
+            cur[i] = R
+        for i, (a, b) in enumerate(zip(cur, dst)):
+            if a == b or a == R:
+                cur[i] = b
+                continue
+            if a == P and b == R:
+                add(phase, "all_reduce_sum", i, itemsize * numel(shape, cur), n)
+            elif a == P:
+                add(phase, "reduce_scatter_sum", i, itemsize * numel(shape, cur, pad=(i, b[1])), n)
+            elif b == R:
+                add(phase, "all_gather", i, itemsize * numel(shape, cur, pad=(i, a[1])), n)
+            else:
+                add(phase, "all_to_all_single", i, itemsize * numel(shape, cur), n)
+            cur[i] = b
+
+    def _numel(self, shape, pls, pad=None, mesh=None) -> int:
+        """Local elements on the most loaded rank; `pad=(mesh dim, tensor dim)`: that dim
+        whole over the mesh dim, padded to a multiple of its size."""
+        mesh = mesh or self.mesh
+        size = list(shape)
+        for i, p in enumerate(pls):
+            if p[0] == "S" and (i, p[1]) != pad:
+                size[p[1]] = math.ceil(size[p[1]] / mesh.size(mesh.axes[i]))
+        if pad is not None:
+            k = mesh.size(mesh.axes[pad[0]])
+            size[pad[1]] = math.ceil(size[pad[1]] / k) * k
+        return math.prod(size)
+
+    # ---------------------------------------------------------------- runtime calls
+    def use(self, name, acts_on, saves=1, grad=None):
+        """One `p[name]` lookup: gather, eager re-gathers (one per tensor autograd saves of
+        it as a DTensor), gradient reduction. The gradient is Partial where `acts_on` (dense
+        activations' placements) split the tokens, unless `grad` gives its placements; a
+        parameter without gradient (not trainable) reduces nothing. Collectives run over
+        the parameter's own mesh."""
+        pp = self.plan.params[name]
+        spec, mesh = pp.spec, pp.mesh
+        stored, compute = self.stored(name), self.compute(name)
+        shape, c = spec.shape, spec.dtype.itemsize if keeps_fp32(name) else self.c or spec.dtype.itemsize
+        self.redistribute("fwd", shape, stored, compute, c, mesh=mesh)
+        if self.eager and stored != compute:
+            self.redistribute("bwd", shape, stored, compute, c, n=saves, mesh=mesh)
+        if not spec.trainable:
+            return
+        if grad is None:
+            grad = tuple(q if q != R else P if any(a[i][0] == "S" for a in acts_on) else R
+                         for i, q in enumerate(compute))
+        first = tuple(s if s != R else g for s, g in zip(stored, grad))
+        self.redistribute("bwd", shape, grad, first, spec.dtype.itemsize, mesh=mesh)
+        self.redistribute("bwd", shape, first, stored, spec.dtype.itemsize, mesh=mesh)
+
+    def constrain(self, shape, src, dst, grad):
+        self.redistribute("fwd", shape, src, dst, self.c or 4)
+        self.redistribute("bwd", shape, grad, tuple(R if p == P else p for p in src), self.c or 4)
+
+    def attention(self, hq: int, hkv: int, hd: int):
+        """ctx.attention over a sequence split on cp (parallel/cp_attention.py, section 5 of
+        docs/parallelism.md): per rank, N = S / cp positions of the local rows."""
+        if "cp" not in self.mesh.axes:
+            return
+        i, cp = self.mesh.axes.index("cp"), self.mesh.cp
+        e = self.c or 4
+        q = self._numel((self.B, self.S, hq, hd), self.act(("batch", "seq", "q_heads", None)))
+        kv = 2 * self._numel((self.B, self.S, hkv, hd), self.act(("batch", "seq", "kv_heads", None)))
+        comm = self.plan.cp_comm
+        if comm == "allgather":  # K/V stacked; their gradients summed in fp32
+            self.add("fwd", "all_gather", i, cp * kv * e)
+            self.add("bwd", "reduce_scatter_sum", i, cp * kv * 4)
+        elif comm == "ring":  # each hop: one send to the next rank, one receive from the previous
+            for op in ("send", "recv"):
+                self.add("fwd", op, i, kv * e, n=cp - 1)
+                self.add("bwd", op, i, kv * e, n=cp - 1)
+                self.add("bwd", op, i, kv * 4, n=cp)  # dK/dV travel home in fp32
+        else:  # a2a: q, k, v in one all-to-all, the output in another; mirrored in backward
+            for phase in ("fwd", "bwd"):
+                self.add(phase, "all_to_all_single", i, (q + kv) * e)
+                self.add(phase, "all_to_all_single", i, q * e)
+
+    def embedding(self, table, ids_axes, dst_axes, shape, grad_partial=()):
+        """constrain(ctx.embedding(ids, table), dst_axes): Partial over the table's vocab dims."""
+        ids = self.act(ids_axes)
+        src = tuple(P if i in self.split_dims(table, 0) else p for i, p in enumerate(ids)) + (R,)
+        self.constrain(shape, src, self.act(dst_axes), self.act(dst_axes, grad_partial))
+
+    def loss(self, logits):
+        rows = self._numel((self.B, self.S), [p if p[0] == "S" and p[1] < 2 else R for p in logits])
+        for i, p in enumerate(logits):
+            if p == ("S", 2):
+                self.add("fwd", "all_reduce_max", i, 4 * rows)
+                self.add("fwd", "all_reduce_sum", i, 4 * 2 * rows)
+        for i, p in enumerate(logits):
+            if p[0] == "S" and p[1] < 2:
+                self.add("fwd", "all_reduce_sum", i, 4)
+

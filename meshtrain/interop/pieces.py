@@ -1,0 +1,153 @@
+"""What the Hugging Face side is made of: file and architecture names, the pieces of our
+parameters each HF tensor holds, and typed reads of config.json keys."""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+import torch
+
+from ..errors import ConfigError
+from ..models import gpt2 as _gpt2
+from ..models import llama as _llama
+
+GiB = 1 << 30
+
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+_TORCH_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
+
+
+_ST_READ_DTYPES = {"F32", "BF16", "F16", "F64"}
+
+
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "gpt2": "GPT2LMHeadModel"}
+
+
+_BASE_PREFIX = {"llama": "model.", "gpt2": "transformer."}
+
+
+# Tensors a checkpoint may carry that are not weights (buffers of older transformers).
+_IGNORABLE = re.compile(r"(^|\.)(rotary_emb\.inv_freq|attn\.bias|attn\.masked_bias)$")
+
+
+TOKENIZER_FILES = ("tokenizer_config.json", "special_tokens_map.json")
+
+
+SINGLE_FILE = "model.safetensors"
+
+
+INDEX_FILE = "model.safetensors.index.json"
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Where (part of) one of our parameters lies inside a Hugging Face tensor: the HF
+    tensor holds ours[lead] (all of ours when lead is empty; e.g. lead (j,): expert j of
+    a stacked expert weight), whose dim perm[j] is HF dim j, starting at offset[j]
+    (non-zero only in a fused tensor). `shape` is our whole parameter's."""
+
+    ours: str
+    shape: tuple[int, ...]
+    perm: tuple[int, ...]
+    offset: tuple[int, ...]
+    lead: tuple[int, ...] = ()
+
+    @property
+    def sub_shape(self) -> tuple[int, ...]:
+        """The shape of ours[lead]."""
+        return self.shape[len(self.lead):]
+
+    @property
+    def inverse_perm(self) -> tuple[int, ...]:
+        inv = [0] * len(self.perm)
+        for j, d in enumerate(self.perm):
+            inv[d] = j
+        return tuple(inv)
+
+    def hf_index(self, index: tuple[slice, ...]) -> tuple[slice, ...]:
+        """The HF slices holding ours[lead][index] (slices with start/stop, step 1)."""
+        return tuple(slice(o + index[d].start, o + index[d].stop) for o, d in zip(self.offset, self.perm))
+
+    def region(self) -> tuple[slice, ...]:
+        return self.hf_index(tuple(slice(0, n) for n in self.sub_shape))
+
+
+@dataclass(frozen=True)
+class HFTensor:
+    name: str
+    shape: tuple[int, ...]
+    pieces: tuple[Piece, ...]
+
+    @property
+    def plain(self) -> bool:
+        """One piece, same layout: the HF tensor is our parameter as it is."""
+        p = self.pieces[0]
+        return len(self.pieces) == 1 and not p.lead and p.perm == tuple(range(len(p.shape)))
+
+
+def _specs(arch: str, cfg) -> dict:
+    return (_llama if arch == "llama" else _gpt2).param_specs(cfg)
+
+
+def _family_cfg(arch: str, family_cfg):
+    """A LlamaConfig / GPT2Config; also accepts ModelConfig or a dict of its fields."""
+    if arch not in ARCHITECTURES:
+        raise ConfigError(f"model.arch={arch!r}: Hugging Face interop supports {', '.join(ARCHITECTURES)}")
+    want = _llama.LlamaConfig if arch == "llama" else _gpt2.GPT2Config
+    if isinstance(family_cfg, want):
+        return family_cfg
+    if isinstance(family_cfg, (_llama.LlamaConfig, _gpt2.GPT2Config)):
+        raise ConfigError(f"model.arch={arch!r} but the model config is a {type(family_cfg).__name__}: pass the "
+                          f"{want.__name__} of the {arch} model")
+    from ..config.sections import ModelConfig
+
+    if isinstance(family_cfg, ModelConfig):
+        fields = dict(vars(family_cfg))
+    elif isinstance(family_cfg, Mapping):
+        fields = dict(family_cfg)
+    else:
+        raise ConfigError(f"model config {family_cfg!r}: pass a {want.__name__}, a ModelConfig or a dict of "
+                          "model.* fields")
+    if fields.setdefault("arch", arch) != arch:
+        raise ConfigError(f"model.arch={fields['arch']!r} differs from the requested arch {arch!r}: pass "
+                          "matching ones")
+    return ModelConfig(**fields).family_config()
+
+
+_REQUIRED = object()
+
+
+def _get(config: Mapping, keys: tuple[str, ...], default: Any, source: str, kind: type = int) -> Any:
+    """The first of `keys` that is set (not null), type-checked; else `default`."""
+    for key in keys:
+        value = config.get(key)
+        if value is None:
+            continue
+        if kind is float:
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        elif kind is int:
+            ok = isinstance(value, int) and not isinstance(value, bool)
+        else:
+            ok = isinstance(value, kind)
+        if not ok:
+            what = {float: "a number", int: "an integer", bool: "true or false"}.get(kind, kind.__name__)
+            raise ConfigError(f"{source}: {key}={json.dumps(value)} must be {what}")
+        return value
+    if default is _REQUIRED:
+        raise ConfigError(f"{source}: {keys[0]} is missing; it is needed to build the model")
+    return default
+
+
+def _refuse(config: Mapping, key: str, ok: Callable[[Any], bool], default: Any, why: str, source: str) -> None:
+    value = config.get(key, default)
+    if value is None:
+        value = default
+    if not ok(value):
+        raise ConfigError(f"{source}: {key}={json.dumps(value)} is not supported: {why}")
+

@@ -1,0 +1,27 @@
+"""Placements as text, and the activation layouts a plan shows beside its parameters."""
+
+from __future__ import annotations
+
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement, _StridedShard
+
+# Activation layouts worth showing next to the parameters.
+MARKED_ACTIVATIONS: dict[str, tuple[str | None, ...]] = {
+    "tokens": ("batch", "seq"),
+    "residual": ("batch", "seq_sp", None),
+    "block_input": ("batch", "seq", None),
+    "q": ("batch", "seq", "q_heads", None),
+    "kv": ("batch", "seq", "kv_heads", None),
+    "mlp_hidden": ("batch", "seq", "mlp"),
+    "logits": ("batch", "seq", "vocab"),
+}
+
+
+def placement_str(p: Placement) -> str:
+    if isinstance(p, _StridedShard):
+        return f"SS({p.dim},{p.split_factor})"
+    if isinstance(p, Shard):
+        return f"S({p.dim})"
+    if isinstance(p, Replicate):
+        return "R"
+    return str(p)
