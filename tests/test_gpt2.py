@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import types
 
 import pytest
 import torch
@@ -144,7 +143,7 @@ def test_specs_and_init():
         assert specs[name].std == pytest.approx(out_std)
     assert specs["layers.3.attn.wq"].std == 0.02
     assert gpt2.GPT2Config(dim=64, n_heads=4, ffn_dim=100).ffn_dim == 100
-    assert FAMILIES["gpt2"] is gpt2
+    assert FAMILIES["gpt2"] is gpt2.FAMILY
 
 
 def test_gpt2_124m_preset():
@@ -179,10 +178,9 @@ def _biased(spec: ParamSpec) -> ParamSpec:
     return dataclasses.replace(spec, init="normal", std=0.05) if spec.init == "zeros" else spec
 
 
-# A family object (not a module) with random-start biases, importable by the ranks.
-_GPT2_RANDOM_BIAS = types.SimpleNamespace(
-    param_specs=lambda cfg: {n: _biased(s) for n, s in gpt2.param_specs(cfg).items()},
-    forward=gpt2.forward)
+# The gpt2 family with random-start biases, importable by the ranks.
+_GPT2_RANDOM_BIAS = dataclasses.replace(
+    gpt2.FAMILY, param_specs=lambda cfg: {n: _biased(s) for n, s in gpt2.param_specs(cfg).items()})
 
 
 def _model(tie: bool) -> ModelDef:

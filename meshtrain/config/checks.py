@@ -57,7 +57,7 @@ def _choice(value, key: str, choices: tuple[str, ...]) -> None:
 def _validate_model(m: ModelConfig) -> None:
     from ..models import FAMILIES
 
-    supported = tuple(a for a in ("llama", "gpt2") if a in FAMILIES)
+    supported = tuple(FAMILIES)
     if m.arch not in supported:
         raise ConfigError(f"model.arch={m.arch!r}: choose one of {', '.join(supported)}")
     for key in ("dim", "n_layers", "n_heads", "vocab_size", "max_seq_len"):

@@ -115,20 +115,10 @@ class ModelConfig:
     """Mixture-of-experts blocks (llama only); null: every block is dense."""
 
     def family_config(self):
-        """The model family's own config (LlamaConfig, GPT2Config)."""
-        from ..models import FAMILIES
+        """The model family's own config (LlamaConfig, GPT2Config, ...)."""
+        from ..models import get_family
 
-        module = FAMILIES[self.arch]
-        if self.arch == "llama":
-            return module.LlamaConfig(dim=self.dim, n_layers=self.n_layers, n_heads=self.n_heads,
-                                      n_kv_heads=self.n_kv_heads or self.n_heads, ffn_dim=self.ffn_dim,
-                                      vocab_size=self.vocab_size, max_seq_len=self.max_seq_len,
-                                      rope_theta=self.rope_theta, norm_eps=self.norm_eps,
-                                      tie_embeddings=self.tie_embeddings, rope_scaling=self.rope_scaling,
-                                      qk_norm=self.qk_norm, attn_head_dim=self.head_dim, moe=self.moe_config())
-        return module.GPT2Config(dim=self.dim, n_layers=self.n_layers, n_heads=self.n_heads, ffn_dim=self.ffn_dim,
-                                 vocab_size=self.vocab_size, max_seq_len=self.max_seq_len, norm_eps=self.norm_eps,
-                                 tie_embeddings=self.tie_embeddings)
+        return get_family(self.arch).from_fields(self)
 
     def moe_config(self):
         from ..models.moe import MoeConfig

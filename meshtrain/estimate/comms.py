@@ -66,8 +66,8 @@ from collections import defaultdict
 from ..errors import ConfigError
 from ..models import ModelDef
 from ..parallel.plan import Plan
-from .comm_blocks import FAMILIES, MOE_BLOCKS, _embed, _head, _routed_rows
-from .walker import BLOCK_IN, FP32, INT64, PHASES, P, R, _Walker
+from ..models.family import BLOCK_IN
+from .walker import FP32, INT64, PHASES, P, R, _Walker, routed_rows
 
 
 def _block_kinds(model: ModelDef, layers) -> dict[str, list[int]]:
@@ -97,28 +97,25 @@ def step_collectives(plan: Plan, model: ModelDef, *, micro_batch_rows: int, seq_
     their indices) and the embedding and head only where it holds them; its point-to-point
     traffic is counted by meshtrain/estimate/pipeline.py. Dense and MoE blocks are each
     walked once (their first layer) and multiplied by how many of them run."""
-    family = model.family.__name__.rsplit(".", 1)[-1]
-    if family not in FAMILIES:
-        raise ConfigError(f"collective estimate: no table for model family {family!r}")
+    costs = model.family.costs
     if precision not in ("fp32", "bf16", "fp8"):
         raise ConfigError(f"train.precision={precision!r}: choose fp32, bf16 or fp8")
     c = _check_batch(plan, micro_batch_rows, precision)
     kinds = _block_kinds(model, layers)
-    if kinds["moe"] and family not in MOE_BLOCKS:
-        raise ConfigError(f"collective estimate: no MoE table for model family {family!r}")
+    if kinds["moe"] and costs.walk_moe_block is None:
+        raise ConfigError(f"collective estimate: the {model.family.name} family has no MoE block walk")
     walk = lambda: _Walker(plan, micro_batch_rows, seq_len, c, eager=not compiled)  # noqa: E731
     parts = []  # (walker, times per micro-step)
-    for kind, table in (("dense", FAMILIES[family]), ("moe", MOE_BLOCKS.get(family))):
+    for kind, table in (("dense", costs.walk_block), ("moe", costs.walk_moe_block)):
         if kinds[kind]:
             block = walk()
             table(block, model.cfg, f"layers.{kinds[kind][0]}.")
             parts.append((block, len(kinds[kind])))
     rest = walk()
-    gpt2, tied = family == "gpt2", model.cfg.tie_embeddings
     if embedding:
-        _embed(rest, model.cfg, gpt2, tied_head=tied and head)
+        costs.walk_embed(rest, model.cfg, tied_head=model.cfg.tie_embeddings and head)
     if head:
-        _head(rest, model.cfg, gpt2, table_used=embedding)
+        costs.walk_head(rest, model.cfg, table_used=embedding)
     parts.append((rest, 1))
     total: dict[tuple, list[int]] = defaultdict(lambda: [0, 0])
     for part, times in parts:
@@ -166,7 +163,7 @@ def expert_exchange(plan: Plan, model: ModelDef, *, micro_batch_rows: int, seq_l
     c = _check_batch(plan, micro_batch_rows, precision) or 4
     w = _Walker(plan, micro_batch_rows, seq_len, c, eager=True)
     ep, m = plan.mesh.experts().ep, cfg.moe
-    rows = _routed_rows(w, m)
+    rows = routed_rows(w, m)
     tokens = 4 * c * rows * cfg.dim
     counts = INT64 * m.num_experts
     return {"ep": ep, "moe_layers": len(moe_layers), "rows": rows, "row_bytes": c * cfg.dim,

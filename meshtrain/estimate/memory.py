@@ -145,19 +145,6 @@ def _is_gathered(plan: Plan, name: str) -> bool:
     return tuple(p.compute_placements()) != tuple(p.placements)
 
 
-def _saved_in_backward(family: str, cfg, name: str) -> bool:
-    """Does some op keep this weight for backward (matmul, norm scale)? Embedding lookups
-    keep ids, bias additions keep nothing."""
-    if name == "tok_emb":
-        return cfg.tie_embeddings
-    if name.endswith(".moe.expert_bias"):  # added to the scores, not multiplied
-        return False
-    if family == "gpt2":
-        leaf = name.rsplit(".", 1)[-1]
-        return not (name == "pos_emb" or leaf.startswith("b") or leaf.endswith("norm_bias"))
-    return True
-
-
 def _norm(plan: Plan, B: int, S: int, D: int, c: int) -> int:
     """fp32 input (or centred input), rsqrt, normalised input (c): residual layout."""
     res = ("batch", "seq_sp", None)
@@ -250,20 +237,16 @@ def per_rank_memory(plan: Plan, model, *, micro_batch: int, seq_len: int, precis
         raise ValueError(f"activation_checkpointing={activation_checkpointing!r}: choose none, full or selective")
     if device not in ("cpu", "cuda"):
         raise ValueError(f"device={device!r}: choose cpu or cuda")
-    family = model.family.__name__.rsplit(".", 1)[-1]
-    if family not in ("llama", "gpt2"):
-        raise ValueError(f"no activation model for the {family} family")
-    cfg, mesh = model.cfg, plan.mesh
+    family, cfg, mesh = model.family, model.cfg, plan.mesh
     c = _DTYPE_BYTES[precision]
-    gqa = family == "llama" and cfg.n_kv_heads != cfg.n_heads
+    Hq, Hkv = cfg.n_heads, family.kv_heads(cfg)
+    gqa = Hkv != Hq
     if attention is None:
         attention = "math" if device == "cuda" and precision == "fp32" and gqa else "flash"
     if attention not in ("flash", "math"):
         raise ValueError(f"attention={attention!r}: choose flash or math")
 
     B, S, D, hd, F = micro_batch * mesh.dp * mesh.fsdp, seq_len, cfg.dim, cfg.head_dim, cfg.ffn_dim
-    Hq = cfg.n_heads
-    Hkv = cfg.n_kv_heads if family == "llama" else Hq
     V = cfg.vocab_size
     res, full = ("batch", "seq_sp", None), ("batch", "seq", None)
     mlp = _local(plan, (B, S, F), ("batch", "seq", "mlp"))
@@ -272,7 +255,7 @@ def per_rank_memory(plan: Plan, model, *, micro_batch: int, seq_len: int, precis
 
     # One layer, nothing recomputed.
     attn = _norm(plan, B, S, D, c) + c * x_full + _attention_saved(plan, B, S, Hq, Hkv, hd, c, attention)
-    mlp_saved = _norm(plan, B, S, D, c) + c * x_full + (4 if family == "llama" else 2) * c * mlp
+    mlp_saved = _norm(plan, B, S, D, c) + c * x_full + family.costs.mlp_saved * c * mlp
     layer_none = attn + mlp_saved
     if activation_checkpointing == "none":
         layer = layer_none
@@ -284,7 +267,7 @@ def per_rank_memory(plan: Plan, model, *, micro_batch: int, seq_len: int, precis
         lse = _local(plan, (B, Hq, S), ("batch", "q_heads", "seq"))
         layer = c * (2 * x_res + q + 2 * kv + q) + FP32 * lse + 2 * c * mlp
     recompute = 0 if activation_checkpointing == "none" else max(0, layer_none - layer)
-    moe_cfg = getattr(cfg, "moe", None) if family == "llama" else None
+    moe_cfg = getattr(cfg, "moe", None)
     moe_ids = set(cfg.moe_layers) if moe_cfg is not None else set()
     moe_layer = None
     if moe_ids:  # an MoE block: the attention half as a dense block's, then the routed experts
@@ -294,12 +277,9 @@ def per_rank_memory(plan: Plan, model, *, micro_batch: int, seq_len: int, precis
             layer if activation_checkpointing == "full" else layer - 2 * c * mlp + moe_kept
         recompute = max(recompute, 0 if activation_checkpointing == "none" else max(0, moe_layer_none - moe_layer))
 
-    # Once per micro-batch: RoPE tables or position ids, embedding, final norm, loss.
-    once = 0
-    if family == "llama":
-        once += 2 * c * _local(plan, (S, hd), ("seq", None))
-    else:
-        once += INT64 * _local(plan, (S,), ("seq",))
+    # Once per micro-batch: the family's per-sequence tensors (RoPE tables, position ids),
+    # embedding, final norm, loss.
+    once = sum(nbytes * _local(plan, shape, axes) for shape, axes, nbytes in family.costs.per_sequence(cfg, S, c))
     if embedding and any(a for a in plan.params["tok_emb"].layout.dim_axes[0] if a not in GATHERED_AXES):
         once += tokens * (INT64 + BOOL)  # vocab-parallel lookup: clamped ids, in-slice mask
     elif embedding and mesh.cp > 1:
@@ -334,7 +314,7 @@ def per_rank_memory(plan: Plan, model, *, micro_batch: int, seq_len: int, precis
         if new_copy:
             group = name.split(".")[1] if name.startswith("layers.") else name
             layer_weights[group] = layer_weights.get(group, 0) + n * width
-        if not new_copy or not _saved_in_backward(family, cfg, name):
+        if not new_copy or not family.costs.weight_saved(cfg, name):
             continue
         if gathered:
             gathered_weights += n * width if compiled else 0

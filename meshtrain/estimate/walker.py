@@ -8,6 +8,8 @@ from collections import defaultdict
 
 from torch.distributed.tensor import Shard
 
+from ..models.experts import expert_capacity
+from ..models.family import TOKENS
 from ..models.policy import keeps_fp32
 from ..parallel.plan import Plan
 
@@ -15,9 +17,6 @@ R, P = ("R",), ("P",)
 
 
 FP32, INT64 = 4, 8
-
-
-RESIDUAL, BLOCK_IN, TOKENS = ("batch", "seq_sp", None), ("batch", "seq", None), ("batch", "seq")
 
 
 PHASES = {"fwd": "forward", "bwd": "backward", "opt": "optimizer"}
@@ -60,6 +59,15 @@ class _Walker:
         wp = self.compute(w)
         return tuple(("S", 2) if q == ("S", 0) else P if q == ("S", 1) and p == ("S", 2) else p
                      for p, q in zip(x, wp))
+
+    def split_on(self, axes, dim) -> set[int]:
+        """The mesh dims that split tensor dim `dim` of an activation with these logical axes."""
+        return {i for i, p in enumerate(self.act(axes)) if p == ("S", dim)}
+
+    @staticmethod
+    def summed(a, b) -> tuple:
+        """Placements of a + b: Partial where either addend is."""
+        return tuple(P if P in (x, y) else x for x, y in zip(a, b))
 
     def grad_in(self, x, consumers) -> tuple:
         """Gradient of x arriving from column-parallel linear consumers."""
@@ -179,3 +187,51 @@ class _Walker:
             if p[0] == "S" and p[1] < 2:
                 self.add("fwd", "all_reduce_sum", i, 4)
 
+    def moe(self, m, e: str, h, dim: int) -> tuple:
+        """ctx.moe (parallel/context.py) on the block input h (placements) of the MoE block
+        whose parameters start with `e`: the router and expert weights' uses and every
+        collective the plan sizes, the token all-to-alls at the uniform-routing expectation
+        (comms.py's docstring). Returns the placements of the routed output."""
+        B, S = self.B, self.S
+        if m.balance == "aux_free":
+            self.use(e + "expert_bias", [h], saves=0)  # not trainable: no gradient
+        # Router and expert weights are used as local tensors (to_local); the eager runtime
+        # swaps those for their shard too. The router is used in fp32 (models.policy).
+        self.use(e + "router", [h])
+        token_dims = {i for i, q in enumerate(h) if q[0] == "S"}
+        partial_tokens = tuple(P if i in token_dims else R for i in range(len(h)))
+        if m.balance == "aux":  # per-sequence sums (prob, counts) added up over cp, then the scalar over the batch
+            per_sequence = tuple(P if q == ("S", 1) else q for q in h)
+            summed = tuple(R if q == P else q for q in per_sequence)
+            self.redistribute("fwd", (B, m.num_experts), per_sequence, summed, FP32, n=2)
+            self.redistribute("fwd", (), tuple(P if q[0] == "S" else R for q in summed), (R,) * len(h), FP32)
+        if m.z_loss_coef:
+            self.redistribute("fwd", (), partial_tokens, (R,) * len(h), FP32)
+        experts = [e + "w_gate", e + "w_up", e + "w_down"]
+        em = self.param_mesh(experts[0])
+        for name in experts:  # gradients Partial over the expert mesh's batch axes
+            self.use(name, None, grad=tuple(P if a in ("dp", "fsdp", "cp") else q
+                                            for a, q in zip(em.axes, self.compute(name))))
+        tokens = self._numel((B, S), h)
+        tp_split = "tp" in em.axes and self.compute(experts[0])[em.axes.index("tp")][0] == "S"
+        if tp_split:  # CopyToTensorParallel: rows and gates, their gradients all-reduced over tp
+            i = em.axes.index("tp")
+            self.add("bwd", "all_reduce_sum", i, (self.c or 4) * tokens * dim, mesh=em)
+            self.add("bwd", "all_reduce_sum", i, FP32 * tokens * m.top_k, mesh=em)
+        if "ep" in em.axes:
+            i, rows = em.axes.index("ep"), routed_rows(self, m)
+            self.add("fwd", "all_to_all_single", i, INT64 * m.num_experts, mesh=em)  # the per-expert counts
+            for phase in ("fwd", "bwd"):  # dispatch and combine, mirrored by autograd
+                self.add(phase, "all_to_all_single", i, (self.c or 4) * rows * dim, n=2, mesh=em)
+        return tuple(P if tp_split and a == "tp" else q for a, q in zip(self.mesh.axes, h))
+
+
+def routed_rows(w: _Walker, m) -> int:
+    """Routing slots (rows of dim floats) one rank sends to the experts per MoE call: its
+    T local tokens x top_k; with a capacity factor, what the experts keep of them at
+    uniform routing (each expert gets T k / E and keeps at most its capacity)."""
+    tokens = w._numel((w.B, w.S), w.act(TOKENS))
+    rows = tokens * m.top_k
+    if m.capacity_factor is not None:
+        rows = min(rows, m.num_experts * expert_capacity(tokens, m.top_k, m.num_experts, m.capacity_factor))
+    return rows

@@ -11,8 +11,7 @@ from typing import Any, Callable, Mapping
 import torch
 
 from ..errors import ConfigError
-from ..models import gpt2 as _gpt2
-from ..models import llama as _llama
+from ..models import FAMILIES
 
 GiB = 1 << 30
 
@@ -92,17 +91,17 @@ class HFTensor:
 
 
 def _specs(arch: str, cfg) -> dict:
-    return (_llama if arch == "llama" else _gpt2).param_specs(cfg)
+    return FAMILIES[arch].param_specs(cfg)
 
 
 def _family_cfg(arch: str, family_cfg):
     """A LlamaConfig / GPT2Config; also accepts ModelConfig or a dict of its fields."""
     if arch not in ARCHITECTURES:
         raise ConfigError(f"model.arch={arch!r}: Hugging Face interop supports {', '.join(ARCHITECTURES)}")
-    want = _llama.LlamaConfig if arch == "llama" else _gpt2.GPT2Config
+    want = FAMILIES[arch].config
     if isinstance(family_cfg, want):
         return family_cfg
-    if isinstance(family_cfg, (_llama.LlamaConfig, _gpt2.GPT2Config)):
+    if any(isinstance(family_cfg, f.config) for f in FAMILIES.values()):
         raise ConfigError(f"model.arch={arch!r} but the model config is a {type(family_cfg).__name__}: pass the "
                           f"{want.__name__} of the {arch} model")
     from ..config.sections import ModelConfig

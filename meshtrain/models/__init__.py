@@ -1,23 +1,25 @@
-"""Models as pure functions of a flat parameter dict."""
+"""Models as pure functions of a flat parameter dict, one registered family per folder."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from . import gpt2, llama
 from .context import LocalContext, ModelContext
+from .family import FAMILIES, Costs, Family, get_family, register
 from .spec import ParamSpec
 
-FAMILIES = {"llama": llama, "gpt2": gpt2}
+# The model families, by model.arch: one line per family.
+register(llama.FAMILY)
+register(gpt2.FAMILY)
 
 
 @dataclass(frozen=True)
 class ModelDef:
     """A model family bound to its config: `specs` and `forward(params, tokens, ctx)`."""
 
-    family: Any
-    cfg: Any
+    family: Family
+    cfg: object
 
     @property
     def specs(self) -> dict[str, ParamSpec]:
@@ -28,7 +30,8 @@ class ModelDef:
 
 
 def build(arch: str, cfg) -> ModelDef:
-    return ModelDef(FAMILIES[arch], cfg)
+    return ModelDef(get_family(arch), cfg)
 
 
-__all__ = ["ModelDef", "ParamSpec", "LocalContext", "ModelContext", "build", "llama"]
+__all__ = ["FAMILIES", "Costs", "Family", "ModelDef", "ParamSpec", "LocalContext", "ModelContext", "build",
+           "get_family", "gpt2", "llama", "register"]

@@ -30,6 +30,10 @@ Axes = Sequence[str | None]
 
 
 class ModelContext(Protocol):
+    start_pos: int
+    """Position of the first token of the sequence a forward sees: 0 in training, the
+    number of cached positions when decoding (models/decode.py)."""
+
     def bind(self, params: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
         """Parameters ready for compute (gathered, cast) when looked up by name."""
 
@@ -94,6 +98,8 @@ class LocalContext:
     """One device, no layout: every call is the plain computation, under `policy` (a
     Policy, or just a compute dtype; parameters stay in their own dtype and are cast where
     used)."""
+
+    start_pos = 0
 
     def __init__(self, policy: Policy | torch.dtype | None = None):
         self.policy = Policy.coerce(policy)

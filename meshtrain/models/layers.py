@@ -3,12 +3,8 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
-
-from ..errors import ConfigError
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -68,50 +64,3 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos[:, None, :] + rotated * sin[:, None, :]
-
-
-@dataclass
-class KVCache:
-    """Keys and values of the positions decoded so far: per layer, a preallocated
-    (batch, max_len, kv_heads, head_dim) tensor that `decode` fills in place."""
-
-    k: list[torch.Tensor]
-    v: list[torch.Tensor]
-
-    @staticmethod
-    def empty(n_layers: int, batch: int, max_len: int, kv_heads: int, head_dim: int,
-              dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> "KVCache":
-        shape = (batch, max_len, kv_heads, head_dim)
-        return KVCache([torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)],
-                       [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)])
-
-    @property
-    def max_len(self) -> int:
-        return self.k[0].shape[1]
-
-
-def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache, layer: int,
-                     start_pos: int) -> torch.Tensor:
-    """Store k/v (batch, t, kv_heads, head_dim) at positions start_pos.. of `layer` in the
-    cache, then causal attention of q (batch, t, q_heads, head_dim) at those positions over
-    every cached position up to its own. GQA by grouping (no repeated K/V). Returns
-    (batch, t, q_heads, head_dim)."""
-    t = q.shape[1]
-    end = start_pos + t
-    if start_pos < 0 or end > cache.max_len:
-        raise ConfigError(f"decoding positions {start_pos}..{end - 1} do not fit the KV cache of "
-                          f"{cache.max_len} positions: allocate a longer cache")
-    cache.k[layer][:, start_pos:end] = k
-    cache.v[layer][:, start_pos:end] = v
-    keys, values = cache.k[layer][:, :end], cache.v[layer][:, :end]
-    if t == 1:  # one new token sees every cached position
-        mask, causal = None, False
-    elif start_pos == 0:  # prefill: plain causal attention
-        mask, causal = None, True
-    else:  # several new tokens after cached ones: query i sees keys 0..start_pos+i
-        mask = torch.arange(end, device=q.device) <= torch.arange(start_pos, end, device=q.device)[:, None]
-        causal = False
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
-                                         attn_mask=mask, is_causal=causal,
-                                         enable_gqa=keys.shape[2] != q.shape[2])
-    return out.transpose(1, 2)

@@ -141,6 +141,8 @@ class _BoundParams(Mapping):
 
 
 class ShardedContext:
+    start_pos = 0  # training only: sequences start at position 0
+
     def __init__(self, plan: Plan, device_mesh: DeviceMesh, policy: Policy | torch.dtype | None = None):
         self.plan, self.mesh, self.policy = plan, device_mesh, Policy.coerce(policy)
         self._gathered: dict[int, tuple] = {}  # storage of a gathered parameter -> its shard

@@ -65,10 +65,6 @@ def _layer_of(name: str) -> int | None:
     return None
 
 
-def _family(model) -> str:
-    return model.family.__name__.rsplit(".", 1)[-1]
-
-
 def costs(model, *, seq_len: int, micro_batch: int) -> tuple[list[float], float, float]:
     """(per-layer FLOPs, embedding FLOPs, head+loss FLOPs), forward + backward."""
     cfg, specs = model.cfg, model.specs
@@ -91,12 +87,11 @@ def activation_bytes(model, *, seq_len: int, micro_batch: int) -> tuple[int, int
     """(per layer, embedding, head+loss) bytes kept for backward, fp32, unsharded."""
     cfg = model.cfg
     T, D, F, V, hd, Hq = micro_batch * seq_len, cfg.dim, cfg.ffn_dim, cfg.vocab_size, cfg.head_dim, cfg.n_heads
-    llama = _family(model) == "llama"
-    Hkv = cfg.n_kv_heads if llama else Hq
+    Hkv = model.family.kv_heads(cfg)
     c = FP32
     norm = 4 * D + 4 + c * D
     attn = norm + c * D + c * hd * (Hq + 2 * Hkv) + c * hd * Hq + 4 * Hq
-    mlp = norm + c * D + (4 if llama else 2) * c * F
+    mlp = norm + c * D + model.family.costs.mlp_saved * c * F
     head = norm + c * D + 2 * FP32 * V + 8 + 1 + 8 + 1
     return T * (attn + mlp), 0, T * head
 

@@ -1,0 +1,98 @@
+"""A model family is one registry entry: its config, its parameters, its forward, and the
+cost terms the estimators need. Everything above `models` (the step factories, the
+partitioner, the estimators, generation, the config) reaches a family through here, by
+its name (`model.arch`); adding a family is a folder under models/ plus one `register`
+line in models/__init__.py (docs/architecture.md walks through one)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+import torch
+
+from ..errors import ConfigError
+from .decode import KVCache, decode
+from .spec import ParamSpec
+
+# Logical layouts of the activations every family's blocks pass around (the cost walks
+# name them): the residual stream between blocks, a block's normed input, the token ids.
+RESIDUAL = ("batch", "seq_sp", None)
+BLOCK_IN = ("batch", "seq", None)
+TOKENS = ("batch", "seq")
+
+
+@dataclass(frozen=True)
+class Costs:
+    """What the estimators (meshtrain/estimate) ask of a family beyond its parameter specs.
+    FLOPs come from the specs themselves (each weight matrix is one matmul per token).
+
+    mlp_saved: (tokens x ffn_dim) tensors a dense MLP keeps for backward (SwiGLU: gate
+      pre-activation, its silu, up, their product = 4; GELU: pre-activation, output = 2).
+    per_sequence(cfg, seq_len, itemsize): tensors kept once per micro-batch besides the
+      blocks', as (shape, logical axes, bytes per element): RoPE tables, position ids.
+    weight_saved(cfg, name): does some op keep this weight for backward (a matmul or a
+      norm scale does; an embedding lookup keeps ids, a bias addition nothing)?
+    walk_block / walk_moe_block / walk_embed / walk_head: the block (dense, MoE), the
+      embedding and the head as walks over the estimator's walker (estimate/walker.py),
+      mirroring the forward's parameter uses and `ctx.constrain` calls one for one.
+      walk_embed(w, cfg, tied_head) and walk_head(w, cfg, table_used) say whether this
+      rank also runs the head (embedding) that shares a tied table."""
+
+    mlp_saved: int
+    per_sequence: Callable[[Any, int, int], list]
+    weight_saved: Callable[[Any, str], bool]
+    walk_block: Callable
+    walk_embed: Callable
+    walk_head: Callable
+    walk_moe_block: Callable | None = None
+
+
+@dataclass(frozen=True)
+class Family:
+    """One model family. `config` is its frozen config dataclass; `from_fields` builds it
+    from the run config's model.* section; `forward_stage(cfg, params, x, ctx, layers,
+    first, last)` runs layers [start, stop) (after the embedding when `first`, ending with
+    `head(cfg, params, x, ctx)` when `last`); `kv_heads(cfg)` is the number of key/value
+    heads a KV cache holds."""
+
+    name: str
+    config: type
+    from_fields: Callable[[Any], Any]
+    param_specs: Callable[[Any], dict[str, ParamSpec]]
+    forward_stage: Callable
+    head: Callable
+    kv_heads: Callable[[Any], int]
+    costs: Costs
+    presets: Mapping[str, Any]
+
+    def forward(self, cfg, params, tokens, ctx):
+        """Logits (batch, seq, vocab) for `tokens` (batch, seq)."""
+        return self.forward_stage(cfg, params, tokens, ctx, (0, cfg.n_layers), first=True, last=True)
+
+    def init_cache(self, cfg, batch: int, max_len: int, dtype=torch.float32, device="cpu") -> KVCache:
+        """An empty KV cache for `max_len` positions (at most cfg.max_seq_len is meaningful)."""
+        return KVCache.empty(cfg.n_layers, batch, max_len, self.kv_heads(cfg), cfg.head_dim, dtype, device)
+
+    def decode(self, cfg, params, tokens, cache, start_pos: int, last_only: bool = False):
+        """Logits (batch, t, vocab) for `tokens` (batch, t) at positions start_pos.., given
+        that `cache` holds the positions before; stores theirs. The same block code as
+        training (models/decode.py); last_only: the last position's logits only."""
+        return decode(self, cfg, params, tokens, cache, start_pos, last_only)
+
+
+FAMILIES: dict[str, Family] = {}
+
+
+def register(family: Family) -> Family:
+    """Make `family` available as model.arch=<family.name>."""
+    if family.name in FAMILIES and FAMILIES[family.name] is not family:
+        raise ValueError(f"a model family named {family.name!r} is already registered")
+    FAMILIES[family.name] = family
+    return family
+
+
+def get_family(arch: str) -> Family:
+    if arch not in FAMILIES:
+        raise ConfigError(f"model.arch={arch!r}: choose one of {', '.join(FAMILIES)}")
+    return FAMILIES[arch]

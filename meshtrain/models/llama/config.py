@@ -1,0 +1,84 @@
+"""The llama family's config, its presets, and how the run config's model.* section maps
+onto it."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from ...errors import ConfigError
+from ..moe import MoeConfig
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    dim: int = 256
+    n_layers: int = 4
+    n_heads: int = 8
+    n_kv_heads: int = 4
+    ffn_dim: int = 688
+    vocab_size: int = 512
+    max_seq_len: int = 256
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = field(default=None, hash=False)
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    init_std: float = 0.02
+    moe: MoeConfig | None = None
+    qk_norm: bool = False
+    attn_head_dim: int | None = None  # None: dim // n_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.attn_head_dim or self.dim // self.n_heads
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        return self.moe.moe_layers(self.n_layers) if self.moe else ()
+
+    def __post_init__(self) -> None:
+        if self.attn_head_dim is None and self.dim % self.n_heads:
+            raise ConfigError(f"model.dim={self.dim} is not divisible by model.n_heads={self.n_heads}: "
+                              "choose a dim that is a multiple of n_heads")
+        if self.n_heads % self.n_kv_heads:
+            raise ConfigError(f"model.n_heads={self.n_heads} is not divisible by model.n_kv_heads="
+                              f"{self.n_kv_heads}: GQA needs whole groups of query heads per kv head; choose "
+                              "n_kv_heads dividing n_heads")
+        if self.head_dim % 2:
+            raise ConfigError(f"head dim {self.head_dim} (model.dim / model.n_heads) is odd: RoPE needs "
+                              "an even head dim; choose dim and n_heads with an even ratio")
+
+
+_LLAMA31_SCALING = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 8192}
+
+PRESETS: dict[str, LlamaConfig] = {
+    "tiny": LlamaConfig(),
+    "llama3-1b": LlamaConfig(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim=8192,
+                             vocab_size=128256, max_seq_len=131072, rope_theta=500000.0,
+                             rope_scaling={**_LLAMA31_SCALING, "factor": 32.0}, tie_embeddings=True),
+    "llama3-8b": LlamaConfig(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336,
+                             vocab_size=128256, max_seq_len=131072, rope_theta=500000.0,
+                             rope_scaling=_LLAMA31_SCALING),
+    "llama3-70b": LlamaConfig(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim=28672,
+                              vocab_size=128256, max_seq_len=131072, rope_theta=500000.0,
+                              rope_scaling=_LLAMA31_SCALING),
+    "llama3-405b": LlamaConfig(dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, ffn_dim=53248,
+                               vocab_size=128256, max_seq_len=131072, rope_theta=500000.0,
+                               rope_scaling=_LLAMA31_SCALING),
+}
+
+
+def from_fields(m) -> LlamaConfig:
+    """The LlamaConfig of a model.* section (config.sections.ModelConfig)."""
+    return LlamaConfig(dim=m.dim, n_layers=m.n_layers, n_heads=m.n_heads, n_kv_heads=m.n_kv_heads or m.n_heads,
+                       ffn_dim=m.ffn_dim, vocab_size=m.vocab_size, max_seq_len=m.max_seq_len,
+                       rope_theta=m.rope_theta, norm_eps=m.norm_eps, tie_embeddings=m.tie_embeddings,
+                       rope_scaling=m.rope_scaling, qk_norm=m.qk_norm, attn_head_dim=m.head_dim,
+                       moe=_moe_config(m.moe))
+
+
+def _moe_config(moe) -> MoeConfig | None:
+    if moe is None or isinstance(moe, MoeConfig):
+        return moe
+    return MoeConfig(**(dataclasses.asdict(moe) if dataclasses.is_dataclass(moe) else moe))
