@@ -98,7 +98,7 @@ def _validate_model(m: ModelConfig) -> None:
             raise ConfigError("model.rope_theta is null, but llama uses RoPE: set model.rope_theta "
                               "(10000.0 for Llama-2-style models, 500000.0 for Llama-3)")
         _check_float(m.rope_theta, "model.rope_theta", positive=True)
-    else:  # gpt2: no GQA, learned positions
+    elif m.arch == "gpt2":  # no GQA, learned positions
         if m.n_kv_heads is not None and m.n_kv_heads != m.n_heads:
             raise ConfigError(f"model.n_kv_heads={m.n_kv_heads}: model.arch=gpt2 has no grouped-query attention; set "
                               f"model.n_kv_heads to null (or to model.n_heads={m.n_heads}), e.g. "
