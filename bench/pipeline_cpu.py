@@ -42,7 +42,7 @@ from meshtrain import MeshSpec, Rules, TrainState, build, make_plan, make_train_
 from meshtrain.models.llama import LlamaConfig  # noqa: E402
 from meshtrain.models.spec import init_slice  # noqa: E402
 from meshtrain.pipeline import partition, simulate  # noqa: E402
-from meshtrain.pipeline.schedule import build as build_schedule  # noqa: E402
+from meshtrain.pipeline.schedule import build_pipeline_schedule  # noqa: E402
 from meshtrain.testing import run_ranks  # noqa: E402
 
 SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("zb", 1), ("interleaved", 2))
@@ -76,7 +76,7 @@ def _pipelined(cfg, seq, micro, m, name, v, warmup, steps):
     stages = partition(model, 2, v, seq_len=seq, micro_batch=micro)
     names, _, _ = local_stage_layout(plan, mesh, stages)
     params = {n: init_slice(model.specs[n], n, seed=0).requires_grad_() for n in names}
-    step = make_pipeline_step(model, stages, build_schedule(name, 2, m, v), plan, mesh, record_timings=True)
+    step = make_pipeline_step(model, stages, build_pipeline_schedule(name, 2, m, v), plan, mesh, record_timings=True)
     state = TrainState.create(params)
     times, losses, timings = [], [], []
     for i, batch in enumerate(_batches(cfg, seq, micro, m, warmup + steps)):
@@ -163,7 +163,7 @@ def main() -> int:
                                  for i in range(steps))
         update = statistics.median(t for r in results for acts in r[2] for k, _, t in acts if k == "update")
         costs = _stage_costs(results, len(stages))
-        sched = build_schedule(name, 2, m, v)
+        sched = build_pipeline_schedule(name, 2, m, v)
         simulated = simulate(sched, stage_costs=costs)
         predicted = dataclasses.replace(simulated, step_time=simulated.step_time + update)
         closed = (2 - 1) / (m + 2 - 1) / v if name != "zb" else None

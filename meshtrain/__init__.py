@@ -15,7 +15,7 @@ _EXPORTS = {  # name -> (module, attribute)
     "MeshSpec": (".parallel.mesh", "MeshSpec"), "Rules": (".parallel.rules", "Rules"),
     "Plan": (".parallel.plan", "Plan"), "make_plan": (".parallel.plan", "make_plan"),
     "init_params": (".parallel.init", "init_params"),
-    "partition": (".pipeline", "partition"), "build_pipeline_schedule": (".pipeline", "build"),
+    "partition": (".pipeline", "partition"), "build_pipeline_schedule": (".pipeline", "build_pipeline_schedule"),
     "AdamW": (".train.optim", "AdamW"), "LRSchedule": (".train.schedule", "LRSchedule"),
     "TrainState": (".train.step", "TrainState"), "make_train_step": (".train.step", "make_train_step"),
     "make_eval_step": (".train.step", "make_eval_step"),

@@ -26,7 +26,7 @@ def _compiled_run(steps: int, smaller_from: int | None = None, **options):
     model = build("llama", CFG)
     params = {n: init_slice(s, n, seed=0).requires_grad_() for n, s in model.specs.items()}
     step = make_train_step(model, optimizer=AdamW(lr=3e-4),
-                           schedule=LRSchedule(lr=3e-4, min_lr=3e-5, warmup_steps=2, total_steps=steps),
+                           lr_schedule=LRSchedule(lr=3e-4, min_lr=3e-5, warmup_steps=2, total_steps=steps),
                            compile="aot_eager", **options)
     state = TrainState.create(params)
     graphs = []

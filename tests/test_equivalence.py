@@ -66,7 +66,7 @@ def batches(micro_steps: int, steps: int = STEPS):
 
 def _optimizer():
     return dict(optimizer=AdamW(lr=3e-4, weight_decay=0.1),
-                schedule=LRSchedule(lr=3e-4, min_lr=3e-5, warmup_steps=3, total_steps=STEPS), grad_clip=GRAD_CLIP)
+                lr_schedule=LRSchedule(lr=3e-4, min_lr=3e-5, warmup_steps=3, total_steps=STEPS), grad_clip=GRAD_CLIP)
 
 
 class GradRecorder:

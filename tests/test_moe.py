@@ -68,7 +68,7 @@ def batches(micro_steps: int):
 
 def _optimizer():
     return dict(optimizer=AdamW(lr=1e-3, weight_decay=0.1),
-                schedule=LRSchedule(lr=1e-3, min_lr=1e-4, warmup_steps=2, total_steps=STEPS), grad_clip=GRAD_CLIP)
+                lr_schedule=LRSchedule(lr=1e-3, min_lr=1e-4, warmup_steps=2, total_steps=STEPS), grad_clip=GRAD_CLIP)
 
 
 def single_process(balance: str):
@@ -105,7 +105,7 @@ def _pipelined(sizes, schedule, balance, world):
     """This rank's stage of a 2-stage pipeline: metrics, and the parameters it holds."""
     from meshtrain.train.pipeline_step import local_stage_layout, make_pipeline_step
     from meshtrain.pipeline.partition import partition
-    from meshtrain.pipeline.schedule import build as build_schedule
+    from meshtrain.pipeline.schedule import build_pipeline_schedule
 
     model = build("llama", config(balance))
     plan = make_plan(model.specs, Rules.default(), MeshSpec(**sizes), world=world)
@@ -118,7 +118,7 @@ def _pipelined(sizes, schedule, balance, world):
         params = {n: init_slice(model.specs[n], n, seed=0).requires_grad_(model.specs[n].trainable) for n in mine}
     opt = _optimizer()
     recorder = GradRecorder()
-    step = make_pipeline_step(model, stages, build_schedule(schedule, 2, 4), plan, mesh, optimizer=opt["optimizer"],
+    step = make_pipeline_step(model, stages, build_pipeline_schedule(schedule, 2, 4), plan, mesh, optimizer=opt["optimizer"],
                               lr_schedule=opt["schedule"], grad_clip=opt["grad_clip"], inspect_grads=recorder)
     state = TrainState.create(params)
     metrics = [step(state, b) for b in batches(micro_steps=4)]

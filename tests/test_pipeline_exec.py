@@ -22,7 +22,7 @@ from meshtrain.models import gpt2
 from meshtrain.models.spec import init_slice
 from meshtrain.train.pipeline_step import local_stage_layout, make_pipeline_eval, make_pipeline_step
 from meshtrain.pipeline.partition import partition
-from meshtrain.pipeline.schedule import build as build_schedule
+from meshtrain.pipeline.schedule import build_pipeline_schedule
 from meshtrain.testing import run_ranks
 from meshtrain.train.optim import AdamW
 from meshtrain.train.schedule import LRSchedule
@@ -91,7 +91,7 @@ def single(cfg, micro_steps, precision="fp32"):
     model = build(_arch(cfg), cfg)
     params = {n: init_slice(s, n, seed=0).requires_grad_() for n, s in model.specs.items()}
     recorder = GradRecorder()
-    step = make_train_step(model, optimizer=_optimizer(), schedule=_lr(), grad_clip=GRAD_CLIP, precision=precision,
+    step = make_train_step(model, optimizer=_optimizer(), lr_schedule=_lr(), grad_clip=GRAD_CLIP, precision=precision,
                            inspect_grads=recorder)
     state = TrainState.create(params)
     evaluate = make_eval_step(model, precision=precision)
@@ -127,7 +127,7 @@ def _pipelined(names):
         evaluate = make_pipeline_eval(model, stages, pp, micro_steps, plan, mesh, precision=_precision(name))
         val = evaluate(params, next(batches(micro_steps, 1)))
         recorder = GradRecorder()
-        step = make_pipeline_step(model, stages, build_schedule(sched, pp, micro_steps, v), plan, mesh,
+        step = make_pipeline_step(model, stages, build_pipeline_schedule(sched, pp, micro_steps, v), plan, mesh,
                                   precision=_precision(name), optimizer=_optimizer(), lr_schedule=_lr(),
                                   grad_clip=GRAD_CLIP, inspect_grads=recorder)
         state = TrainState.create(params)
@@ -171,4 +171,4 @@ def test_pipeline_step_needs_a_pp_layout():
     model = build("llama", CFG)
     stages = partition(model, 2, seq_len=SEQ, micro_batch=2)
     with pytest.raises(ConfigError, match="parallel.pp=2"):
-        make_pipeline_step(model, stages, build_schedule("1f1b", 2, 4), None, None)
+        make_pipeline_step(model, stages, build_pipeline_schedule("1f1b", 2, 4), None, None)

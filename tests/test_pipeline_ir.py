@@ -8,10 +8,10 @@ from meshtrain.errors import ConfigError
 from meshtrain.models import build
 from meshtrain.models.gpt2 import GPT2Config
 from meshtrain.models.llama import LlamaConfig
-from meshtrain.pipeline import (Action, Schedule, ScheduleError, check, gpipe, interleaved_1f1b, one_f_one_b,
+from meshtrain.pipeline import (Action, PipelineSchedule, ScheduleError, check, gpipe, interleaved_1f1b, one_f_one_b,
                                 partition, simulate, zb_h1)
 from meshtrain.pipeline.partition import costs
-from meshtrain.pipeline.schedule import RECV_B, RECV_F, build as build_schedule
+from meshtrain.pipeline.schedule import RECV_B, RECV_F, build_pipeline_schedule
 
 LLAMA = build("llama", LlamaConfig(dim=64, n_layers=8, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=4096,
                                    max_seq_len=64))
@@ -108,7 +108,7 @@ def test_every_schedule_checks_and_is_complete():
         n += 1
         text = str(s)
         assert len(text.splitlines()) == s.pp and text.splitlines()[0].startswith("rank 0: F0.0")
-        assert Schedule.from_dict(s.to_dict()) == s
+        assert PipelineSchedule.from_dict(s.to_dict()) == s
     assert n > 30
 
 
@@ -138,9 +138,9 @@ def test_interleaved_needs_m_multiple_of_pp_and_v2():
     with pytest.raises(ConfigError, match="parallel.pp_virtual"):
         interleaved_1f1b(4, 1, 8)
     with pytest.raises(ConfigError, match="parallel.pp_schedule"):
-        build_schedule("zigzag", 2, 4)
+        build_pipeline_schedule("zigzag", 2, 4)
     with pytest.raises(ConfigError, match="parallel.pp_virtual=2"):
-        build_schedule("1f1b", 2, 4, v=2)
+        build_pipeline_schedule("1f1b", 2, 4, v=2)
 
 
 @pytest.mark.parametrize("p,m", [(2, 4), (4, 4), (4, 8), (4, 16)])
@@ -174,10 +174,10 @@ def test_comm_cost_slows_the_step():
     assert slow.step_time > simulate(one_f_one_b(2, 4)).step_time
 
 
-def _edit(s: Schedule, r: int, acts) -> Schedule:
+def _edit(s: PipelineSchedule, r: int, acts) -> PipelineSchedule:
     ranks = list(s.ranks)
     ranks[r] = tuple(acts)
-    return Schedule(s.pp, s.v, s.m, s.name, tuple(ranks))
+    return PipelineSchedule(s.pp, s.v, s.m, s.name, tuple(ranks))
 
 
 def test_rejects_swapped_recv_order():

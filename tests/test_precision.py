@@ -48,7 +48,7 @@ def batches(micro_steps: int = 1, steps: int = STEPS):
 
 def _optimizer(lr: float = LR):
     return dict(optimizer=AdamW(lr=lr, weight_decay=0.1),
-                schedule=LRSchedule(lr=lr, min_lr=lr / 10, warmup_steps=2, total_steps=STEPS), grad_clip=1.0)
+                lr_schedule=LRSchedule(lr=lr, min_lr=lr / 10, warmup_steps=2, total_steps=STEPS), grad_clip=1.0)
 
 
 class ComputeDtypes(TorchDispatchMode):

@@ -28,7 +28,7 @@ from .comms import step_collectives
 from .memory import per_rank_memory
 from ..parallel.plan import Plan, without_pp
 from ..pipeline.partition import Stage, partition
-from ..pipeline.schedule import Schedule, build
+from ..pipeline.schedule import PipelineSchedule, build_pipeline_schedule
 from ..pipeline.simulate import Result, simulate, stage_costs_from_partition
 
 RESIDUAL = ("batch", "seq_sp", None)
@@ -37,7 +37,7 @@ RESIDUAL = ("batch", "seq_sp", None)
 @dataclass
 class PipelineEstimate:
     stages: list[Stage]
-    schedule: Schedule
+    schedule: PipelineSchedule
     timing: Result
     ranks: list[dict]  # per pp rank: pp_rank, stages, layers, memory, collectives
 
@@ -67,7 +67,7 @@ class PipelineEstimate:
         }
 
 
-def timeline_lines(schedule: Schedule, max_actions: int = 48) -> list[str]:
+def timeline_lines(schedule: PipelineSchedule, max_actions: int = 48) -> list[str]:
     """Each rank's compute actions in order (F/B/I/W stage.micro), cut after max_actions."""
     out = []
     for line in schedule.timeline().splitlines():
@@ -78,13 +78,13 @@ def timeline_lines(schedule: Schedule, max_actions: int = 48) -> list[str]:
     return out
 
 
-def pipeline_estimate(plan: Plan, model, *, schedule: str, virtual: int, layout: list[int] | None,
+def pipeline_estimate(plan: Plan, model, *, pp_schedule: str, virtual: int, layout: list[int] | None,
                       micro_batch: int, seq_len: int, micro_steps: int, precision: str = "fp32",
                       compiled: bool = False, activation_checkpointing: str = "none",
                       device: str = "cuda") -> PipelineEstimate:
     pp = plan.mesh.pp
     stages = partition(model, pp, virtual, layout, seq_len=seq_len, micro_batch=micro_batch)
-    sched = build(schedule, pp, micro_steps, virtual)
+    sched = build_pipeline_schedule(pp_schedule, pp, micro_steps, virtual)
     timing = simulate(sched, stage_costs=stage_costs_from_partition(stages))
     sub = without_pp(plan)
     data = sub.mesh.dp * sub.mesh.fsdp

@@ -23,7 +23,7 @@ def step_memory(cfg, plan, model) -> tuple[dict, object | None]:
     micro_steps = cfg.accumulation_steps(plan.mesh.dp * plan.mesh.fsdp)
     if plan.mesh.pp > 1:  # ranks differ by stage: report the most loaded
 
-        pipeline = pipeline_estimate(plan, model, schedule=p.pp_schedule, virtual=p.pp_virtual, layout=p.pp_layout,
+        pipeline = pipeline_estimate(plan, model, pp_schedule=p.pp_schedule, virtual=p.pp_virtual, layout=p.pp_layout,
                                      micro_batch=t.micro_batch, seq_len=t.seq_len, micro_steps=micro_steps,
                                      precision=t.precision, compiled=bool(t.compile),
                                      activation_checkpointing=t.activation_checkpointing)

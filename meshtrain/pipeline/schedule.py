@@ -63,7 +63,7 @@ class Action:
 
 
 @dataclass(frozen=True)
-class Schedule:
+class PipelineSchedule:
     pp: int
     v: int
     m: int
@@ -94,13 +94,13 @@ class Schedule:
                 "ranks": [[a.to_dict() for a in acts] for acts in self.ranks]}
 
     @classmethod
-    def from_dict(cls, d: dict) -> Schedule:
+    def from_dict(cls, d: dict) -> PipelineSchedule:
         ranks = tuple(tuple(Action(a["kind"], a["stage"], a["micro"], a.get("peer")) for a in acts)
                       for acts in d["ranks"])
         return cls(d["pp"], d["v"], d["m"], d["name"], ranks)
 
 
-def with_comm(pp: int, v: int, m: int, name: str, compute: list[list[tuple[str, int, int]]]) -> Schedule:
+def with_comm(pp: int, v: int, m: int, name: str, compute: list[list[tuple[str, int, int]]]) -> PipelineSchedule:
     """Insert the sends and recvs around per-rank compute orders: a recv right before the
     compute that consumes it, a send right after the compute that produces it."""
     S = pp * v
@@ -118,7 +118,7 @@ def with_comm(pp: int, v: int, m: int, name: str, compute: list[list[tuple[str, 
             if kind in (B, BI) and s > 0 and (s - 1) % pp != r:
                 acts.append(Action(SEND_B, s, i, (s - 1) % pp))
         ranks.append(tuple(acts))
-    return Schedule(pp, v, m, name, tuple(ranks))
+    return PipelineSchedule(pp, v, m, name, tuple(ranks))
 
 
 def _check_pm(pp: int, m: int, v: int = 1) -> None:
@@ -130,7 +130,7 @@ def _check_pm(pp: int, m: int, v: int = 1) -> None:
         raise ConfigError(f"micro-batch count m={m}: a pipeline step needs at least one micro-batch")
 
 
-def gpipe(pp: int, m: int) -> Schedule:
+def gpipe(pp: int, m: int) -> PipelineSchedule:
     """All forwards, then all backwards (in micro-batch order)."""
     _check_pm(pp, m)
     return with_comm(pp, 1, m, "gpipe",
@@ -145,7 +145,7 @@ def _one_f_one_b_order(pp: int, m: int, r: int) -> list[tuple[str, int, int]]:
     return order + [(B, r, k) for k in range(m - warm, m)]
 
 
-def one_f_one_b(pp: int, m: int) -> Schedule:
+def one_f_one_b(pp: int, m: int) -> PipelineSchedule:
     """1F1B (PipeDream-flush): rank r runs pp - r - 1 warm-up forwards, then alternates one
     forward and one backward, then drains the backwards. At most pp - r micro-batches in
     flight on rank r."""
@@ -153,7 +153,7 @@ def one_f_one_b(pp: int, m: int) -> Schedule:
     return with_comm(pp, 1, m, "1f1b", [_one_f_one_b_order(pp, m, r) for r in range(pp)])
 
 
-def zb_h1(pp: int, m: int, extra_in_flight: int = 0) -> Schedule:
+def zb_h1(pp: int, m: int, extra_in_flight: int = 0) -> PipelineSchedule:
     """ZB-H1 (zero-bubble with 1F1B's activation memory): the backward split into BI (input
     gradient, on the critical path) and BW (weight gradient, off it), the BWs deferred into
     what would be bubbles. The order is made by list-scheduling with unit costs
@@ -198,7 +198,7 @@ def zb_h1(pp: int, m: int, extra_in_flight: int = 0) -> Schedule:
     return with_comm(pp, 1, m, "zbh1", order)
 
 
-def interleaved_1f1b(pp: int, v: int, m: int) -> Schedule:
+def interleaved_1f1b(pp: int, v: int, m: int) -> PipelineSchedule:
     """Megatron's interleaved 1F1B: rank r holds stages r, r + pp, ..., r + (v-1) pp (its
     "chunks"). Forwards run in groups of pp micro-batches per chunk, chunk 0 to v-1;
     backwards the same groups, chunk v-1 to 0. Rank r warms up with
@@ -231,14 +231,14 @@ def interleaved_1f1b(pp: int, v: int, m: int) -> Schedule:
     return with_comm(pp, v, m, "interleaved", compute)
 
 
-def forward_only(pp: int, v: int, m: int) -> Schedule:
+def forward_only(pp: int, v: int, m: int) -> PipelineSchedule:
     """Forwards only, for evaluation (not a training schedule: `check` wants backwards):
     every rank runs its stages in order on micro-batch 0, 1, ..."""
     return with_comm(pp, v, m, "forward", [[(F, s, i) for i in range(m) for s in range(r, pp * v, pp)]
                                            for r in range(pp)])
 
 
-def build(name: str, pp: int, m: int, v: int = 1) -> Schedule:
+def build_pipeline_schedule(name: str, pp: int, m: int, v: int = 1) -> PipelineSchedule:
     """The schedule `parallel.pp_schedule` names."""
     if name == "gpipe":
         sched = gpipe

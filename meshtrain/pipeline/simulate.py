@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from .schedule import B, BI, BW, COMM, COMPUTE, RECV_B, RECV_F, SEND_B, SEND_F, Action, F, Schedule
+from .schedule import B, BI, BW, COMM, COMPUTE, RECV_B, RECV_F, SEND_B, SEND_F, Action, F, PipelineSchedule
 
 
 class ScheduleError(ValueError):
@@ -42,7 +42,7 @@ class Result:
                 f"peak in-flight {list(self.peak_in_flight)}")
 
 
-def _static(sched: Schedule) -> None:
+def _static(sched: PipelineSchedule) -> None:
     pp, S, m = sched.pp, sched.n_stages, sched.m
     if len(sched.ranks) != pp:
         raise ScheduleError(f"schedule has {len(sched.ranks)} rank lists for pp={pp}")
@@ -88,7 +88,7 @@ def _static(sched: Schedule) -> None:
                 raise _err(r, i, a, f"no matching {what} {Action(other, s + ds, j)} on rank {a.peer}")
 
 
-def _run(sched: Schedule, cost) -> Result:
+def _run(sched: PipelineSchedule, cost) -> Result:
     """Walk every rank's list; raise ScheduleError on the first problem."""
     _static(sched)
     pp, S = sched.pp, sched.n_stages
@@ -171,12 +171,12 @@ def _run(sched: Schedule, cost) -> Result:
     return Result(step, idle / (pp * step) if step else 0.0, tuple(busy), tuple(peak), tuple(clock))
 
 
-def check(sched: Schedule) -> None:
+def check(sched: PipelineSchedule) -> None:
     """Raise ScheduleError if the schedule is wrong or would deadlock."""
     _run(sched, lambda kind, s: 0.0 if kind == "comm" else 1.0)
 
 
-def simulate(sched: Schedule, cost_f: float = 1.0, cost_b: float = 2.0, cost_w: float | None = None,
+def simulate(sched: PipelineSchedule, cost_f: float = 1.0, cost_b: float = 2.0, cost_w: float | None = None,
              cost_comm: float = 0.0, stage_costs: Mapping[int, Mapping[str, float]] | None = None) -> Result:
     """Timing of one step. cost_b is the full backward; for split backwards BW costs cost_w
     (default cost_b / 2) and BI costs cost_b - cost_w. stage_costs overrides per stage,

@@ -14,7 +14,7 @@ from ..interop.hf import load_hf_params
 from ..models.spec import init_slice
 from ..parallel.init import init_params
 from ..pipeline import partition
-from ..pipeline.schedule import build as build_schedule
+from ..pipeline.schedule import build_pipeline_schedule
 from ..train import pipeline_step
 from ..train.optim import AdamW
 from ..train.schedule import LRSchedule
@@ -73,7 +73,7 @@ def _pipelined(cfg: RunConfig, model, plan, device, accumulation: int, micro_row
         params = {n: init_slice(model.specs[n], n, cfg.seed, device=device) for n in names}
     params = {n: x.requires_grad_(model.specs[n].trainable) for n, x in params.items()}
     options = step_options(cfg)
-    schedule = build_schedule(p.pp_schedule, plan.mesh.pp, accumulation, p.pp_virtual)
+    schedule = build_pipeline_schedule(p.pp_schedule, plan.mesh.pp, accumulation, p.pp_virtual)
     step_fn = pipeline_step.make_pipeline_step(model, stages, schedule, plan, mesh, optimizer=options["optimizer"],
                                                lr_schedule=options["schedule"], precision=t.precision,
                                                grad_clip=options["grad_clip"], fp8_recipe=t.fp8_recipe,
@@ -86,7 +86,7 @@ def _pipelined(cfg: RunConfig, model, plan, device, accumulation: int, micro_row
 def step_options(cfg: RunConfig) -> dict:
     t = cfg.train
     return dict(optimizer=AdamW(lr=t.lr, weight_decay=t.weight_decay),
-                schedule=LRSchedule(lr=t.lr, min_lr=t.min_lr, warmup_steps=t.warmup_steps, total_steps=t.steps,
+                lr_schedule=LRSchedule(lr=t.lr, min_lr=t.min_lr, warmup_steps=t.warmup_steps, total_steps=t.steps,
                                     kind=t.lr_schedule),
                 precision=t.precision, grad_clip=t.grad_clip or None, compile=t.compile, fp8_recipe=t.fp8_recipe,
                 activation_checkpointing=t.activation_checkpointing)

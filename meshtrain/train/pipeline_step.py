@@ -1,4 +1,4 @@
-"""Run a pipeline Schedule: each pp rank walks its own action list with real tensors.
+"""Run a pipeline PipelineSchedule: each pp rank walks its own action list with real tensors.
 
 The world is the mesh pp x (dp, fsdp, tp): every pp rank is a group of ranks that runs its
 stages with the same ShardedContext a non-pipelined step uses, on the sub-mesh of the other
@@ -45,7 +45,7 @@ from ..models.policy import Policy
 from ..parallel.context import ShardedContext
 from ..parallel.plan import without_pp
 from ..pipeline.partition import Stage
-from ..pipeline.schedule import B, BI, BW, F, RECV_B, RECV_F, SEND_B, SEND_F, Schedule, check_checkpointing, forward_only
+from ..pipeline.schedule import B, BI, BW, F, RECV_B, RECV_F, SEND_B, SEND_F, PipelineSchedule, check_checkpointing, forward_only
 from .optim import AdamW, local
 from .schedule import LRSchedule
 from .step import InspectGrads, MoeTerms, TrainState, full_value, make_update, moe_step
@@ -198,7 +198,8 @@ def _run(pipe: _Pipe, actions, params: dict, tokens, targets, n_tokens: int, *, 
     return loss
 
 
-def make_pipeline_step(model: ModelDef, stages: list[Stage], schedule: Schedule, plan, device_mesh, *,
+def make_pipeline_step(model: ModelDef, stages: list[Stage], pipeline_schedule: PipelineSchedule, plan,
+                       device_mesh, *,
                        optimizer: AdamW = AdamW(), lr_schedule: LRSchedule | None = None,
                        precision: str = "fp32", grad_clip: float | None = 1.0, fp8_recipe: str = "tensorwise",
                        activation_checkpointing: str = "none",
@@ -211,13 +212,13 @@ def make_pipeline_step(model: ModelDef, stages: list[Stage], schedule: Schedule,
     non-pp sub-mesh when there is one); batch as for make_train_step (full
     (micro_steps, batch, seq) tensors on every rank). `inspect_grads` sees this rank's
     gradients before clipping, a tied table's copies already summed (see make_update)."""
-    if any(a.kind == BI for rank in schedule.ranks for a in rank):
+    if any(a.kind == BI for rank in pipeline_schedule.ranks for a in rank):
         check_checkpointing("zb", activation_checkpointing)
-    pipe = _Pipe(model, stages, schedule.pp, plan, device_mesh,
+    pipe = _Pipe(model, stages, pipeline_schedule.pp, plan, device_mesh,
                  Policy.of(precision, fp8_recipe, activation_checkpointing))
     apply_update = make_update(optimizer, lr_schedule or LRSchedule(lr=optimizer.lr, kind="constant"), grad_clip,
                                inspect_grads=inspect_grads)
-    actions = schedule.ranks[pipe.rank]
+    actions = pipeline_schedule.ranks[pipe.rank]
     data_ranks = pipe.plan.mesh.dp * pipe.plan.mesh.fsdp if pipe.plan is not None else 1
     tied = [n for st in stages if st.rank == pipe.rank for n in st.shared]  # held here, owned on rank 0
     tied_peer = pipe.peer(stages[-1].rank if pipe.rank == 0 else 0)
@@ -226,9 +227,9 @@ def make_pipeline_step(model: ModelDef, stages: list[Stage], schedule: Schedule,
 
     def step(state: TrainState, batch: dict) -> dict:
         tokens, targets = batch["tokens"], batch["targets"]
-        if len(tokens) != schedule.m:
-            raise ConfigError(f"pipeline schedule {schedule.name} is built for {schedule.m} micro-batches per step "
-                              f"but the batch has {len(tokens)}")
+        if len(tokens) != pipeline_schedule.m:
+            raise ConfigError(f"pipeline schedule {pipeline_schedule.name} is built for {pipeline_schedule.m} "
+                              f"micro-batches per step but the batch has {len(tokens)}")
         if tokens[0].shape[0] % data_ranks:
             raise ConfigError(f"batch: {tokens[0].shape[0]} sequences per micro-step cannot be split evenly over "
                               f"{data_ranks} data-parallel ranks (dp x fsdp); use a multiple of {data_ranks}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Callable
 
@@ -42,10 +43,11 @@ class TrainState:
 
 
 def make_train_step(model: ModelDef, plan=None, device_mesh=None, *, optimizer: AdamW = AdamW(),
-                    schedule: LRSchedule | None = None, precision: str = "fp32", grad_clip: float | None = 1.0,
+                    lr_schedule: LRSchedule | None = None, precision: str = "fp32", grad_clip: float | None = 1.0,
                     compile: bool | str = False, fp8_recipe: str = "tensorwise",
                     activation_checkpointing: str = "none", policy: Policy | None = None,
-                    inspect_grads: InspectGrads | None = None) -> Callable[[TrainState, dict], dict]:
+                    inspect_grads: InspectGrads | None = None,
+                    schedule: LRSchedule | None = None) -> Callable[[TrainState, dict], dict]:
     """Build `step(state, batch) -> metrics`.
 
     batch["tokens"] and batch["targets"] are (micro_steps, batch, seq) tensors, or lists of
@@ -71,7 +73,10 @@ def make_train_step(model: ModelDef, plan=None, device_mesh=None, *, optimizer: 
     if compile:
         check_compile_with_checkpointing(getattr(model.cfg, "moe", None) is not None, policy.checkpointing)
     ctx = _context(plan, device_mesh, policy)
-    schedule = schedule or LRSchedule(lr=optimizer.lr, kind="constant")
+    if schedule is not None:  # the name before 2026-11: "schedule" now means the pipeline's only
+        warnings.warn("make_train_step(schedule=...) is now lr_schedule=...", FutureWarning, stacklevel=2)
+        lr_schedule = lr_schedule or schedule
+    lr_schedule = lr_schedule or LRSchedule(lr=optimizer.lr, kind="constant")
     scope = getattr(ctx, "regather_in_backward", contextlib.nullcontext)
     data_ranks = plan.mesh.dp * plan.mesh.fsdp if plan is not None else 1
 
@@ -81,7 +86,7 @@ def make_train_step(model: ModelDef, plan=None, device_mesh=None, *, optimizer: 
 
     if compile:
         loss_sum = _compiled(loss_sum, compile)
-    apply_update = make_update(optimizer, schedule, grad_clip, compile, inspect_grads)
+    apply_update = make_update(optimizer, lr_schedule, grad_clip, compile, inspect_grads)
 
     def step(state: TrainState, batch: dict) -> dict:
         tokens, targets = batch["tokens"], batch["targets"]
@@ -176,7 +181,7 @@ def check_compile_with_checkpointing(moe: bool, activation_checkpointing: str) -
                           "none")
 
 
-def make_update(optimizer: AdamW, schedule: LRSchedule, grad_clip: float | None, compile: bool | str = False,
+def make_update(optimizer: AdamW, lr_schedule: LRSchedule, grad_clip: float | None, compile: bool | str = False,
                 inspect_grads: InspectGrads | None = None):
     """The optimizer half of a step, shared by the plain and the pipelined step:
     `apply(state, uncounted=(), loss=None) -> (grad_norm, lr, updated)` takes the global
@@ -216,7 +221,7 @@ def make_update(optimizer: AdamW, schedule: LRSchedule, grad_clip: float | None,
         exp_avg_sq = [local(state.optimizer["exp_avg_sq"][n]) for n in names]
         decay = [optimizer.decays(n, state.params[n].ndim) for n in names]
         replicas = [float("inf") if n in uncounted else replica_count(state.params[n]) for n in names]
-        lr = schedule(state.step)
+        lr = lr_schedule(state.step)
         state.step += 1
         with torch.no_grad():
             if inspect_grads is not None:
