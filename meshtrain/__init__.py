@@ -23,7 +23,7 @@ _EXPORTS = {  # name -> (module, attribute)
     "make_pipeline_eval": (".train.pipeline_step", "make_pipeline_eval"),
     "save_checkpoint": (".checkpoint", "save"), "load_checkpoint": (".checkpoint", "load"),
     "latest_checkpoint": (".checkpoint", "latest"), "CheckpointError": (".checkpoint", "CheckpointError"),
-    "save_hf": (".interop.hf", "save_hf"), "export_checkpoint": (".interop.hf", "export_checkpoint"),
+    "save_hf": (".interop.hf", "save_hf"), "export_checkpoint": (".run.export", "export_checkpoint"),
     "load_hf_params": (".interop.hf", "load_hf_params"),
     "RunConfig": (".config", "RunConfig"), "fit": (".run.fit", "fit"),
 }

@@ -330,7 +330,7 @@ def _preset_world(configs) -> int | None:
 
 
 def _export(a) -> None:
-    from .interop.hf import export_checkpoint
+    from .run.export import export_checkpoint
 
     if not a.max_shard_gb > 0:
         raise ConfigError(f"--max_shard_gb={a.max_shard_gb}: give a positive size in GB")

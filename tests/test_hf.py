@@ -22,12 +22,13 @@ from meshtrain.config import DataConfig, ModelConfig, RunConfig
 from meshtrain.errors import ConfigError
 from meshtrain.interop import export as hf_export
 from meshtrain.interop.hf_config import _model_fields
-from meshtrain.interop.hf import (export_checkpoint, from_hf_config, load_hf_params, read_hf_config, save_hf,
+from meshtrain.interop.hf import (from_hf_config, load_hf_params, read_hf_config, save_hf,
                                   to_hf_config)
 from meshtrain.models import LocalContext, build
 from meshtrain.models.gpt2 import GPT2Config
 from meshtrain.models.llama import LlamaConfig
 from meshtrain.models.spec import init_slice
+from meshtrain.run.export import export_checkpoint
 from meshtrain import checkpoint as ckpt
 from meshtrain.checkpoint import CheckpointError
 from meshtrain.train.step import TrainState
@@ -319,7 +320,7 @@ def test_failed_export_leaves_nothing(tmp_path, monkeypatch):
 
 _MEASURE = textwrap.dedent("""
     import json, sys
-    from meshtrain.interop.hf import export_checkpoint
+    from meshtrain.run.export import export_checkpoint
 
     def status(key):
         with open("/proc/self/status") as f:

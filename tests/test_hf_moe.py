@@ -20,12 +20,13 @@ from meshtrain.interop import export as hf_export
 from meshtrain.interop import hf
 from meshtrain.interop import load as hf_load
 from meshtrain.interop.hf_config import _model_fields
-from meshtrain.interop.hf import (export_checkpoint, from_hf_config, load_hf_params, read_hf_config, save_hf,
+from meshtrain.interop.hf import (from_hf_config, load_hf_params, read_hf_config, save_hf,
                                   to_hf_config)
 from meshtrain.models import LocalContext, build
 from meshtrain.models.llama import LlamaConfig
 from meshtrain.models.moe import MoeConfig
 from meshtrain.models.spec import init_slice
+from meshtrain.run.export import export_checkpoint
 from meshtrain import checkpoint as ckpt
 from meshtrain.train.step import TrainState
 

@@ -14,7 +14,7 @@ from typing import Callable, Mapping
 
 import torch
 
-from ..checkpoint import META, CheckpointError, SafeReader, latest, quiet_dcp, read_meta
+from ..checkpoint import META, CheckpointError, SafeReader, latest, quiet_dcp
 from ..data.tokenizer import ByteTokenizer, load_tokenizer
 from ..errors import ConfigError
 from .hf_config import to_hf_config
@@ -86,39 +86,16 @@ def export_dtype(precision: str) -> str:
     return "fp32" if precision == "fp32" else "bf16"
 
 
-def export_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike, dtype: str | None = None,
-                      max_shard_bytes: int = 2 * GiB) -> dict:
-    """Export a meshtrain DCP checkpoint to a Hugging Face directory (see save_hf for what
-    is written). `checkpoint` is a step_XXXXXXXX directory, a checkpoints root, or a run
-    directory (its newest complete checkpoint). The model comes from meta.json's
-    extra.config (the RunConfig); tokenizer files come from its data.tokenizer; dtype None
-    is export_dtype of its train.precision, as checkpoint.export writes.
-
-    Streaming: parameters are read from the checkpoint one at a time (a dcp.load of a
-    state dict holding only that tensor, with meshtrain's safe metadata reader), converted
-    and appended to the current safetensors file, whose header was written up front; no
-    shard is assembled in memory. Peak memory is therefore a few copies of the largest
-    parameter, whatever the model's size or max_shard_bytes: about three fp32 copies (the
-    bytes DCP reads, the tensor torch.load makes of them, the target they are copied
-    into) plus the converted tensor when the dtype or layout changes (for GPT-2's fused
-    c_attn, the whole (d, 3d) tensor; a stacked expert weight is read once and kept while
-    its per-expert tensors are written). Measured (tests/test_hf.py): exporting a 100 MiB
-    checkpoint whose largest parameter is 4 MiB raises peak RSS by about 20 MiB.
-    Nothing is written under `out` unless the export completes.
-    Returns a summary dict: out, checkpoint, step, arch, dtype, files, total_bytes, config.
-    """
-    from ..config.schema import RunConfig
-
-    path = resolve_checkpoint(checkpoint)
-    meta = read_meta(path)
-    if meta is None:
-        raise CheckpointError(f"checkpoint {path}: meta.json is missing or corrupt: export a complete checkpoint")
-    config = (meta.get("extra") or {}).get("config")
-    if not isinstance(config, Mapping):
-        raise CheckpointError(f"checkpoint {path}: meta.json has no extra.config (the run's RunConfig), so the "
-                              "model is unknown; export a checkpoint written by meshtrain fit, or use save_hf")
-    run = RunConfig.from_dict(config)
-    arch, cfg = run.model.arch, run.family_config()
+def export_dcp(path: Path, arch: str, family_cfg, out: str | os.PathLike, dtype: str, *,
+               tokenizer: str | None = None, max_shard_bytes: int = 2 * GiB) -> dict:
+    """Export the model `arch` / `family_cfg` from the DCP checkpoint directory `path`
+    (a step_XXXXXXXX directory) to a Hugging Face directory `out`, streaming: parameters
+    are read one at a time (a dcp.load of a state dict holding only that tensor, with
+    meshtrain's safe metadata reader), converted and appended to the current safetensors
+    file, whose header was written up front; no shard is assembled in memory (see
+    run/export.py:export_checkpoint for the peak this gives). Returns the summary of
+    save_hf's writer."""
+    cfg = _family_cfg(arch, family_cfg)
     shapes = _checkpoint_params(path)
     for name, spec in _specs(arch, cfg).items():
         if name not in shapes:
@@ -131,9 +108,7 @@ def export_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike, dty
     def fetch(name: str) -> torch.Tensor:
         return _read_checkpoint_param(path, name, *shapes[name])
 
-    dtype = export_dtype(run.train.precision) if dtype is None else dtype
-    summary = _export(arch, cfg, fetch, out, dtype, max_shard_bytes, run.data.tokenizer, None, None)
-    return {**summary, "checkpoint": str(path), "step": meta["step"]}
+    return _export(arch, cfg, fetch, out, dtype, max_shard_bytes, tokenizer, None, None)
 
 
 def resolve_checkpoint(checkpoint: str | os.PathLike) -> Path:

@@ -40,12 +40,12 @@ prefix (as the original GPT-2 release has them). Weights are read with
 `safetensors.safe_open` only: pickle files (pytorch_model.bin) are never loaded.
 """
 
-from .export import export_checkpoint, export_dtype, resolve_checkpoint, save_hf
+from .export import export_dcp, export_dtype, resolve_checkpoint, save_hf
 from .hf_config import from_hf_config, read_hf_config, to_hf_config
 from .layout import hf_layout
 from .load import check_same_model, load_hf_params
 from .pieces import ARCHITECTURES, DTYPES, HFTensor, Piece
 
-__all__ = ["ARCHITECTURES", "DTYPES", "HFTensor", "Piece", "check_same_model", "export_checkpoint", "export_dtype",
+__all__ = ["ARCHITECTURES", "DTYPES", "HFTensor", "Piece", "check_same_model", "export_dcp", "export_dtype",
            "from_hf_config", "hf_layout", "load_hf_params", "read_hf_config", "resolve_checkpoint", "save_hf",
            "to_hf_config"]

@@ -95,28 +95,42 @@ def _specs(arch: str, cfg) -> dict:
 
 
 def _family_cfg(arch: str, family_cfg):
-    """A LlamaConfig / GPT2Config; also accepts ModelConfig or a dict of its fields."""
+    """The family config (LlamaConfig, GPT2Config) of `arch`: `family_cfg` itself, or the
+    family's from_fields of a model.* section (a ModelConfig, or a dict of its fields such
+    as read_hf_config returns)."""
     if arch not in ARCHITECTURES:
         raise ConfigError(f"model.arch={arch!r}: Hugging Face interop supports {', '.join(ARCHITECTURES)}")
-    want = FAMILIES[arch].config
-    if isinstance(family_cfg, want):
+    family = FAMILIES[arch]
+    if isinstance(family_cfg, family.config):
         return family_cfg
     if any(isinstance(family_cfg, f.config) for f in FAMILIES.values()):
         raise ConfigError(f"model.arch={arch!r} but the model config is a {type(family_cfg).__name__}: pass the "
-                          f"{want.__name__} of the {arch} model")
-    from ..config.sections import ModelConfig
-
-    if isinstance(family_cfg, ModelConfig):
-        fields = dict(vars(family_cfg))
-    elif isinstance(family_cfg, Mapping):
-        fields = dict(family_cfg)
+                          f"{family.config.__name__} of the {arch} model")
+    if isinstance(family_cfg, Mapping):
+        fields = _ModelFields({"qk_norm": False, "head_dim": None, "moe": None, **family_cfg})
+    elif hasattr(family_cfg, "arch") and hasattr(family_cfg, "dim"):  # a model.* section
+        fields = family_cfg
     else:
-        raise ConfigError(f"model config {family_cfg!r}: pass a {want.__name__}, a ModelConfig or a dict of "
-                          "model.* fields")
-    if fields.setdefault("arch", arch) != arch:
-        raise ConfigError(f"model.arch={fields['arch']!r} differs from the requested arch {arch!r}: pass "
+        raise ConfigError(f"model config {family_cfg!r}: pass a {family.config.__name__}, a ModelConfig or a dict "
+                          "of model.* fields")
+    if getattr(fields, "arch", arch) != arch:
+        raise ConfigError(f"model.arch={fields.arch!r} differs from the requested arch {arch!r}: pass "
                           "matching ones")
-    return ModelConfig(**fields).family_config()
+    return family.from_fields(fields)
+
+
+class _ModelFields:
+    """A dict of model.* fields read as a model section (attributes)."""
+
+    def __init__(self, fields: Mapping):
+        self._fields = dict(fields)
+
+    def __getattr__(self, key: str):
+        try:
+            return self._fields[key]
+        except KeyError:
+            raise ConfigError(f"model config dict has no model.{key}: give every model.* field (as read_hf_config "
+                              "returns them), or pass a ModelConfig") from None
 
 
 _REQUIRED = object()
