@@ -70,5 +70,5 @@ def test_plan_prints_the_timeline_through_the_cli(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "rank 0: F0.0 F0.1 I0.0 W0.0 F0.2" in proc.stdout and "simulated bubble" in proc.stdout
     d = json.loads(out.read_text())["pipeline"]
-    assert d["schedule"] == "zbh1" and d["pp"] == 2 and d["micro_batches"] == 4
+    assert d["schedule"] == "zb" and d["pp"] == 2 and d["micro_batches"] == 4
     assert [s["layers"] for s in d["stages"]] == [[0, 2], [2, 4]]

@@ -39,7 +39,7 @@ PP_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb")  # parallel.pp_schedule
 def check_checkpointing(schedule: str, activation_checkpointing: str) -> None:
     """Selective checkpointing lets a block's saved tensors be used by one backward only,
     and zero-bubble runs two per block (input gradients, then weight gradients)."""
-    if activation_checkpointing == "selective" and schedule in ("zb", "zbh1"):
+    if activation_checkpointing == "selective" and schedule == "zb":
         raise ConfigError("train.activation_checkpointing=selective with parallel.pp_schedule=zb: a selectively "
                           "checkpointed block can be backpropagated once, and zero-bubble splits its backward "
                           "in two; use activation_checkpointing full, or pp_schedule 1f1b")
@@ -195,7 +195,7 @@ def zb_h1(pp: int, m: int, extra_in_flight: int = 0) -> PipelineSchedule:
             order[r].append(act)
             left -= 1
         t += 1
-    return with_comm(pp, 1, m, "zbh1", order)
+    return with_comm(pp, 1, m, "zb", order)
 
 
 def interleaved_1f1b(pp: int, v: int, m: int) -> PipelineSchedule:
@@ -244,7 +244,7 @@ def build_pipeline_schedule(name: str, pp: int, m: int, v: int = 1) -> PipelineS
         sched = gpipe
     elif name == "1f1b":
         sched = one_f_one_b
-    elif name in ("zb", "zbh1"):
+    elif name == "zb":
         sched = zb_h1
     elif name == "interleaved":
         return interleaved_1f1b(pp, v, m)
