@@ -1,5 +1,6 @@
 """Each section's own fields checked: types, bounds, choices, and what one section alone
-can rule out. Every failure is a ConfigError naming the key and the fix."""
+can rule out. Every failure is a ConfigError naming the key and the fix. model.moe checks
+its own fields (models/moe.py:MoeConfig); here only how it fits the rest of the model."""
 
 from __future__ import annotations
 
@@ -16,7 +17,6 @@ from .sections import (
     CheckpointConfig,
     DataConfig,
     ModelConfig,
-    MoeSection,
     ParallelConfig,
     TrainConfig,
 )
@@ -96,33 +96,21 @@ def _validate_model(m: ModelConfig) -> None:
                               "RoPE needs an even head dim: choose dim and n_heads with an even ratio, or set "
                               "model.head_dim")
     if m.moe is not None:
-        _validate_moe(m.moe, m.n_layers)
+        _validate_moe_in_model(m)
     # The family's own checks (head divisibility, even head dim, ...).
     m.family_config()
 
 
-def _validate_moe(e: MoeSection, n_layers: int) -> None:
-    from ..models.moe import BALANCES, ROUTERS
-
-    if not isinstance(e, MoeSection):
-        raise ConfigError(f"model.moe={e!r} must be a mapping of its fields, or null")
-    for key, minimum in (("num_experts", 1), ("top_k", 1), ("expert_ffn_dim", 1), ("shared_experts", 0)):
-        _check_int(getattr(e, key), f"model.moe.{key}", minimum=minimum)
-    if e.top_k > e.num_experts:
-        raise ConfigError(f"model.moe.top_k={e.top_k} exceeds model.moe.num_experts={e.num_experts}: a token "
-                          "cannot go to more experts than there are")
-    check_choice(e.router, "model.moe.router", ROUTERS)
-    check_choice(e.balance, "model.moe.balance", BALANCES)
-    for key in ("aux_coef", "z_loss_coef", "bias_update_rate"):
-        check_float(getattr(e, key), f"model.moe.{key}", minimum=0.0)
-    check_float(e.route_scale, "model.moe.route_scale", positive=True)
-    check_bool(e.norm_topk, "model.moe.norm_topk")
-    if e.capacity_factor is not None:
-        check_float(e.capacity_factor, "model.moe.capacity_factor", positive=True)
+def _validate_moe_in_model(m: ModelConfig) -> None:
+    """model.moe within the model: a MoeConfig (which checked its own fields when built)
+    whose layers select some of model.n_layers."""
     from ..models.moe import MoeConfig
 
-    if not MoeConfig(layers=e.layers).moe_layers(n_layers):
-        raise ConfigError(f"model.moe.layers={e.layers!r} selects no block of model.n_layers={n_layers}: choose "
+    e = m.moe
+    if not isinstance(e, MoeConfig):
+        raise ConfigError(f"model.moe={e!r} must be a mapping of its fields, or null")
+    if not e.moe_layers(m.n_layers):
+        raise ConfigError(f"model.moe.layers={e.layers!r} selects no block of model.n_layers={m.n_layers}: choose "
                           "some, or set model.moe null")
 
 
