@@ -1,7 +1,6 @@
 """Run configuration for `meshtrain fit`: dataclasses, YAML round trip, eager validation."""
 
 from .schema import RunConfig
-from .sections import PRECISIONS, CheckpointConfig, DataConfig, ModelConfig, ParallelConfig, TrainConfig
+from .sections import CheckpointConfig, DataConfig, ModelConfig, ParallelConfig, TrainConfig
 
-__all__ = ["CheckpointConfig", "DataConfig", "ModelConfig", "ParallelConfig", "PRECISIONS", "RunConfig",
-           "TrainConfig"]
+__all__ = ["CheckpointConfig", "DataConfig", "ModelConfig", "ParallelConfig", "RunConfig", "TrainConfig"]

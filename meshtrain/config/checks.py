@@ -7,13 +7,10 @@ from __future__ import annotations
 from ..errors import ConfigError, check_bool, check_choice, check_float, check_int
 from ..pipeline.schedule import PP_SCHEDULES
 from .sections import (
-    CHECKPOINTING,
-    FP8_RECIPES,
     MAX_SIZES,
     MAX_STEPS,
     MAX_TIMEOUT_S,
     NONFINITE,
-    PRECISIONS,
     CheckpointConfig,
     DataConfig,
     ModelConfig,
@@ -159,6 +156,8 @@ def _validate_parallel(p: ParallelConfig) -> None:
 
 
 def _validate_train(t: TrainConfig) -> None:
+    from ..models.fp8 import RECIPES
+    from ..models.policy import CHECKPOINTING, PRECISIONS
     from ..train.schedule import LR_SCHEDULES
 
     for key in ("steps", "global_batch", "micro_batch", "seq_len", "log_every", "eval_batches"):
@@ -178,7 +177,7 @@ def _validate_train(t: TrainConfig) -> None:
         check_float(t.grad_clip, "train.grad_clip", minimum=0.0)
     check_choice(t.precision, "train.precision", PRECISIONS)
     check_bool(t.compile, "train.compile")
-    check_choice(t.fp8_recipe, "train.fp8_recipe", FP8_RECIPES)
+    check_choice(t.fp8_recipe, "train.fp8_recipe", RECIPES)
     check_choice(t.activation_checkpointing, "train.activation_checkpointing", CHECKPOINTING)
     check_choice(t.nonfinite, "train.nonfinite", NONFINITE)
     _check_int(t.max_skipped, "train.max_skipped", minimum=0)
