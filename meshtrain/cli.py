@@ -37,9 +37,10 @@ def build_parser():
     from .config import RunConfig
 
     # A class_path in a config value must not import anything (a module's import runs its
-    # code): the only class a config may name is the MoE section, which is ours.
+    # code): the only class a config may name is model.moe's MoeConfig, which is ours, by
+    # the shortest import path that jsonargparse finds for it.
     set_parsing_settings(docstring_parse_attribute_docstrings=True, import_path_denylist=["*"],
-                         import_path_allowlist=["meshtrain.config.sections.MoeSection"])
+                         import_path_allowlist=["meshtrain.models.moe.MoeConfig"])
     parser = ArgumentParser(**_STRICT, prog="meshtrain", description="Megatron-class LLM pre-training in PyTorch.")
     fit = ArgumentParser(**_STRICT, description="Train a model. Values come from the defaults, then --config files, "
                                      "then dotted flags, in the order given.")
@@ -276,11 +277,11 @@ def _known_keys(parser, command: str | None) -> list[str]:
     import dataclasses
 
     from .config import RunConfig
-    from .config.sections import MoeSection
+    from .models.moe import MoeConfig
 
     def walk(cls, prefix):
         for f in dataclasses.fields(cls):
-            inner = MoeSection if f.name == "moe" else f.default_factory if dataclasses.is_dataclass(
+            inner = MoeConfig if f.name == "moe" else f.default_factory if dataclasses.is_dataclass(
                 f.default_factory) else None
             yield from walk(inner, f"{prefix}{f.name}.") if inner else [prefix + f.name]
 

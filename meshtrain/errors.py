@@ -1,4 +1,10 @@
-"""Errors the CLI prints as one line, without a traceback."""
+"""Errors the CLI prints as one line, without a traceback, and the checks of config values
+that raise them: whoever owns a config key (a config section, a model's own config) checks
+it with these, so every message names the key and the value alike."""
+
+from __future__ import annotations
+
+import math
 
 
 class ConfigError(ValueError):
@@ -8,3 +14,34 @@ class ConfigError(ValueError):
 class TrainingError(RuntimeError):
     """A run stopped by one of its own safeguards (non-finite losses, ...). The message names
     the step and the fix (exit 1)."""
+
+
+def check_int(value, key: str, minimum: int | None = None, maximum: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{key}={value!r} must be an integer")
+    if minimum is not None and value < minimum:
+        raise ConfigError(f"{key}={value} must be at least {minimum}")
+    if maximum is not None and value > maximum:
+        raise ConfigError(f"{key}={value} exceeds the largest supported value {maximum}, far beyond any real "
+                          f"model: choose a smaller {key.rsplit('.', 1)[-1]}")
+
+
+def check_float(value, key: str, minimum: float | None = None, positive: bool = False) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ConfigError(f"{key}={value!r} must be a finite number")
+    if positive and value <= 0:
+        raise ConfigError(f"{key}={value} must be positive")
+    if minimum is not None and value < minimum:
+        raise ConfigError(f"{key}={value} must be at least {minimum}")
+
+
+def check_bool(value, key: str) -> None:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{key}={value!r} must be true or false")
+
+
+def check_choice(value, key: str, choices) -> None:
+    """`choices`: the names, as a tuple or as the keys of the owner's table."""
+    choices = tuple(choices)
+    if value not in choices:
+        raise ConfigError(f"{key}={value!r}: choose one of {', '.join(choices)}")

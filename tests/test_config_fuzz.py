@@ -34,6 +34,7 @@ import meshtrain.run.fit as fit_module
 from meshtrain import cli
 from meshtrain.config import RunConfig, schema
 from meshtrain.errors import ConfigError
+from meshtrain.models.moe import MoeConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 BASES = ("tiny", "tiny-4proc", "tiny-moe", "tiny-pp2", "tiny-cp2")
@@ -92,7 +93,7 @@ def schema_fields() -> list[tuple[str, str]]:
     out = [(f.name, f.type) for f in dataclasses.fields(RunConfig) if f.name not in schema._SECTIONS]
     for section, cls in schema._SECTIONS.items():
         out += [(f"{section}.{f.name}", f.type) for f in dataclasses.fields(cls)]
-    out += [(f"model.moe.{f.name}", f.type) for f in dataclasses.fields(schema.MoeSection)]
+    out += [(f"model.moe.{f.name}", f.type) for f in dataclasses.fields(MoeConfig)]
     return out
 
 

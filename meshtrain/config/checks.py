@@ -1,57 +1,26 @@
 """Each section's own fields checked: types, bounds, choices, and what one section alone
-can rule out. Every failure is a ConfigError naming the key and the fix."""
+can rule out. Every failure is a ConfigError naming the key and the fix. model.moe checks
+its own fields (models/moe.py:MoeConfig); here only how it fits the rest of the model."""
 
 from __future__ import annotations
 
-import math
-
-from ..errors import ConfigError
+from ..errors import ConfigError, check_bool, check_choice, check_float, check_int
 from ..pipeline.schedule import PP_SCHEDULES
 from .sections import (
-    CHECKPOINTING,
-    FP8_RECIPES,
     MAX_SIZES,
     MAX_STEPS,
     MAX_TIMEOUT_S,
     NONFINITE,
-    PRECISIONS,
     CheckpointConfig,
     DataConfig,
     ModelConfig,
-    MoeSection,
     ParallelConfig,
     TrainConfig,
 )
 
 
 def _check_int(value, key: str, minimum: int | None = None, maximum: int | None = None) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"{key}={value!r} must be an integer")
-    if minimum is not None and value < minimum:
-        raise ConfigError(f"{key}={value} must be at least {minimum}")
-    maximum = MAX_SIZES.get(key) if maximum is None else maximum
-    if maximum is not None and value > maximum:
-        raise ConfigError(f"{key}={value} exceeds the largest supported value {maximum}, far beyond any real "
-                          f"model: choose a smaller {key.rsplit('.', 1)[-1]}")
-
-
-def _check_float(value, key: str, minimum: float | None = None, positive: bool = False) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ConfigError(f"{key}={value!r} must be a finite number")
-    if positive and value <= 0:
-        raise ConfigError(f"{key}={value} must be positive")
-    if minimum is not None and value < minimum:
-        raise ConfigError(f"{key}={value} must be at least {minimum}")
-
-
-def _check_bool(value, key: str) -> None:
-    if not isinstance(value, bool):
-        raise ConfigError(f"{key}={value!r} must be true or false")
-
-
-def _choice(value, key: str, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise ConfigError(f"{key}={value!r}: choose one of {', '.join(choices)}")
+    check_int(value, key, minimum, MAX_SIZES.get(key) if maximum is None else maximum)
 
 
 def _validate_model(m: ModelConfig) -> None:
@@ -65,8 +34,8 @@ def _validate_model(m: ModelConfig) -> None:
     for key in ("n_kv_heads", "ffn_dim"):
         if getattr(m, key) is not None:
             _check_int(getattr(m, key), f"model.{key}", minimum=1)
-    _check_float(m.norm_eps, "model.norm_eps", positive=True)
-    _check_bool(m.tie_embeddings, "model.tie_embeddings")
+    check_float(m.norm_eps, "model.norm_eps", positive=True)
+    check_bool(m.tie_embeddings, "model.tie_embeddings")
     if m.init_from is not None and (not isinstance(m.init_from, str) or not m.init_from):
         raise ConfigError(f"model.init_from={m.init_from!r}: give the path of a Hugging Face model directory, "
                           "or null")
@@ -79,7 +48,7 @@ def _validate_model(m: ModelConfig) -> None:
             raise ConfigError(f"model.rope_scaling={m.rope_scaling!r}: give null, or (llama only) a mapping with "
                               f"exactly the keys {', '.join(sorted(keys))}")
         for key, value in m.rope_scaling.items():
-            _check_float(value, f"model.rope_scaling.{key}", positive=True)
+            check_float(value, f"model.rope_scaling.{key}", positive=True)
         s = m.rope_scaling
         if s["factor"] < 1:
             raise ConfigError(f"model.rope_scaling.factor={s['factor']} must be at least 1 (it stretches the "
@@ -97,7 +66,7 @@ def _validate_model(m: ModelConfig) -> None:
         if m.rope_theta is None:
             raise ConfigError("model.rope_theta is null, but llama uses RoPE: set model.rope_theta "
                               "(10000.0 for Llama-2-style models, 500000.0 for Llama-3)")
-        _check_float(m.rope_theta, "model.rope_theta", positive=True)
+        check_float(m.rope_theta, "model.rope_theta", positive=True)
     elif m.arch == "gpt2":  # no GQA, learned positions
         if m.n_kv_heads is not None and m.n_kv_heads != m.n_heads:
             raise ConfigError(f"model.n_kv_heads={m.n_kv_heads}: model.arch=gpt2 has no grouped-query attention; set "
@@ -106,7 +75,7 @@ def _validate_model(m: ModelConfig) -> None:
         if m.rope_theta is not None:
             raise ConfigError(f"model.rope_theta={m.rope_theta}: model.arch=gpt2 uses learned absolute positions, not "
                               "RoPE; set model.rope_theta to null, e.g. --model.rope_theta null")
-    _check_bool(m.qk_norm, "model.qk_norm")
+    check_bool(m.qk_norm, "model.qk_norm")
     if m.head_dim is not None:
         _check_int(m.head_dim, "model.head_dim", minimum=2)
     if m.arch != "llama":
@@ -124,47 +93,35 @@ def _validate_model(m: ModelConfig) -> None:
                               "RoPE needs an even head dim: choose dim and n_heads with an even ratio, or set "
                               "model.head_dim")
     if m.moe is not None:
-        _validate_moe(m.moe, m.n_layers)
+        _validate_moe_in_model(m)
     # The family's own checks (head divisibility, even head dim, ...).
     m.family_config()
 
 
-def _validate_moe(e: MoeSection, n_layers: int) -> None:
-    from ..models.moe import BALANCES, ROUTERS
-
-    if not isinstance(e, MoeSection):
-        raise ConfigError(f"model.moe={e!r} must be a mapping of its fields, or null")
-    for key, minimum in (("num_experts", 1), ("top_k", 1), ("expert_ffn_dim", 1), ("shared_experts", 0)):
-        _check_int(getattr(e, key), f"model.moe.{key}", minimum=minimum)
-    if e.top_k > e.num_experts:
-        raise ConfigError(f"model.moe.top_k={e.top_k} exceeds model.moe.num_experts={e.num_experts}: a token "
-                          "cannot go to more experts than there are")
-    _choice(e.router, "model.moe.router", ROUTERS)
-    _choice(e.balance, "model.moe.balance", BALANCES)
-    for key in ("aux_coef", "z_loss_coef", "bias_update_rate"):
-        _check_float(getattr(e, key), f"model.moe.{key}", minimum=0.0)
-    _check_float(e.route_scale, "model.moe.route_scale", positive=True)
-    _check_bool(e.norm_topk, "model.moe.norm_topk")
-    if e.capacity_factor is not None:
-        _check_float(e.capacity_factor, "model.moe.capacity_factor", positive=True)
+def _validate_moe_in_model(m: ModelConfig) -> None:
+    """model.moe within the model: a MoeConfig (which checked its own fields when built)
+    whose layers select some of model.n_layers."""
     from ..models.moe import MoeConfig
 
-    if not MoeConfig(layers=e.layers).moe_layers(n_layers):
-        raise ConfigError(f"model.moe.layers={e.layers!r} selects no block of model.n_layers={n_layers}: choose "
+    e = m.moe
+    if not isinstance(e, MoeConfig):
+        raise ConfigError(f"model.moe={e!r} must be a mapping of its fields, or null")
+    if not e.moe_layers(m.n_layers):
+        raise ConfigError(f"model.moe.layers={e.layers!r} selects no block of model.n_layers={m.n_layers}: choose "
                           "some, or set model.moe null")
 
 
 def _validate_parallel(p: ParallelConfig) -> None:
     _check_int(p.nproc_per_node, "parallel.nproc_per_node", minimum=1)
-    _check_bool(p.sp, "parallel.sp")
+    check_bool(p.sp, "parallel.sp")
     _check_int(p.ep, "parallel.ep", minimum=1)
     _check_int(p.cp, "parallel.cp", minimum=1)
     from ..parallel.plan import CP_COMMS
 
-    _choice(p.cp_comm, "parallel.cp_comm", CP_COMMS)
+    check_choice(p.cp_comm, "parallel.cp_comm", CP_COMMS)
     _check_int(p.pp, "parallel.pp", minimum=1)
     _check_int(p.pp_virtual, "parallel.pp_virtual", minimum=1)
-    _choice(p.pp_schedule, "parallel.pp_schedule", PP_SCHEDULES)
+    check_choice(p.pp_schedule, "parallel.pp_schedule", PP_SCHEDULES)
     if p.pp == 1 and p.pp_virtual > 1:
         raise ConfigError(f"parallel.pp_virtual={p.pp_virtual} sets pipeline stages per pp rank, but parallel.pp=1 "
                           "(no pipeline): set pp_virtual 1, or parallel.pp > 1")
@@ -174,12 +131,12 @@ def _validate_parallel(p: ParallelConfig) -> None:
                               "or null to balance by cost")
         for i, k in enumerate(p.pp_layout):
             _check_int(k, f"parallel.pp_layout[{i}]", minimum=1)
-    _check_float(p.collective_timeout_s, "parallel.collective_timeout_s", positive=True)
+    check_float(p.collective_timeout_s, "parallel.collective_timeout_s", positive=True)
     if p.collective_timeout_s > MAX_TIMEOUT_S:
         raise ConfigError(f"parallel.collective_timeout_s={p.collective_timeout_s} exceeds {MAX_TIMEOUT_S:g} s "
                           "(about 3 years), more than a process group's timeout can hold: choose a smaller "
                           "timeout (the default is 900)")
-    _check_float(p.watchdog_s, "parallel.watchdog_s", minimum=0.0)
+    check_float(p.watchdog_s, "parallel.watchdog_s", minimum=0.0)
     if p.watchdog_s and p.watchdog_s >= p.collective_timeout_s:
         raise ConfigError(f"parallel.watchdog_s={p.watchdog_s} must be below parallel.collective_timeout_s="
                           f"{p.collective_timeout_s}, or a timed-out collective ends the run before the watchdog "
@@ -199,6 +156,8 @@ def _validate_parallel(p: ParallelConfig) -> None:
 
 
 def _validate_train(t: TrainConfig) -> None:
+    from ..models.fp8 import RECIPES
+    from ..models.policy import CHECKPOINTING, PRECISIONS
     from ..train.schedule import LR_SCHEDULES
 
     for key in ("steps", "global_batch", "micro_batch", "seq_len", "log_every", "eval_batches"):
@@ -208,21 +167,21 @@ def _validate_train(t: TrainConfig) -> None:
     if t.global_batch % t.micro_batch:
         raise ConfigError(f"train.global_batch={t.global_batch} is not divisible by train.micro_batch="
                           f"{t.micro_batch}: choose a global_batch that is a multiple of micro_batch")
-    _check_float(t.lr, "train.lr", positive=True)
-    _check_float(t.min_lr, "train.min_lr", minimum=0.0)
+    check_float(t.lr, "train.lr", positive=True)
+    check_float(t.min_lr, "train.min_lr", minimum=0.0)
     if t.min_lr > t.lr:
         raise ConfigError(f"train.min_lr={t.min_lr} exceeds train.lr={t.lr}: min_lr is where the decay ends")
-    _choice(t.lr_schedule, "train.lr_schedule", LR_SCHEDULES)
-    _check_float(t.weight_decay, "train.weight_decay", minimum=0.0)
+    check_choice(t.lr_schedule, "train.lr_schedule", LR_SCHEDULES)
+    check_float(t.weight_decay, "train.weight_decay", minimum=0.0)
     if t.grad_clip is not None:
-        _check_float(t.grad_clip, "train.grad_clip", minimum=0.0)
-    _choice(t.precision, "train.precision", PRECISIONS)
-    _check_bool(t.compile, "train.compile")
-    _choice(t.fp8_recipe, "train.fp8_recipe", FP8_RECIPES)
-    _choice(t.activation_checkpointing, "train.activation_checkpointing", CHECKPOINTING)
-    _choice(t.nonfinite, "train.nonfinite", NONFINITE)
+        check_float(t.grad_clip, "train.grad_clip", minimum=0.0)
+    check_choice(t.precision, "train.precision", PRECISIONS)
+    check_bool(t.compile, "train.compile")
+    check_choice(t.fp8_recipe, "train.fp8_recipe", RECIPES)
+    check_choice(t.activation_checkpointing, "train.activation_checkpointing", CHECKPOINTING)
+    check_choice(t.nonfinite, "train.nonfinite", NONFINITE)
     _check_int(t.max_skipped, "train.max_skipped", minimum=0)
-    _check_float(t.spike_factor, "train.spike_factor", minimum=0.0)
+    check_float(t.spike_factor, "train.spike_factor", minimum=0.0)
     if 0 < t.spike_factor <= 1:
         raise ConfigError(f"train.spike_factor={t.spike_factor}: a spike is a loss above factor x the recent mean, "
                           "so the factor must exceed 1 (e.g. 1.5), or be 0 to turn the warning off")
@@ -238,7 +197,7 @@ def _validate_data(d: DataConfig) -> None:
         raise ConfigError(str(e)) from None
     if not isinstance(d.tokenizer, str) or not d.tokenizer:
         raise ConfigError(f"data.tokenizer={d.tokenizer!r}: give bytes or the path of a tokenizer.json")
-    _check_float(d.valid_fraction, "data.valid_fraction", minimum=0.0)
+    check_float(d.valid_fraction, "data.valid_fraction", minimum=0.0)
     if d.valid_fraction >= 1:
         raise ConfigError(f"data.valid_fraction={d.valid_fraction} leaves no training data: choose a value "
                           "below 1 (e.g. 0.01)")
@@ -247,7 +206,7 @@ def _validate_data(d: DataConfig) -> None:
 def _validate_checkpoint(c: CheckpointConfig) -> None:
     _check_int(c.every, "checkpoint.every", minimum=0)
     _check_int(c.keep_last, "checkpoint.keep_last", minimum=1)
-    _check_bool(c.export, "checkpoint.export")
+    check_bool(c.export, "checkpoint.export")
     if not isinstance(c.resume, str) or not c.resume:
         raise ConfigError(f"checkpoint.resume={c.resume!r}: give auto, none, or a checkpoint directory")
 

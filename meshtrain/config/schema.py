@@ -27,7 +27,6 @@ from .sections import (
     CheckpointConfig,
     DataConfig,
     ModelConfig,
-    MoeSection,
     ParallelConfig,
     TrainConfig,
 )
@@ -165,9 +164,6 @@ class RunConfig:
         """The model family's own config (LlamaConfig, GPT2Config)."""
         return self.model.family_config()
 
-    def moe_config(self):
-        return self.model.moe_config()
-
     def model_def(self):
         from ..models import build
 
@@ -230,7 +226,9 @@ def _section_from_dict(cls, key: str, value: Any):
         raise ConfigError(f"unknown config key {key}.{unknown[0]}; {key} has {', '.join(names)}")
     value = dict(value)
     if cls is ModelConfig and value.get("moe") is not None:
-        value["moe"] = _section_from_dict(MoeSection, "model.moe", value["moe"])
+        from ..models.moe import MoeConfig
+
+        value["moe"] = _section_from_dict(MoeConfig, "model.moe", value["moe"])
     return cls(**value)
 
 

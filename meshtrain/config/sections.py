@@ -1,80 +1,39 @@
 """The sections of a run configuration (model, parallel, train, data, checkpoint) and the
 bounds of their values. Every field has an attribute docstring: jsonargparse shows it in
---help."""
+--help. model.moe is the MoE layer's own MoeConfig (models/moe.py), which checks its fields
+itself."""
 
 from __future__ import annotations
 
-import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-PRECISIONS = ("fp32", "bf16", "fp8")
+# For the annotation only: importing meshtrain.models here would import torch with
+# meshtrain.config. jsonargparse resolves the name from this block when the CLI builds its
+# parser; ModelConfig and RunConfig.from_dict import the class when a config has a model.moe.
+if TYPE_CHECKING:
+    from ..models.moe import MoeConfig
 
-
-FP8_RECIPES = ("tensorwise", "rowwise")
-
-
-CHECKPOINTING = ("none", "selective", "full")
-
-
-NONFINITE = ("abort", "skip")
+NONFINITE = ("abort", "skip")  # train.nonfinite: run/guards.py acts on it, a layer above config/
 
 
 BYTES_VOCAB = 258  # the bytes tokenizer: 256 byte values, BOS and EOS
 
 
 # Upper bounds of the model sizes: far above any real model (Llama 3 405B: dim 16384, 126
-# layers, ffn_dim 53248, 128 heads, vocabulary 128256; DeepSeek-V3: 256 experts), low enough
-# that a typo fails here, not as an allocation, an overflow or an endless planning loop
-# after the ranks have started. The vocabulary bound is the int32 token id.
+# layers, ffn_dim 53248, 128 heads, vocabulary 128256), low enough that a typo fails here,
+# not as an allocation, an overflow or an endless planning loop after the ranks have
+# started. The vocabulary bound is the int32 token id. model.moe's are MoeConfig's own.
 MAX_SIZES = {"model.dim": 2**20, "model.n_layers": 1024, "model.n_heads": 2**16, "model.n_kv_heads": 2**16,
              "model.ffn_dim": 2**22, "model.head_dim": 2**16, "model.vocab_size": 2**31 - 1,
-             "model.max_seq_len": 2**24, "model.moe.num_experts": 2**16, "model.moe.shared_experts": 2**16,
-             "model.moe.expert_ffn_dim": 2**22}
+             "model.max_seq_len": 2**24}
 
 
 MAX_STEPS = 10**12  # a million times the longest pre-training runs
 
 
 MAX_TIMEOUT_S = 1.0e8  # about 3 years: a process group's timeout must fit a timedelta and int64 milliseconds
-
-
-@dataclass
-class MoeSection:
-    """Mixture-of-experts feed-forward blocks (llama family): a router picks top_k of num_experts SwiGLU experts per token."""
-
-    num_experts: int = 8
-    """Routed experts per MoE block."""
-    top_k: int = 2
-    """Experts each token is sent to."""
-    expert_ffn_dim: int = 128
-    """Hidden size of each expert's SwiGLU."""
-    shared_experts: int = 0
-    """Experts every token also passes through (DeepSeek-style), run as one SwiGLU of shared_experts x expert_ffn_dim; 0: none."""
-    router: str = "softmax"
-    """softmax (Mixtral, Qwen3-MoE) | sigmoid (DeepSeek-V3: independent scores, the chosen ones normalised). Computed in fp32."""
-    balance: str = "aux"
-    """aux: a balance loss aux_coef x E/k x sum_i f_i P_i, taken within each sequence and averaged over the global batch | aux_free: a per-expert bias shifts the choice of experts toward balance, updated after each step by bias_update_rate x sign(mean load - load) over the global batch's tokens | none."""
-    aux_coef: float = 0.01
-    """Weight of the balance loss (balance aux)."""
-    z_loss_coef: float = 0.0
-    """Weight of the router z-loss (mean over tokens of logsumexp(logits)^2); 0: off."""
-    capacity_factor: float | None = None
-    """null: dropless (every routed token is computed). A number: each expert takes at most ceil(capacity_factor x tokens x top_k / E) of each rank's routed tokens per micro-step, those with the highest gates; the rest are dropped (they add nothing; the residual carries them)."""
-    layers: str | list[int] = "all"
-    """Which blocks are MoE: all; a slice such as '1:' (all but the first, dense, block) or '::2'; or a list of indices. Dense blocks keep model.ffn_dim."""
-    norm_topk: bool = True
-    """Normalise the top_k gates of a token to sum to 1."""
-    route_scale: float = 1.0
-    """Multiplier of the gates (DeepSeek-V3: 2.5)."""
-    bias_update_rate: float = 0.001
-    """Step of the aux-free bias update (balance aux_free)."""
-
-    def __post_init__(self):
-        # `--model.moe.layers "'1:'"`: the command line keeps a quoted string's quotes.
-        v = self.layers
-        if isinstance(v, str) and len(v) > 1 and v[0] == v[-1] and v[0] in "'\"":
-            self.layers = v[1:-1]
 
 
 @dataclass
@@ -111,22 +70,21 @@ class ModelConfig:
     """RMSNorm on each query and key head before RoPE (Qwen3; llama only)."""
     head_dim: int | None = None
     """Width of an attention head when it is not dim / n_heads (Qwen3; llama only); null: dim / n_heads."""
-    moe: MoeSection | None = None
+    moe: MoeConfig | None = None
     """Mixture-of-experts blocks (llama only); null: every block is dense."""
+
+    def __post_init__(self):
+        # model.moe as a mapping of its fields (the Python API, a config.json read by interop).
+        if isinstance(self.moe, Mapping):
+            from ..models.moe import MoeConfig
+
+            self.moe = MoeConfig(**self.moe)
 
     def family_config(self):
         """The model family's own config (LlamaConfig, GPT2Config, ...)."""
         from ..models import get_family
 
         return get_family(self.arch).from_fields(self)
-
-    def moe_config(self):
-        from ..models.moe import MoeConfig
-
-        moe = self.moe
-        if moe is None:
-            return None
-        return MoeConfig(**(dataclasses.asdict(moe) if dataclasses.is_dataclass(moe) else moe))
 
 
 @dataclass

@@ -20,10 +20,10 @@ import math
 from dataclasses import dataclass
 
 from ..errors import ConfigError
+from ..models.policy import CHECKPOINTING  # least recompute first
 from ..parallel.plan_table import human_bytes
 from .step_memory import step_memory
 
-CHECKPOINTING = ("none", "selective", "full")  # least recompute first
 # Step-time cost of a change, as a rough fraction of the step: selective checkpointing
 # recomputes norms and activation functions (a few %, Korthikanti et al. 2022); full re-runs
 # every layer's forward (+1/3 of the compute); eager gives up compile's fusion; halving the

@@ -209,10 +209,8 @@ def import_fields(config: Mapping, t: str, fields: dict, source: str) -> dict:
 
 
 def moe_fields(values: Mapping) -> dict:
-    """All model.moe fields (a MoeSection as a dict): `values` over the defaults."""
-    from ..config.sections import MoeSection
-
-    return {**dataclasses.asdict(MoeSection()), **values}
+    """All model.moe fields (a MoeConfig as a dict): `values` over the defaults."""
+    return {**dataclasses.asdict(MoeConfig()), **values}
 
 
 def moe_dict(moe) -> dict:
@@ -241,7 +239,7 @@ def same_structure(theirs: dict | None, cfg) -> list[tuple[str, Any, Any]]:
     m = cfg.moe if cfg.moe is not None and cfg.moe_layers else None
     if theirs is None or m is None:
         return [("moe", theirs, None if m is None else moe_dict(m))]
-    t = _moe_config(theirs)
+    t = MoeConfig(**theirs)
     out = [(f"moe.{key}", getattr(t, key), getattr(m, key))
            for key in ("num_experts", "top_k", "expert_ffn_dim", "shared_experts", "router", "route_scale")]
     if t.top_k > 1 and m.top_k > 1:  # a single expert: norm_topk does nothing
@@ -253,13 +251,8 @@ def same_structure(theirs: dict | None, cfg) -> list[tuple[str, Any, Any]]:
 
 def dense_blocks(moe: Mapping, n_layers: int) -> list[int]:
     """The dense blocks of a model.moe dict."""
-    layers = _moe_config(moe).moe_layers(n_layers)
+    layers = MoeConfig(**moe).moe_layers(n_layers)
     return [i for i in range(n_layers) if i not in layers]
-
-
-def _moe_config(moe: Mapping):
-    layers = moe["layers"]
-    return MoeConfig(**{**moe, "layers": layers if isinstance(layers, str) else tuple(layers)})
 
 
 # --------------------------------------------------------------------------- tensors

@@ -12,6 +12,7 @@ import torch
 
 from ..errors import ConfigError
 from ..models import FAMILIES
+from ..models.moe import MoeConfig
 
 GiB = 1 << 30
 
@@ -107,7 +108,9 @@ def _family_cfg(arch: str, family_cfg):
         raise ConfigError(f"model.arch={arch!r} but the model config is a {type(family_cfg).__name__}: pass the "
                           f"{family.config.__name__} of the {arch} model")
     if isinstance(family_cfg, Mapping):
-        fields = _ModelFields({"qk_norm": False, "head_dim": None, "moe": None, **family_cfg})
+        moe = family_cfg.get("moe")
+        fields = _ModelFields({"qk_norm": False, "head_dim": None, **family_cfg,
+                               "moe": MoeConfig(**moe) if isinstance(moe, Mapping) else moe})
     elif hasattr(family_cfg, "arch") and hasattr(family_cfg, "dim"):  # a model.* section
         fields = family_cfg
     else:

@@ -8,7 +8,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-RECIPES = ("tensorwise", "rowwise")
+RECIPES = ("tensorwise", "rowwise")  # train.fp8_recipe
 
 # Inputs and weights keep more mantissa (e4m3); gradients need more range (e5m2).
 FWD_DTYPE = torch.float8_e4m3fn

@@ -1,6 +1,11 @@
 """Mixture-of-experts feed-forward: configuration, the router, the balancing terms and the
 routed expert computation on local tensors.
 
+MoeConfig is the model.moe section of a run config itself: the CLI parses it from YAML and
+flags (its attribute docstrings are the --help of model.moe.*), and it checks its own
+fields when built. Only what crosses into the rest of the model (model.moe.layers against
+model.n_layers, llama-only) is config/'s to check.
+
 The layer is written once, for local tensors; the context decides where experts live.
 `routed_experts` takes an optional `exchange` (expert parallelism: tokens travel to the
 ranks that hold their experts and back); without one every expert is local. Balancing
@@ -11,44 +16,72 @@ how the batch is laid out or split into micro-steps.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
-from ..errors import ConfigError
+from ..errors import ConfigError, check_bool, check_choice, check_float, check_int
 from .experts import capacity_keep, expert_capacity, expert_swiglu, sort_by_expert
 
-ROUTERS = ("softmax", "sigmoid")
-BALANCES = ("aux", "aux_free", "none")
+ROUTERS = ("softmax", "sigmoid")  # model.moe.router
+BALANCES = ("aux", "aux_free", "none")  # model.moe.balance
+
+# Upper bounds of the expert sizes, as config/sections.py's MAX_SIZES for the rest of the
+# model: far above any real model (DeepSeek-V3: 256 experts), low enough that a typo fails
+# here, not as an allocation or an endless planning loop after the ranks have started.
+MAX_SIZES = {"num_experts": 2**16, "shared_experts": 2**16, "expert_ffn_dim": 2**22}
 
 
 @dataclass(frozen=True)
 class MoeConfig:
+    """Mixture-of-experts feed-forward blocks (llama family): a router picks top_k of num_experts SwiGLU experts per token."""
+
     num_experts: int = 8
+    """Routed experts per MoE block."""
     top_k: int = 2
+    """Experts each token is sent to."""
     expert_ffn_dim: int = 128
+    """Hidden size of each expert's SwiGLU."""
     shared_experts: int = 0
+    """Experts every token also passes through (DeepSeek-style), run as one SwiGLU of shared_experts x expert_ffn_dim; 0: none."""
     router: str = "softmax"
+    """softmax (Mixtral, Qwen3-MoE) | sigmoid (DeepSeek-V3: independent scores, the chosen ones normalised). Computed in fp32."""
     balance: str = "aux"
+    """aux: a balance loss aux_coef x E/k x sum_i f_i P_i, taken within each sequence and averaged over the global batch | aux_free: a per-expert bias shifts the choice of experts toward balance, updated after each step by bias_update_rate x sign(mean load - load) over the global batch's tokens | none."""
     aux_coef: float = 0.01
+    """Weight of the balance loss (balance aux)."""
     z_loss_coef: float = 0.0
+    """Weight of the router z-loss (mean over tokens of logsumexp(logits)^2); 0: off."""
     capacity_factor: float | None = None
-    layers: tuple[int, ...] | str = "all"
+    """null: dropless (every routed token is computed). A number: each expert takes at most ceil(capacity_factor x tokens x top_k / E) of each rank's routed tokens per micro-step, those with the highest gates; the rest are dropped (they add nothing; the residual carries them)."""
+    layers: str | list[int] = field(default="all", hash=False)
+    """Which blocks are MoE: all; a slice such as '1:' (all but the first, dense, block) or '::2'; or a list of indices. Dense blocks keep model.ffn_dim."""
     norm_topk: bool = True
+    """Normalise the top_k gates of a token to sum to 1."""
     route_scale: float = 1.0
-    bias_update_rate: float = 1e-3
+    """Multiplier of the gates (DeepSeek-V3: 2.5)."""
+    bias_update_rate: float = 0.001
+    """Step of the aux-free bias update (balance aux_free)."""
 
     def __post_init__(self) -> None:
-        if self.router not in ROUTERS:
-            raise ConfigError(f"model.moe.router={self.router!r}: choose one of {', '.join(ROUTERS)}")
-        if self.balance not in BALANCES:
-            raise ConfigError(f"model.moe.balance={self.balance!r}: choose one of {', '.join(BALANCES)}")
-        if not 1 <= self.top_k <= self.num_experts:
-            raise ConfigError(f"model.moe.top_k={self.top_k} must be between 1 and model.moe.num_experts="
-                              f"{self.num_experts}")
-        if isinstance(self.layers, list):
-            object.__setattr__(self, "layers", tuple(self.layers))
+        # `--model.moe.layers "'1:'"`: the command line keeps a quoted string's quotes.
+        v = self.layers
+        if isinstance(v, str) and len(v) > 1 and v[0] == v[-1] and v[0] in "'\"":
+            object.__setattr__(self, "layers", v[1:-1])
+        for key, minimum in (("num_experts", 1), ("top_k", 1), ("expert_ffn_dim", 1), ("shared_experts", 0)):
+            check_int(getattr(self, key), f"model.moe.{key}", minimum, MAX_SIZES.get(key))
+        if self.top_k > self.num_experts:
+            raise ConfigError(f"model.moe.top_k={self.top_k} exceeds model.moe.num_experts={self.num_experts}: a "
+                              "token cannot go to more experts than there are")
+        check_choice(self.router, "model.moe.router", ROUTERS)
+        check_choice(self.balance, "model.moe.balance", BALANCES)
+        for key in ("aux_coef", "z_loss_coef", "bias_update_rate"):
+            check_float(getattr(self, key), f"model.moe.{key}", minimum=0.0)
+        check_float(self.route_scale, "model.moe.route_scale", positive=True)
+        check_bool(self.norm_topk, "model.moe.norm_topk")
+        if self.capacity_factor is not None:
+            check_float(self.capacity_factor, "model.moe.capacity_factor", positive=True)
 
     def moe_layers(self, n_layers: int) -> tuple[int, ...]:
         """The indices of the MoE blocks: 'all', a Python slice such as '3:' (all but the

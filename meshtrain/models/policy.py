@@ -18,10 +18,12 @@ from functools import partial
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from ..errors import ConfigError
+from ..errors import check_choice
+from .fp8 import RECIPES
 
+# train.precision -> the compute dtype (fp8: bf16, with fp8 GEMMs).
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp8": torch.bfloat16}
-FP8_RECIPES = ("tensorwise", "rowwise")
+# train.activation_checkpointing, least recompute first (estimate/advice.py searches them in this order).
 CHECKPOINTING = ("none", "selective", "full")
 
 KEEP_FP32 = ("router", "expert_bias")  # the last component of a parameter's name
@@ -45,13 +47,9 @@ class Policy:
 
     @staticmethod
     def of(precision: str = "fp32", fp8_recipe: str = "tensorwise", activation_checkpointing: str = "none") -> "Policy":
-        if precision not in PRECISIONS:
-            raise ConfigError(f"train.precision={precision!r}: choose one of {', '.join(PRECISIONS)}")
-        if fp8_recipe not in FP8_RECIPES:
-            raise ConfigError(f"train.fp8_recipe={fp8_recipe!r}: choose one of {', '.join(FP8_RECIPES)}")
-        if activation_checkpointing not in CHECKPOINTING:
-            raise ConfigError(f"train.activation_checkpointing={activation_checkpointing!r}: choose one of "
-                              f"{', '.join(CHECKPOINTING)}")
+        check_choice(precision, "train.precision", PRECISIONS)
+        check_choice(fp8_recipe, "train.fp8_recipe", RECIPES)
+        check_choice(activation_checkpointing, "train.activation_checkpointing", CHECKPOINTING)
         return Policy(PRECISIONS[precision], fp8_recipe if precision == "fp8" else None, activation_checkpointing)
 
     @staticmethod

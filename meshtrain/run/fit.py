@@ -173,8 +173,7 @@ class _Run:
                 rep.print(f"[yellow]config changed since {self.resume.name}: {'; '.join(changes)}[/]")
         peak = device_peak_tflops(self.device, t.precision)
         m = cfg.model
-        flops = flops_per_token(self.model.specs, m.n_layers, m.dim, t.seq_len, m.tie_embeddings,
-                                self.cfg.moe_config())
+        flops = flops_per_token(self.model.specs, m.n_layers, m.dim, t.seq_len, m.tie_embeddings, m.moe)
         tokens_per_step = t.global_batch * t.seq_len
         history: list[dict] = []
         first_step, start = self.state.step, time.perf_counter()

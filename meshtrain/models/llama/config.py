@@ -3,7 +3,6 @@ onto it."""
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 
 from ...errors import ConfigError
@@ -75,10 +74,4 @@ def from_fields(m) -> LlamaConfig:
                        ffn_dim=m.ffn_dim, vocab_size=m.vocab_size, max_seq_len=m.max_seq_len,
                        rope_theta=m.rope_theta, norm_eps=m.norm_eps, tie_embeddings=m.tie_embeddings,
                        rope_scaling=m.rope_scaling, qk_norm=m.qk_norm, attn_head_dim=m.head_dim,
-                       moe=_moe_config(m.moe))
-
-
-def _moe_config(moe) -> MoeConfig | None:
-    if moe is None or isinstance(moe, MoeConfig):
-        return moe
-    return MoeConfig(**(dataclasses.asdict(moe) if dataclasses.is_dataclass(moe) else moe))
+                       moe=m.moe)
