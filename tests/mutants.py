@@ -78,7 +78,7 @@ MUTANTS = [
            "meshtrain/train/optim.py",
            "        return ndim >= 2 and not any(",
            "        return ndim >= 0 and not any(", STEP),
-    Mutant("export_rope_theta", "RoPE theta doubled in the exported config.json", "meshtrain/interop/hf_config.py",
+    Mutant("export_rope_theta", "RoPE theta doubled in the exported config.json", "meshtrain/models/llama/hf.py",
            '"rope_theta": float(cfg.rope_theta)',
            '"rope_theta": 2 * float(cfg.rope_theta)', ("tests/test_hf.py",)),
 ]

@@ -1,7 +1,8 @@
 """A model family defined here, registered the way models/__init__.py registers llama and
 gpt2, goes through the same code as they do: it trains sharded (fsdp2 x tp2 + sp) equal to
 one process, decodes with a KV cache through its own blocks, plans and dry-runs from a run
-config, and its collective and memory estimates equal what its steps do.
+config, and its collective and memory estimates equal what its steps do. It has no
+Hugging Face format, and export says so.
 
 The family, "nope": RMSNorm, multi-head attention without positional encodings (NoPE:
 causal attention alone tells positions apart), a GELU MLP without biases.
@@ -294,3 +295,12 @@ def test_a_registered_family_memory_estimate_equals_its_saved_tensors():
     est = per_rank_memory(plan, model, micro_batch=2, seq_len=16)
     assert est["activations"] == measured, (est, measured)
     assert math.isfinite(est["peak"])
+
+
+def test_a_family_without_a_hugging_face_format_says_so_on_export(tmp_path):
+    from meshtrain.interop.hf import save_hf
+
+    params = {n: init_slice(s, n, 0) for n, s in param_specs(CFG).items()}
+    with pytest.raises(ConfigError, match=r"model\.arch='nope': Hugging Face interop supports llama, gpt2"):
+        save_hf(params, "nope", CFG, tmp_path / "out")
+    assert not (tmp_path / "out").exists()

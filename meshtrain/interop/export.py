@@ -1,5 +1,5 @@
 """Export to an HF directory: parameters in memory (save_hf) or streamed from a DCP
-checkpoint (export_checkpoint), safetensors shards and tokenizer files, published whole."""
+checkpoint (export_dcp), safetensors shards and tokenizer files, published whole."""
 
 from __future__ import annotations
 
@@ -19,17 +19,8 @@ from ..data.tokenizer import ByteTokenizer, load_tokenizer
 from ..errors import ConfigError
 from .hf_config import to_hf_config
 from .layout import hf_layout
-from .pieces import (
-    DTYPES,
-    INDEX_FILE,
-    SINGLE_FILE,
-    TOKENIZER_FILES,
-    GiB,
-    HFTensor,
-    Piece,
-    _family_cfg,
-    _specs,
-)
+from ..models.hf import HFTensor, Piece
+from .pieces import DTYPES, INDEX_FILE, SINGLE_FILE, TOKENIZER_FILES, GiB, _family_cfg, _specs
 from .safetensors_stream import StreamWriter, nbytes
 
 

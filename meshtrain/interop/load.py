@@ -15,19 +15,10 @@ import torch
 
 from ..errors import ConfigError
 from ..parallel.mesh import device_mesh_for
-from . import hf_moe
+from ..models.hf import HFTensor, Piece
 from .hf_config import _model_fields, read_hf_config
 from .layout import hf_layout
-from .pieces import (
-    _BASE_PREFIX,
-    _IGNORABLE,
-    _ST_READ_DTYPES,
-    INDEX_FILE,
-    HFTensor,
-    Piece,
-    _family_cfg,
-    _specs,
-)
+from .pieces import _IGNORABLE, _ST_READ_DTYPES, INDEX_FILE, _family_cfg, _specs, hf_format
 
 
 def load_hf_params(hf_dir: str | os.PathLike, arch: str, family_cfg, plan=None, mesh=None,
@@ -69,12 +60,12 @@ def _pick_layout(files: "_WeightFiles", arch: str, cfg) -> list[HFTensor]:
     """The layout the files hold: for MoE models, experts per expert (the hub's, what
     save_pretrained writes) or fused (save_pretrained(save_original_format=False))."""
     layout = hf_layout(arch, cfg)
-    if arch != "llama" or cfg.moe is None or not cfg.moe_layers:
+    fmt = hf_format(arch)
+    probe = fmt.fused_probe(cfg)
+    if probe is None:
         return layout
-    fused = hf_layout(arch, cfg, experts="fused")
-    i = cfg.moe_layers[0]
-    probe = f"model.layers.{i}.mlp.experts.gate_up_proj"
-    return fused if probe in files.names or probe[len("model."):] in files.names else layout
+    fused = probe in files.names or probe[len(fmt.base_prefix):] in files.names
+    return hf_layout(arch, cfg, experts="fused") if fused else layout
 
 
 def _pieces_of(layout: list[HFTensor]) -> dict[str, list[tuple[str, Piece]]]:
@@ -89,7 +80,7 @@ def _pieces_of(layout: list[HFTensor]) -> dict[str, list[tuple[str, Piece]]]:
 def _read_param(files: "_WeightFiles", where, pieces, index: tuple[slice, ...]) -> torch.Tensor:
     """ours[index] (fp32) from the HF tensors holding it, reading only those elements: a
     parameter split over tensors (one per expert) reads only the experts in `index`. No
-    pieces: a parameter the files do not hold (hf_moe.absent), zeros."""
+    pieces: a parameter the files do not hold (the format's `absent`), zeros."""
     if len(pieces) == 1 and not pieces[0][1].lead:
         hf_name, piece = pieces[0]
         return files.read(where[hf_name], piece, index)
@@ -110,21 +101,9 @@ def check_same_model(hf_dir: Path, arch: str, cfg) -> None:
     cfg = _family_cfg(arch, cfg)
     theirs = read_hf_config(hf_dir)
     ours = _model_fields(arch, cfg)
-    extra: list[tuple[str, Any, Any]] = []
-    if arch == "llama":
-        their_moe = theirs.pop("moe", None)
-        ours.pop("moe", None)
-        extra.append(("qk_norm", theirs.pop("qk_norm", False), ours.pop("qk_norm", False)))
-        extra.append(("head_dim", theirs.pop("head_dim", None) or theirs["dim"] // theirs["n_heads"], cfg.head_dim))
-        ours.pop("head_dim", None)
-        extra += hf_moe.same_structure(their_moe, cfg)
-        if their_moe is not None and not hf_moe.dense_blocks(their_moe, cfg.n_layers):
-            del theirs["ffn_dim"]  # every block is MoE: unused
-    diffs = []
-    for key, value in theirs.items():
-        if key == "max_seq_len" and arch == "llama":
-            continue  # not a weight shape; RoPE works at any length
-        diffs.append((key, value, ours[key]))
+    fmt = hf_format(arch)
+    extra = fmt.compare(theirs, ours, cfg)
+    diffs = [(key, value, ours[key]) for key, value in theirs.items() if key not in fmt.free]
     for key, value, mine in diffs + extra:
         same = math.isclose(value, mine, rel_tol=1e-6) if isinstance(value, float) and isinstance(mine, (int, float)) \
             else value == mine
@@ -216,7 +195,7 @@ class _WeightFiles:
 
     def match(self, layout: list[HFTensor], arch: str, tied: bool) -> dict[str, tuple[Path, str]]:
         """Expected name -> (file, name in the file), shapes and dtypes checked, nothing left over."""
-        prefix = _BASE_PREFIX[arch]
+        prefix = hf_format(arch).base_prefix
         where: dict[str, tuple[Path, str]] = {}
         for t in layout:
             candidates = [t.name] + ([t.name[len(prefix):]] if t.name.startswith(prefix) else [])

@@ -1,17 +1,17 @@
-"""What the Hugging Face side is made of: file and architecture names, the pieces of our
-parameters each HF tensor holds, and typed reads of config.json keys."""
+"""What every Hugging Face directory shares: file names, dtypes, tensors that are not
+weights; and the way from a model arch to its family's format and config (the formats
+themselves are in the families' folders, models/<family>/hf.py)."""
 
 from __future__ import annotations
 
-import json
 import re
-from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Mapping
 
 import torch
 
 from ..errors import ConfigError
 from ..models import FAMILIES
+from ..models.hf import HFFormat
 from ..models.moe import MoeConfig
 
 GiB = 1 << 30
@@ -24,12 +24,6 @@ _TORCH_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
 
 
 _ST_READ_DTYPES = {"F32", "BF16", "F16", "F64"}
-
-
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "gpt2": "GPT2LMHeadModel"}
-
-
-_BASE_PREFIX = {"llama": "model.", "gpt2": "transformer."}
 
 
 # Tensors a checkpoint may carry that are not weights (buffers of older transformers).
@@ -45,50 +39,13 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
 
-@dataclass(frozen=True)
-class Piece:
-    """Where (part of) one of our parameters lies inside a Hugging Face tensor: the HF
-    tensor holds ours[lead] (all of ours when lead is empty; e.g. lead (j,): expert j of
-    a stacked expert weight), whose dim perm[j] is HF dim j, starting at offset[j]
-    (non-zero only in a fused tensor). `shape` is our whole parameter's."""
-
-    ours: str
-    shape: tuple[int, ...]
-    perm: tuple[int, ...]
-    offset: tuple[int, ...]
-    lead: tuple[int, ...] = ()
-
-    @property
-    def sub_shape(self) -> tuple[int, ...]:
-        """The shape of ours[lead]."""
-        return self.shape[len(self.lead):]
-
-    @property
-    def inverse_perm(self) -> tuple[int, ...]:
-        inv = [0] * len(self.perm)
-        for j, d in enumerate(self.perm):
-            inv[d] = j
-        return tuple(inv)
-
-    def hf_index(self, index: tuple[slice, ...]) -> tuple[slice, ...]:
-        """The HF slices holding ours[lead][index] (slices with start/stop, step 1)."""
-        return tuple(slice(o + index[d].start, o + index[d].stop) for o, d in zip(self.offset, self.perm))
-
-    def region(self) -> tuple[slice, ...]:
-        return self.hf_index(tuple(slice(0, n) for n in self.sub_shape))
-
-
-@dataclass(frozen=True)
-class HFTensor:
-    name: str
-    shape: tuple[int, ...]
-    pieces: tuple[Piece, ...]
-
-    @property
-    def plain(self) -> bool:
-        """One piece, same layout: the HF tensor is our parameter as it is."""
-        p = self.pieces[0]
-        return len(self.pieces) == 1 and not p.lead and p.perm == tuple(range(len(p.shape)))
+def hf_format(arch: str) -> HFFormat:
+    """The Hugging Face format of the family `arch` (models/hf.py)."""
+    family = FAMILIES.get(arch)
+    if family is None or family.hf is None:
+        supported = [name for name, f in FAMILIES.items() if f.hf is not None]
+        raise ConfigError(f"model.arch={arch!r}: Hugging Face interop supports {', '.join(supported)}")
+    return family.hf
 
 
 def _specs(arch: str, cfg) -> dict:
@@ -99,8 +56,7 @@ def _family_cfg(arch: str, family_cfg):
     """The family config (LlamaConfig, GPT2Config) of `arch`: `family_cfg` itself, or the
     family's from_fields of a model.* section (a ModelConfig, or a dict of its fields such
     as read_hf_config returns)."""
-    if arch not in ARCHITECTURES:
-        raise ConfigError(f"model.arch={arch!r}: Hugging Face interop supports {', '.join(ARCHITECTURES)}")
+    hf_format(arch)
     family = FAMILIES[arch]
     if isinstance(family_cfg, family.config):
         return family_cfg
@@ -135,35 +91,4 @@ class _ModelFields:
             raise ConfigError(f"model config dict has no model.{key}: give every model.* field (as read_hf_config "
                               "returns them), or pass a ModelConfig") from None
 
-
-_REQUIRED = object()
-
-
-def _get(config: Mapping, keys: tuple[str, ...], default: Any, source: str, kind: type = int) -> Any:
-    """The first of `keys` that is set (not null), type-checked; else `default`."""
-    for key in keys:
-        value = config.get(key)
-        if value is None:
-            continue
-        if kind is float:
-            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-        elif kind is int:
-            ok = isinstance(value, int) and not isinstance(value, bool)
-        else:
-            ok = isinstance(value, kind)
-        if not ok:
-            what = {float: "a number", int: "an integer", bool: "true or false"}.get(kind, kind.__name__)
-            raise ConfigError(f"{source}: {key}={json.dumps(value)} must be {what}")
-        return value
-    if default is _REQUIRED:
-        raise ConfigError(f"{source}: {keys[0]} is missing; it is needed to build the model")
-    return default
-
-
-def _refuse(config: Mapping, key: str, ok: Callable[[Any], bool], default: Any, why: str, source: str) -> None:
-    value = config.get(key, default)
-    if value is None:
-        value = default
-    if not ok(value):
-        raise ConfigError(f"{source}: {key}={json.dumps(value)} is not supported: {why}")
 

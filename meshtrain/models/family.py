@@ -13,6 +13,7 @@ import torch
 
 from ..errors import ConfigError
 from .decode import KVCache, decode
+from .hf import HFFormat
 from .spec import ParamSpec
 
 # Logical layouts of the activations every family's blocks pass around (the cost walks
@@ -54,7 +55,8 @@ class Family:
     from the run config's model.* section; `forward_stage(cfg, params, x, ctx, layers,
     first, last)` runs layers [start, stop) (after the embedding when `first`, ending with
     `head(cfg, params, x, ctx)` when `last`); `kv_heads(cfg)` is the number of key/value
-    heads a KV cache holds."""
+    heads a KV cache holds; `hf` its Hugging Face format (models/hf.py), None for a family
+    that trains, plans and generates but does not export or import."""
 
     name: str
     config: type
@@ -65,6 +67,7 @@ class Family:
     kv_heads: Callable[[Any], int]
     costs: Costs
     presets: Mapping[str, Any]
+    hf: HFFormat | None = None
 
     def forward(self, cfg, params, tokens, ctx):
         """Logits (batch, seq, vocab) for `tokens` (batch, seq)."""

@@ -4,11 +4,12 @@ estimators' terms)."""
 from ..family import Family
 from .config import PRESETS, GPT2Config, from_fields
 from .costs import COSTS
+from .hf import HF
 from .model import forward_stage, head, param_specs
 
 FAMILY = Family(name="gpt2", config=GPT2Config, from_fields=from_fields, param_specs=param_specs,
                 forward_stage=forward_stage, head=head, kv_heads=lambda cfg: cfg.n_heads, costs=COSTS,
-                presets=PRESETS)
+                presets=PRESETS, hf=HF)
 
 forward, decode, init_cache = FAMILY.forward, FAMILY.decode, FAMILY.init_cache
 

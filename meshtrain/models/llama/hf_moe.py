@@ -2,7 +2,8 @@
 RMSNorm, a head dim of its own), Mixtral and Qwen3-MoE (mixture-of-experts blocks). This
 module holds what is particular to them: the choice of target, config.json keys both
 ways, the tensor names of the attention norms and experts, and what cannot be exported.
-The machinery (layout pieces, streamed export, import by slices) is hf.py's.
+The rest of the llama family's format is hf.py's; the machinery (streamed export, import
+by slices) is interop's.
 
 The transformers architecture a llama-family model exports as (the whole rule):
 
@@ -73,9 +74,9 @@ import dataclasses
 import json
 from typing import Any, Mapping
 
-from ..errors import ConfigError
-from ..models.moe import MoeConfig
-from .pieces import HFTensor, Piece, _get
+from ...errors import ConfigError
+from ..hf import HFTensor, Piece, get_key
+from ..moe import MoeConfig
 
 # model_type -> (the causal-LM class, the base-model class)
 MODEL_TYPES = {"mixtral": ("MixtralForCausalLM", "MixtralModel"), "qwen3": ("Qwen3ForCausalLM", "Qwen3Model"),
@@ -160,12 +161,12 @@ def import_fields(config: Mapping, t: str, fields: dict, source: str) -> dict:
     `fields` (read with the same keys) completed with qk_norm, head_dim and moe."""
     fields = dict(fields)
     dim, n_heads, n_layers = fields["dim"], fields["n_heads"], fields["n_layers"]
-    head_dim = _get(config, ("head_dim",), 128 if t == "qwen3" else None, source)
+    head_dim = get_key(config, ("head_dim",), 128 if t == "qwen3" else None, source)
     if head_dim is not None and (dim % n_heads or head_dim != dim // n_heads):
         fields["head_dim"] = head_dim
     max_len = fields["max_seq_len"]
-    window = _get(config, ("sliding_window",), None, source)
-    if t != "mixtral" and not _get(config, ("use_sliding_window",), False, source, bool):
+    window = get_key(config, ("sliding_window",), None, source)
+    if t != "mixtral" and not get_key(config, ("use_sliding_window",), False, source, bool):
         window = None
     if window is not None and window < max_len:
         raise ConfigError(f"{source}: sliding_window={window} is not supported: meshtrain's llama attends to the "
@@ -176,8 +177,8 @@ def import_fields(config: Mapping, t: str, fields: dict, source: str) -> dict:
     if t == "qwen3":
         return fields
     if t == "mixtral":
-        experts = _get(config, ("num_local_experts", "num_experts"), 8, source)
-        top_k = _get(config, ("num_experts_per_tok",), 2, source)
+        experts = get_key(config, ("num_local_experts", "num_experts"), 8, source)
+        top_k = get_key(config, ("num_experts_per_tok",), 2, source)
         if top_k == 1:
             raise ConfigError(f"{source}: num_experts_per_tok=1 is not supported: Mixtral gives a token's single "
                               "expert the gate 1, meshtrain's router its softmax probability (model.moe.norm_topk "
@@ -185,13 +186,13 @@ def import_fields(config: Mapping, t: str, fields: dict, source: str) -> dict:
         moe = {"num_experts": experts, "top_k": top_k, "expert_ffn_dim": fields["ffn_dim"], "norm_topk": True,
                "layers": "all"}
     else:
-        experts = _get(config, ("num_experts", "num_local_experts"), 128, source)
-        top_k = _get(config, ("num_experts_per_tok",), 8, source)
-        norm = _get(config, ("norm_topk_prob",), False, source, bool)
+        experts = get_key(config, ("num_experts", "num_local_experts"), 128, source)
+        top_k = get_key(config, ("num_experts_per_tok",), 8, source)
+        norm = get_key(config, ("norm_topk_prob",), False, source, bool)
         if top_k == 1 and norm:
             raise ConfigError(f"{source}: norm_topk_prob=true with num_experts_per_tok=1 is not supported: it gives "
                               "a token's single expert the gate 1, meshtrain's router its softmax probability")
-        step = _get(config, ("decoder_sparse_step",), 1, source)
+        step = get_key(config, ("decoder_sparse_step",), 1, source)
         if step < 1:
             raise ConfigError(f"{source}: decoder_sparse_step={step} must be at least 1")
         dense = config.get("mlp_only_layers") or []
@@ -201,9 +202,9 @@ def import_fields(config: Mapping, t: str, fields: dict, source: str) -> dict:
         if not layers:
             return fields  # every block dense: a Qwen3 model
         moe = {"num_experts": experts, "top_k": top_k,
-               "expert_ffn_dim": _get(config, ("moe_intermediate_size",), 768, source),
+               "expert_ffn_dim": get_key(config, ("moe_intermediate_size",), 768, source),
                "norm_topk": bool(norm and top_k > 1), "layers": layers_spec(layers, n_layers)}
-    aux = float(_get(config, ("router_aux_loss_coef",), 0.001, source, float))
+    aux = float(get_key(config, ("router_aux_loss_coef",), 0.001, source, float))
     fields["moe"] = moe_fields({**moe, "aux_coef": aux})
     return fields
 
