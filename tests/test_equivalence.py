@@ -236,7 +236,7 @@ def torch_update(initial: dict, grads: dict, opt: dict | None = None) -> Run:
     grads[t] (1-based) and the schedule's learning rate for step t: what our update should
     do with the same gradients. Weight decay on >= 2-D parameters only, as AdamW() decays."""
     opt = opt or _optimizer()
-    adamw, schedule = opt["optimizer"], opt["schedule"]
+    adamw, schedule = opt["optimizer"], opt["lr_schedule"]
     params = {n: p.clone().requires_grad_() for n, p in initial.items() if n in grads[1]}
     groups = [{"params": [p for p in params.values() if p.ndim >= 2], "weight_decay": adamw.weight_decay},
               {"params": [p for p in params.values() if p.ndim < 2], "weight_decay": 0.0}]
@@ -304,7 +304,7 @@ def test_update_equals_torch_where_the_clip_epsilon_and_adam_eps_matter():
     opt = {**_optimizer(), "grad_clip": 1e-6}
     params = {n: p.clone().requires_grad_() for n, p in initial.items()}
     state = TrainState.create(params)
-    apply = make_update(opt["optimizer"], opt["schedule"], opt["grad_clip"])
+    apply = make_update(opt["optimizer"], opt["lr_schedule"], opt["grad_clip"])
     norms = []
     for t in (1, 2, 3):
         for n, p in params.items():

@@ -119,7 +119,7 @@ def _pipelined(sizes, schedule, balance, world):
     opt = _optimizer()
     recorder = GradRecorder()
     step = make_pipeline_step(model, stages, build_pipeline_schedule(schedule, 2, 4), plan, mesh, optimizer=opt["optimizer"],
-                              lr_schedule=opt["schedule"], grad_clip=opt["grad_clip"], inspect_grads=recorder)
+                              lr_schedule=opt["lr_schedule"], grad_clip=opt["grad_clip"], inspect_grads=recorder)
     state = TrainState.create(params)
     metrics = [step(state, b) for b in batches(micro_steps=4)]
     return metrics, {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()

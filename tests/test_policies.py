@@ -118,7 +118,7 @@ def test_fp8_30_steps_end_within_3_percent_of_fp32():
         params = {n: init_slice(s, n, seed=0).requires_grad_() for n, s in model.specs.items()}
         opt = _optimizer()
         opt["optimizer"] = dataclasses.replace(opt["optimizer"], lr=3e-3)
-        opt["schedule"] = dataclasses.replace(opt["schedule"], lr=3e-3, min_lr=3e-4, total_steps=steps)
+        opt["lr_schedule"] = dataclasses.replace(opt["lr_schedule"], lr=3e-3, min_lr=3e-4, total_steps=steps)
         step = make_train_step(model, **opt, **options)
         state = TrainState.create(params)
         # The same 4 batches over and over: a loss that can fall far in 30 steps.
