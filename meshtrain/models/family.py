@@ -54,7 +54,9 @@ class Family:
     from the run config's model.* section; `forward_stage(cfg, params, x, ctx, layers,
     first, last)` runs layers [start, stop) (after the embedding when `first`, ending with
     `head(cfg, params, x, ctx)` when `last`); `kv_heads(cfg)` is the number of key/value
-    heads a KV cache holds."""
+    heads a KV cache holds; `check_fields(model_section)` checks the model.* keys only
+    some families read (RoPE, GQA, ...), with messages that name the key and the fix
+    (config/checks.py calls it; the config dataclass checks its own invariants too)."""
 
     name: str
     config: type
@@ -65,6 +67,7 @@ class Family:
     kv_heads: Callable[[Any], int]
     costs: Costs
     presets: Mapping[str, Any]
+    check_fields: Callable[[Any], None] = lambda m: None
 
     def forward(self, cfg, params, tokens, ctx):
         """Logits (batch, seq, vocab) for `tokens` (batch, seq)."""
