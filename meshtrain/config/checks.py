@@ -39,59 +39,10 @@ def _validate_model(m: ModelConfig) -> None:
     if m.init_from is not None and (not isinstance(m.init_from, str) or not m.init_from):
         raise ConfigError(f"model.init_from={m.init_from!r}: give the path of a Hugging Face model directory, "
                           "or null")
-    if m.rope_scaling is not None:
-        keys = {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}
-        if m.arch != "llama":
-            raise ConfigError(f"model.rope_scaling={m.rope_scaling!r} is llama-only, but model.arch={m.arch!r} "
-                              "(learned positions): set model.rope_scaling null")
-        if not isinstance(m.rope_scaling, dict) or set(m.rope_scaling) != keys:
-            raise ConfigError(f"model.rope_scaling={m.rope_scaling!r}: give null, or (llama only) a mapping with "
-                              f"exactly the keys {', '.join(sorted(keys))}")
-        for key, value in m.rope_scaling.items():
-            check_float(value, f"model.rope_scaling.{key}", positive=True)
-        s = m.rope_scaling
-        if s["factor"] < 1:
-            raise ConfigError(f"model.rope_scaling.factor={s['factor']} must be at least 1 (it stretches the "
-                              "low frequencies for a longer context, e.g. 8)")
-        if s["low_freq_factor"] >= s["high_freq_factor"]:
-            raise ConfigError(f"model.rope_scaling.low_freq_factor={s['low_freq_factor']} must be below "
-                              f"model.rope_scaling.high_freq_factor={s['high_freq_factor']} (the frequencies "
-                              "between them are interpolated; Llama 3.1: 1 and 4)")
-        _check_int(s["original_max_position_embeddings"], "model.rope_scaling.original_max_position_embeddings",
-                   minimum=1)
-    if m.arch == "llama":
-        if m.ffn_dim is None:
-            raise ConfigError("model.ffn_dim is null, but llama needs an explicit MLP size: set model.ffn_dim "
-                              "(e.g. about 8/3 * dim rounded to a multiple of 16)")
-        if m.rope_theta is None:
-            raise ConfigError("model.rope_theta is null, but llama uses RoPE: set model.rope_theta "
-                              "(10000.0 for Llama-2-style models, 500000.0 for Llama-3)")
-        check_float(m.rope_theta, "model.rope_theta", positive=True)
-    elif m.arch == "gpt2":  # no GQA, learned positions
-        if m.n_kv_heads is not None and m.n_kv_heads != m.n_heads:
-            raise ConfigError(f"model.n_kv_heads={m.n_kv_heads}: model.arch=gpt2 has no grouped-query attention; set "
-                              f"model.n_kv_heads to null (or to model.n_heads={m.n_heads}), e.g. "
-                              "--model.n_kv_heads null")
-        if m.rope_theta is not None:
-            raise ConfigError(f"model.rope_theta={m.rope_theta}: model.arch=gpt2 uses learned absolute positions, not "
-                              "RoPE; set model.rope_theta to null, e.g. --model.rope_theta null")
     check_bool(m.qk_norm, "model.qk_norm")
     if m.head_dim is not None:
         _check_int(m.head_dim, "model.head_dim", minimum=2)
-    if m.arch != "llama":
-        for key, value in (("qk_norm", m.qk_norm or None), ("head_dim", m.head_dim), ("moe", m.moe)):
-            if value is not None:
-                raise ConfigError(f"model.{key}={value!r} is llama-only, but model.arch={m.arch!r}: set model.arch "
-                                  f"llama, or model.{key} {'false' if key == 'qk_norm' else 'null'} (model.qk_norm, "
-                                  "model.head_dim and model.moe are llama-only)")
-    else:  # RoPE rotates pairs of dims: the head dim must be even (said here in terms of the keys)
-        if m.head_dim is not None and m.head_dim % 2:
-            raise ConfigError(f"model.head_dim={m.head_dim} is odd: RoPE rotates pairs of dims; choose an even "
-                              "head_dim")
-        if m.head_dim is None and m.dim % m.n_heads == 0 and (m.dim // m.n_heads) % 2:
-            raise ConfigError(f"model.dim={m.dim} / model.n_heads={m.n_heads} = {m.dim // m.n_heads} is odd, but "
-                              "RoPE needs an even head dim: choose dim and n_heads with an even ratio, or set "
-                              "model.head_dim")
+    FAMILIES[m.arch].check_fields(m)  # the keys only some families read (RoPE, GQA, q/k norms, ...)
     if m.moe is not None:
         _validate_moe_in_model(m)
     # The family's own checks (head divisibility, even head dim, ...).

@@ -55,8 +55,11 @@ class Family:
     from the run config's model.* section; `forward_stage(cfg, params, x, ctx, layers,
     first, last)` runs layers [start, stop) (after the embedding when `first`, ending with
     `head(cfg, params, x, ctx)` when `last`); `kv_heads(cfg)` is the number of key/value
-    heads a KV cache holds; `hf` its Hugging Face format (models/hf.py), None for a family
-    that trains, plans and generates but does not export or import."""
+    heads a KV cache holds; `check_fields(model_section)` checks the model.* keys only
+    some families read (RoPE, GQA, ...), with messages that name the key and the fix
+    (config/checks.py calls it; the config dataclass checks its own invariants too); `hf`
+    is its Hugging Face format (models/hf.py), None for a family that trains, plans and
+    generates but does not export or import."""
 
     name: str
     config: type
@@ -67,6 +70,7 @@ class Family:
     kv_heads: Callable[[Any], int]
     costs: Costs
     presets: Mapping[str, Any]
+    check_fields: Callable[[Any], None] = lambda m: None
     hf: HFFormat | None = None
 
     def forward(self, cfg, params, tokens, ctx):

@@ -50,3 +50,22 @@ def from_fields(m) -> GPT2Config:
     return GPT2Config(dim=m.dim, n_layers=m.n_layers, n_heads=m.n_heads, ffn_dim=m.ffn_dim,
                       vocab_size=m.vocab_size, max_seq_len=m.max_seq_len, norm_eps=m.norm_eps,
                       tie_embeddings=m.tie_embeddings)
+
+
+def check_fields(m) -> None:
+    """gpt2 reads none of the keys only llama has: no RoPE, no GQA, no q/k norms or experts."""
+    if m.rope_scaling is not None:
+        raise ConfigError(f"model.rope_scaling={m.rope_scaling!r} is llama-only, but model.arch={m.arch!r} "
+                          "(learned positions): set model.rope_scaling null")
+    if m.n_kv_heads is not None and m.n_kv_heads != m.n_heads:
+        raise ConfigError(f"model.n_kv_heads={m.n_kv_heads}: model.arch=gpt2 has no grouped-query attention; set "
+                          f"model.n_kv_heads to null (or to model.n_heads={m.n_heads}), e.g. "
+                          "--model.n_kv_heads null")
+    if m.rope_theta is not None:
+        raise ConfigError(f"model.rope_theta={m.rope_theta}: model.arch=gpt2 uses learned absolute positions, not "
+                          "RoPE; set model.rope_theta to null, e.g. --model.rope_theta null")
+    for key, value in (("qk_norm", m.qk_norm or None), ("head_dim", m.head_dim), ("moe", m.moe)):
+        if value is not None:
+            raise ConfigError(f"model.{key}={value!r} is llama-only, but model.arch={m.arch!r}: set model.arch "
+                              f"llama, or model.{key} {'false' if key == 'qk_norm' else 'null'} (model.qk_norm, "
+                              "model.head_dim and model.moe are llama-only)")

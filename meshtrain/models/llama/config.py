@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ...errors import ConfigError
+from ...errors import ConfigError, check_float, check_int
 from ..moe import MoeConfig
 
 
@@ -75,3 +75,42 @@ def from_fields(m) -> LlamaConfig:
                        rope_theta=m.rope_theta, norm_eps=m.norm_eps, tie_embeddings=m.tie_embeddings,
                        rope_scaling=m.rope_scaling, qk_norm=m.qk_norm, attn_head_dim=m.head_dim,
                        moe=m.moe)
+
+
+_SCALING_KEYS = {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}
+
+
+def check_fields(m) -> None:
+    """The model.* keys llama reads beyond those every family has: RoPE (theta, scaling,
+    an even head dim) and an explicit MLP size."""
+    if m.rope_scaling is not None:
+        if not isinstance(m.rope_scaling, dict) or set(m.rope_scaling) != _SCALING_KEYS:
+            raise ConfigError(f"model.rope_scaling={m.rope_scaling!r}: give null, or (llama only) a mapping with "
+                              f"exactly the keys {', '.join(sorted(_SCALING_KEYS))}")
+        for key, value in m.rope_scaling.items():
+            check_float(value, f"model.rope_scaling.{key}", positive=True)
+        s = m.rope_scaling
+        if s["factor"] < 1:
+            raise ConfigError(f"model.rope_scaling.factor={s['factor']} must be at least 1 (it stretches the "
+                              "low frequencies for a longer context, e.g. 8)")
+        if s["low_freq_factor"] >= s["high_freq_factor"]:
+            raise ConfigError(f"model.rope_scaling.low_freq_factor={s['low_freq_factor']} must be below "
+                              f"model.rope_scaling.high_freq_factor={s['high_freq_factor']} (the frequencies "
+                              "between them are interpolated; Llama 3.1: 1 and 4)")
+        check_int(s["original_max_position_embeddings"], "model.rope_scaling.original_max_position_embeddings",
+                  minimum=1)
+    if m.ffn_dim is None:
+        raise ConfigError("model.ffn_dim is null, but llama needs an explicit MLP size: set model.ffn_dim "
+                          "(e.g. about 8/3 * dim rounded to a multiple of 16)")
+    if m.rope_theta is None:
+        raise ConfigError("model.rope_theta is null, but llama uses RoPE: set model.rope_theta "
+                          "(10000.0 for Llama-2-style models, 500000.0 for Llama-3)")
+    check_float(m.rope_theta, "model.rope_theta", positive=True)
+    # RoPE rotates pairs of dims: the head dim must be even (said here in terms of the keys).
+    if m.head_dim is not None and m.head_dim % 2:
+        raise ConfigError(f"model.head_dim={m.head_dim} is odd: RoPE rotates pairs of dims; choose an even "
+                          "head_dim")
+    if m.head_dim is None and m.dim % m.n_heads == 0 and (m.dim // m.n_heads) % 2:
+        raise ConfigError(f"model.dim={m.dim} / model.n_heads={m.n_heads} = {m.dim // m.n_heads} is odd, but "
+                          "RoPE needs an even head dim: choose dim and n_heads with an even ratio, or set "
+                          "model.head_dim")
