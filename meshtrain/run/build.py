@@ -73,9 +73,10 @@ def _pipelined(cfg: RunConfig, model, plan, device, accumulation: int, micro_row
         params = {n: init_slice(model.specs[n], n, cfg.seed, device=device) for n in names}
     params = {n: x.requires_grad_(model.specs[n].trainable) for n, x in params.items()}
     options = step_options(cfg)
-    schedule = build_pipeline_schedule(p.pp_schedule, plan.mesh.pp, accumulation, p.pp_virtual)
-    step_fn = pipeline_step.make_pipeline_step(model, stages, schedule, plan, mesh, optimizer=options["optimizer"],
-                                               lr_schedule=options["schedule"], precision=t.precision,
+    pipeline_schedule = build_pipeline_schedule(p.pp_schedule, plan.mesh.pp, accumulation, p.pp_virtual)
+    step_fn = pipeline_step.make_pipeline_step(model, stages, pipeline_schedule, plan, mesh,
+                                               optimizer=options["optimizer"],
+                                               lr_schedule=options["lr_schedule"], precision=t.precision,
                                                grad_clip=options["grad_clip"], fp8_recipe=t.fp8_recipe,
                                                activation_checkpointing=t.activation_checkpointing)
     eval_fn = pipeline_step.make_pipeline_eval(model, stages, plan.mesh.pp, accumulation, plan, mesh,
@@ -87,6 +88,6 @@ def step_options(cfg: RunConfig) -> dict:
     t = cfg.train
     return dict(optimizer=AdamW(lr=t.lr, weight_decay=t.weight_decay),
                 lr_schedule=LRSchedule(lr=t.lr, min_lr=t.min_lr, warmup_steps=t.warmup_steps, total_steps=t.steps,
-                                    kind=t.lr_schedule),
+                                       kind=t.lr_schedule),
                 precision=t.precision, grad_clip=t.grad_clip or None, compile=t.compile, fp8_recipe=t.fp8_recipe,
                 activation_checkpointing=t.activation_checkpointing)
