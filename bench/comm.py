@@ -355,7 +355,7 @@ class Result:
     explained: bool  # bytes == minimum + the known excess terms, exactly
     scalar_bytes: float
     scalar_count: int
-    collectives: int
+    collectives: int  # calls per step, scalars left out (measured_by_kind splits them)
     measured_by_kind: dict = field(default_factory=dict)  # "phase op axis" -> {count, bytes}
     minimum_terms: dict = field(default_factory=dict)
     excess_terms: dict = field(default_factory=dict)
@@ -389,12 +389,13 @@ def measure(cfg: LlamaConfig, moe: MoeConfig, layout: Layout, batch: int, seq: i
 
 def render(results: list[Result], header: str) -> str:
     lines = [header, "bytes: sent per rank per step, ring-algorithm convention; machine independent (no time "
-             "is measured); scalar collectives apart", ""]
-    cols = f"{'layout':<16} {'world':>5} {'measured B':>14} {'minimum B':>14} {'ratio':>8} {'scalar B':>9}"
+             "is measured); scalar collectives apart. calls: collectives issued per step (tensor, scalar)", ""]
+    cols = (f"{'layout':<16} {'world':>5} {'measured B':>14} {'minimum B':>14} {'ratio':>8} {'scalar B':>9} "
+            f"{'calls':>6} {'scalar':>6}")
     lines += [cols, "-" * len(cols)]
     for r in results:
         lines.append(f"{r.name:<16} {r.world:>5} {r.bytes:>14,.0f} {r.minimum:>14,.0f} {r.ratio:>8.4f} "
-                     f"{r.scalar_bytes:>9,.0f}")
+                     f"{r.scalar_bytes:>9,.0f} {r.collectives:>6} {r.scalar_count:>6}")
     for r in results:
         if r.excess_terms:
             verdict = "account exactly for" if r.explained else "do NOT account for"

@@ -1,5 +1,5 @@
 """bench/comm.py --tiny on the CPU, in a subprocess: every layout's collective bytes per
-step against its analytic minimum. No layout may send less than the minimum; every layout
+step against its analytic minimum, and its collective calls per step. No layout may send less than the minimum; every layout
 but the ring's sends exactly the minimum; the ring's excess is exactly what its design
 explains. dp2 and fsdp2 are also checked here against their closed forms, from the model
 figures in the JSON alone."""
@@ -43,6 +43,12 @@ def test_comm_bench_tiny(tmp_path):
     P, Vd = m["parameters"], m["vocab_size"] * m["dim"]
     assert rows["dp2"]["bytes"] == 2 * (1 / 2) * P * 4  # one all-reduce of the gradients
     assert rows["fsdp2"]["bytes"] == (1 / 2) * (3 * P - Vd) * 4  # gather, gather again but the table, reduce-scatter
+    # Calls per step today: one collective per parameter tensor and use (issue 22 buckets them
+    # per block). An untied Llama has 9 L + 3 tensors; fsdp gathers each in forward, again in
+    # backward but the embedding table, and reduce-scatters each gradient.
+    n = 9 * m["n_layers"] + 3
+    assert rows["dp2"]["collectives"] == n and rows["fsdp2"]["collectives"] == 3 * n - 1
+    assert all(f"{r['collectives']:>6} {r['scalar_count']:>6}" in proc.stdout for r in rows.values())
     # Ring vs all-gather, per layer: one more K/V block and one more dK/dV block sent (cp = 2).
     kv_block = 2 * m["batch"] * m["seq"] // 2 * m["n_kv_heads"] * (m["dim"] // m["n_heads"]) * 4
     assert rows["cp2-ring"]["bytes"] - rows["cp2-allgather"]["bytes"] == m["n_layers"] * 2 * kv_block
