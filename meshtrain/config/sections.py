@@ -115,6 +115,12 @@ class ParallelConfig:
     """Stages per pp rank (interleaved schedule: rank r holds stages r, r + pp, ...); 1 without a pipeline (pp 1)."""
     pp_layout: list[int] | None = None
     """Layers per stage, e.g. [3, 2] for 5 layers on 2 stages; null: balanced by a cost model (FLOPs of layers, embedding and head/loss)."""
+    bucket: str | float = "block"
+    """Unit of parameter communication: block (the weights of one transformer block, and the groups before and after the blocks, gathered by one all-gather from one flat buffer and their gradients reduced by one collective per mesh group), param (one collective per parameter: the reference behaviour), or a bucket size in MB (consecutive parameters up to that size). Expert weights and strided shards keep one collective per parameter."""
+    prefetch: int = 1
+    """Buckets whose all-gather is issued ahead of use: 1 starts block i+1's gather before block i computes (and, in eager backward, block i-1's before block i); 0 gathers each where it is used. Each one in flight holds one more block's gathered weights."""
+    reshard_after_forward: bool = True
+    """ZeRO-3: drop gathered weights after each block's forward and gather them again in backward (eager steps; compiled steps keep them, docs/parallelism.md). false keeps them from forward to backward: one all-gather per bucket per micro-step fewer, at the memory of the whole gathered model."""
     collective_timeout_s: float = 900.0
     """Seconds a collective may wait for its peers before it fails (the process group's timeout; at most 1e8)."""
     watchdog_s: float = 600.0

@@ -56,8 +56,13 @@ class ModelContext(Protocol):
         """Causal attention; q (batch, seq, q_heads, head_dim), k/v (batch, seq, kv_heads,
         head_dim), GQA by grouping. Returns (batch, seq, q_heads, head_dim)."""
 
-    def cross_entropy_sum(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Sum over tokens of -log softmax(logits)[target]; targets < 0 are ignored."""
+    def cross_entropy_sum(self, logits: torch.Tensor, targets: torch.Tensor, reduce: bool = True) -> torch.Tensor:
+        """Sum over tokens of -log softmax(logits)[target]; targets < 0 are ignored. With
+        `reduce` False the sum may be left partial over the ranks that split the tokens,
+        for the caller to reduce once per step (`reduce_sum`)."""
+
+    def reduce_sum(self, x: torch.Tensor) -> torch.Tensor:
+        """The whole value of a sum `cross_entropy_sum(..., reduce=False)` left partial."""
 
     def moe(self, h: torch.Tensor, cfg, router: torch.Tensor, bias: torch.Tensor | None, w_gate: torch.Tensor,
             w_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
@@ -127,8 +132,11 @@ class LocalContext:
     def attention(self, q, k, v):
         return causal_attention(q, k, v)
 
-    def cross_entropy_sum(self, logits, targets):
+    def cross_entropy_sum(self, logits, targets, reduce=True):
         return cross_entropy_sum(logits, targets)
+
+    def reduce_sum(self, x):
+        return x
 
     def moe(self, h, cfg, router, bias, w_gate, w_up, w_down):
         b, s, d = h.shape

@@ -30,11 +30,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from ..errors import ConfigError
-from ..models.context import MoeRecords, causal_attention
+from ..models.context import MoeRecords, _recomputing, causal_attention
 from ..models.fp8 import fp8_linear
 from ..models.losses import cross_entropy_sum
 from ..models.moe import balance_loss, route, routed_experts, sequence_stats, z_loss
 from ..models.policy import Policy
+from .buckets import BucketGather, BucketRun, Groups, group_dims, plan_buckets
 from .cp_attention import context_parallel_attention, zigzag_order
 from .expert_parallel import AllToAllExchange, CopyToTensorParallel
 from .plan import Plan
@@ -82,41 +83,86 @@ class _UseParam(torch.autograd.Function):
 
 class _Regather:
     """What autograd keeps instead of a gathered parameter (or a view of one; a plain
-    tensor when the parameter was used through `to_local`, as the MoE layer does)."""
+    tensor when the parameter was used through `to_local`, as the MoE layer does):
+    `fetch()` gathers the parameter's whole local value again."""
 
-    def __init__(self, shard: DTensor, placements, dtype, saved: torch.Tensor):
-        self.shard, self.placements, self.dtype = shard, placements, dtype
+    def __init__(self, fetch, saved: torch.Tensor):
+        self.fetch = fetch
         self.spec = (saved.placements, saved.shape, saved.stride()) if isinstance(saved, DTensor) else None
         local = saved._local_tensor if isinstance(saved, DTensor) else saved
         self.view = (local.size(), local.stride(), local.storage_offset())
 
     def value(self) -> torch.Tensor:
-        with torch.no_grad():
-            full = _gather(self.shard, self.placements, self.dtype)
-        local = full._local_tensor.as_strided(*self.view)
+        local = self.fetch().as_strided(*self.view)
         if self.spec is None:
             return local
         placements, shape, stride = self.spec
-        return DTensor.from_local(local, full.device_mesh, placements, run_check=False, shape=shape, stride=stride)
+        return DTensor.from_local(local, self.fetch.mesh, placements, run_check=False, shape=shape, stride=stride)
+
+
+class _FetchParam:
+    def __init__(self, shard: DTensor, placements, dtype):
+        self.shard, self.placements, self.dtype, self.mesh = shard, placements, dtype, shard.device_mesh
+
+    def __call__(self) -> torch.Tensor:
+        with torch.no_grad():
+            return _gather(self.shard, self.placements, self.dtype)._local_tensor
+
+
+class _FetchBucket:
+    def __init__(self, context: "ShardedContext", index: int, j: int, shards):
+        self.context, self.index, self.j, self.shards, self.mesh = context, index, j, shards, context.mesh
+
+    def __call__(self) -> torch.Tensor:
+        return self.context._regather_bucket(self.index, self.shards)[self.j]
 
 
 class _BoundParams(Mapping):
     """One forward's view of the parameters. A parameter the model marks `reused` (a tied
     embedding) is gathered once and kept for the forward, so its uses share one gather
-    and one gradient reduction; any other is gathered where it is looked up and dropped
-    after its use, so a forward holds one layer's gathered weights, not the model's."""
+    and one gradient reduction; any other is gathered with its bucket (parallel.buckets)
+    when first looked up, and the bucket dropped when the next one is gathered, so a
+    forward holds one block's gathered weights (and `prefetch` more in flight), not the
+    model's."""
 
     def __init__(self, context: "ShardedContext", params: Mapping[str, DTensor]):
         self._context, self._params = context, params
         self._kept: dict[str, DTensor] = {}
+        self._live: dict[int, dict[str, DTensor]] = {}
+        self._pending: dict[int, tuple] = {}  # prefetched gathers by bucket
+        self._complete = {r.bucket.index for r in context._runs if all(n in params for n in r.bucket.names)}
 
     def __getitem__(self, name: str) -> DTensor:
         if name in self._kept:
             return self._kept[name]
-        gathered = self._gather(name)
+        b = self._context._bucket_of.get(name)
+        if b in self._complete:
+            if b not in self._live:
+                self._live = {b: self._gather_bucket(b)}
+            gathered = self._live[b][name]
+        else:
+            gathered = self._gather(name)
         if self._context.plan.params[name].spec.reused:
             self._kept[name] = gathered
         return gathered
+
+    def _gather_bucket(self, b: int) -> dict[str, DTensor]:
+        context = self._context
+        run = context._runs[b]
+        shards = [self._params[n] for n in run.bucket.names]
+        pending = self._pending.pop(b, (None,) * len(run.sets))
+        outs = BucketGather.apply(run, *pending, *shards)
+        if context.reshard and not torch.compiler.is_compiling():
+            gathered = {j for s in run.sets for j in s.members}
+            for j in gathered:
+                local = outs[j]._local_tensor
+                context._gathered[local.untyped_storage().data_ptr()] = (
+                    weakref.ref(local), _FetchBucket(context, b, j, shards))
+        if not _recomputing():  # a block recomputed in backward wants the bucket before it next
+            for nb in range(b + 1, b + 1 + context.prefetch):
+                if nb in self._complete and nb not in self._pending:
+                    self._pending[nb] = context._issue_bucket(nb, self._params)
+        return dict(zip(run.bucket.names, outs))
 
     def _gather(self, name: str) -> DTensor:
         context = self._context
@@ -124,13 +170,14 @@ class _BoundParams(Mapping):
         shard = self._params[name]
         dtype = context.policy.param_dtype(name)
         gathered = _UseParam.apply(shard, placements, dtype)
-        if placements == tuple(shard.placements) or torch.compiler.is_compiling():
-            # Nothing was gathered; or saved-tensor hooks cannot be traced, and compiled
-            # steps keep gathered weights for backward (reshard_after_forward=False).
+        if placements == tuple(shard.placements) or not context.reshard or torch.compiler.is_compiling():
+            # Nothing was gathered; or it is kept for backward by choice; or saved-tensor
+            # hooks cannot be traced, and compiled steps keep gathered weights.
             return gathered
         local = gathered._local_tensor
         # A weak reference: once the gathered tensor dies its storage may be reused.
-        context._gathered[local.untyped_storage().data_ptr()] = (weakref.ref(local), shard, placements, dtype)
+        context._gathered[local.untyped_storage().data_ptr()] = (weakref.ref(local),
+                                                                 _FetchParam(shard, placements, dtype))
         return gathered
 
     def __iter__(self):
@@ -143,9 +190,17 @@ class _BoundParams(Mapping):
 class ShardedContext:
     start_pos = 0  # training only: sequences start at position 0
 
-    def __init__(self, plan: Plan, device_mesh: DeviceMesh, policy: Policy | torch.dtype | None = None):
+    def __init__(self, plan: Plan, device_mesh: DeviceMesh, policy: Policy | torch.dtype | None = None, *,
+                 bucket: str | float = "block", prefetch: int = 1, reshard_after_forward: bool = True):
         self.plan, self.mesh, self.policy = plan, device_mesh, Policy.coerce(policy)
-        self._gathered: dict[int, tuple] = {}  # storage of a gathered parameter -> its shard
+        self.prefetch, self.reshard = prefetch, reshard_after_forward
+        buckets, _ = plan_buckets(plan, bucket)
+        self._groups = Groups(device_mesh, group_dims(buckets, plan))
+        self._runs = [BucketRun(b, plan, device_mesh, self._groups, self.policy) for b in buckets]
+        self._bucket_of = {n: b.index for b in buckets for n in b.names}
+        self._gathered: dict[int, tuple] = {}  # storage of a gathered parameter -> how to fetch it again
+        self._regathered: dict[int, list] = {}  # backward: buckets gathered again (the current, the next)
+        self._pending_bwd: dict[int, tuple] = {}
         self._cp_dim = plan.mesh.axes.index("cp") if "cp" in plan.mesh.axes else None
         self._moe = MoeRecords()
 
@@ -155,7 +210,7 @@ class ShardedContext:
     @contextlib.contextmanager
     def regather_in_backward(self):
         """Scope of one forward: autograd keeps shards, not gathered parameters."""
-        self._gathered = {}
+        self._gathered, self._regathered, self._pending_bwd = {}, {}, {}
 
         def pack(t):
             local = t._local_tensor if isinstance(t, DTensor) else t
@@ -163,10 +218,10 @@ class ShardedContext:
             # pending collective's result, which have no storage of their own.
             if type(local) is torch.Tensor and local.device.type != "meta":
                 ptr = local.untyped_storage().data_ptr()
-                ref, *gathered = self._gathered.get(ptr, (lambda: None,))
+                ref, fetch = self._gathered.get(ptr, (lambda: None, None))
                 alive = ref()
                 if alive is not None and alive.untyped_storage().data_ptr() == ptr:
-                    return _Regather(*gathered, t)
+                    return _Regather(fetch, t)
             return t
 
         def unpack(t):
@@ -177,6 +232,48 @@ class ShardedContext:
                 yield
         finally:
             self._gathered = {}
+
+    def _issue_bucket(self, b: int, params) -> tuple:
+        """Start bucket b's gathers (async: waited where they are unpacked)."""
+        run = self._runs[b]
+        shards = [params[n]._local_tensor for n in run.bucket.names]
+        return tuple(run.issue(s, shards) for s in run.sets)
+
+    def _regather_bucket(self, b: int, shards) -> list[torch.Tensor]:
+        """Backward (eager): bucket b's gathered weights again, once for all of its saved
+        uses; the bucket before it (next in backward) is issued ahead."""
+        if b not in self._regathered:
+            run = self._runs[b]
+            locals_ = [s._local_tensor for s in shards]
+            with torch.no_grad():
+                pending = self._pending_bwd.pop(b, None) or tuple(run.issue(s, locals_) for s in run.sets)
+                out = dict(enumerate(locals_))
+                for s, gathered in zip(run.sets, pending):
+                    out.update(run.unpack(s, gathered))
+            self._regathered = {b: [out[j] for j in range(len(shards))]}
+            before = b - 1
+            if self.prefetch and before >= 0 and before not in self._pending_bwd and \
+                    any(isinstance(f, _FetchBucket) and f.index == before for _, f in self._gathered.values()):
+                self._pending_bwd = {before: self._issue_bucket_from(before)}
+        return self._regathered[b]
+
+    def _issue_bucket_from(self, b: int) -> tuple:
+        fetch = next(f for _, f in self._gathered.values() if isinstance(f, _FetchBucket) and f.index == b)
+        run = self._runs[b]
+        return tuple(run.issue(s, [x._local_tensor for x in fetch.shards]) for s in run.sets)
+
+    def reduce_sum(self, x: torch.Tensor) -> torch.Tensor:
+        """The whole value of `x`, a partial sum over the ranks that split the tokens (a
+        loss accumulated over micro-steps): one all-reduce over those ranks together."""
+        if not isinstance(x, DTensor):
+            return x
+        dims = tuple(i for i, p in enumerate(x.placements) if p.is_partial())
+        if not dims:
+            return x.full_tensor()
+        if not self._groups.has(dims):
+            return x.full_tensor()
+        group = self._groups.name(dims)
+        return funcol.wait_tensor(funcol.all_reduce(x._local_tensor, "sum", group))
 
     def constrain(self, x: torch.Tensor, axes: Sequence[str | None]) -> DTensor:
         placements = self.plan.activation(axes).placements
@@ -340,11 +437,13 @@ class ShardedContext:
     def moe_aux(self):
         return self._moe.take()
 
-    def cross_entropy_sum(self, logits: DTensor, targets: torch.Tensor) -> DTensor:
+    def cross_entropy_sum(self, logits: DTensor, targets: torch.Tensor, reduce: bool = True) -> DTensor:
         """Vocab-parallel cross entropy (models.losses): each rank works on its vocab slice,
         a chunk of rows at a time; two small reductions over the vocab axes (the row max,
         then the sum of exp and the target logit stacked), so the full-vocab logits are
-        never gathered and no fp32 copy of them is made. Returns a replicated scalar."""
+        never gathered and no fp32 copy of them is made. Returns a replicated scalar, or
+        with `reduce` False the partial sums over the token-splitting ranks (a Partial
+        DTensor: a step reduces its micro-steps' sum once, `reduce_sum`)."""
         vocab_dim = logits.ndim - 1
         targets = self.constrain(targets, ("batch", "seq")).to_local()
         local = logits.to_local()
@@ -360,7 +459,7 @@ class ShardedContext:
         token_dims = {i for i, p in enumerate(logits.placements) if isinstance(p, Shard) and p.dim < vocab_dim}
         placements = [Partial() if i in token_dims else Replicate() for i in range(self.mesh.ndim)]
         total = DTensor.from_local(total, self.mesh, placements, run_check=False)
-        return total.redistribute(self.mesh, [Replicate()] * self.mesh.ndim)
+        return total.redistribute(self.mesh, [Replicate()] * self.mesh.ndim) if reduce else total
 
 
 def _replicated(x: DTensor) -> DTensor:

@@ -53,7 +53,7 @@ def build_run(cfg: RunConfig, model, plan, world: int, device: torch.device, acc
         params = load_hf_params(init_from, cfg.model.arch, cfg.family_config(), plan, mesh, device)
     else:
         params = init_params(plan, mesh, cfg.seed, device=device)
-    return Built(mesh, params, make_train_step(model, plan, mesh, **step_options(cfg)),
+    return Built(mesh, params, make_train_step(model, plan, mesh, **step_options(cfg), **traffic_options(cfg)),
                  make_eval_step(model, plan, mesh, **options), RowSlice(plan, mesh, micro_rows, t.seq_len))
 
 
@@ -78,10 +78,17 @@ def _pipelined(cfg: RunConfig, model, plan, device, accumulation: int, micro_row
                                                optimizer=options["optimizer"],
                                                lr_schedule=options["lr_schedule"], precision=t.precision,
                                                grad_clip=options["grad_clip"], fp8_recipe=t.fp8_recipe,
-                                               activation_checkpointing=t.activation_checkpointing)
+                                               activation_checkpointing=t.activation_checkpointing,
+                                               **traffic_options(cfg))
     eval_fn = pipeline_step.make_pipeline_eval(model, stages, plan.mesh.pp, accumulation, plan, mesh,
                                                precision=t.precision, fp8_recipe=t.fp8_recipe)
     return Built(mesh, params, step_fn, eval_fn, RowSlice(sub_plan, sub_mesh, micro_rows, t.seq_len))
+
+
+def traffic_options(cfg: RunConfig) -> dict:
+    """How a sharded step moves parameters (parallel.bucket, prefetch, reshard_after_forward)."""
+    p = cfg.parallel
+    return dict(bucket=p.bucket, prefetch=p.prefetch, reshard_after_forward=p.reshard_after_forward)
 
 
 def step_options(cfg: RunConfig) -> dict:

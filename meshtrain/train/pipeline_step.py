@@ -77,14 +77,16 @@ def local_stage_layout(plan, device_mesh, stages: list[Stage]):
 class _Pipe:
     """This rank's place in the pipeline: its context, pp peers and the boundary layout."""
 
-    def __init__(self, model: ModelDef, stages: list[Stage], pp: int, plan, device_mesh, policy: Policy):
+    def __init__(self, model: ModelDef, stages: list[Stage], pp: int, plan, device_mesh, policy: Policy,
+                 **traffic):
         self.model, self.stages = model, stages
         if plan is None or device_mesh is None or plan.mesh.pp != pp or pp < 2:
             raise ConfigError(f"a pipeline step needs the plan and device mesh of a layout with parallel.pp={pp} "
                               ">= 2 (parallel.pp 1 runs make_train_step)")
         self.rank, self.group = device_mesh.get_local_rank("pp"), device_mesh.get_group("pp")
         _, self.plan, self.mesh = local_stage_layout(plan, device_mesh, stages)
-        self.ctx = LocalContext(policy) if self.mesh is None else ShardedContext(self.plan, self.mesh, policy)
+        self.ctx = LocalContext(policy) if self.mesh is None else ShardedContext(self.plan, self.mesh, policy,
+                                                                                 **traffic)
         self.dtype = policy.dtype or torch.float32
 
     def peer(self, pp_rank: int) -> int:
@@ -203,7 +205,8 @@ def make_pipeline_step(model: ModelDef, stages: list[Stage], pipeline_schedule: 
                        optimizer: AdamW = AdamW(), lr_schedule: LRSchedule | None = None,
                        precision: str = "fp32", grad_clip: float | None = 1.0, fp8_recipe: str = "tensorwise",
                        activation_checkpointing: str = "none",
-                       record_timings: bool = False, inspect_grads: InspectGrads | None = None
+                       record_timings: bool = False, inspect_grads: InspectGrads | None = None,
+                       bucket: str | float = "block", prefetch: int = 1, reshard_after_forward: bool = True
                        ) -> Callable[[TrainState, dict], dict]:
     """`step(state, batch) -> metrics` for this rank; `plan` and `device_mesh` are the whole
     layout's, pp included. record_timings: metrics["timings"] lists (kind, stage, seconds)
@@ -211,11 +214,14 @@ def make_pipeline_step(model: ModelDef, stages: list[Stage], pipeline_schedule: 
     exchange, norm and optimizer step (for the bench; host time). state.params holds `stage_param_names(stages, pp_rank)` (DTensors on the
     non-pp sub-mesh when there is one); batch as for make_train_step (full
     (micro_steps, batch, seq) tensors on every rank). `inspect_grads` sees this rank's
-    gradients before clipping, a tied table's copies already summed (see make_update)."""
+    gradients before clipping, a tied table's copies already summed (see make_update).
+    bucket, prefetch, reshard_after_forward: the stages' parameter traffic, as for
+    make_train_step."""
     if any(a.kind == BI for rank in pipeline_schedule.ranks for a in rank):
         check_checkpointing("zb", activation_checkpointing)
     pipe = _Pipe(model, stages, pipeline_schedule.pp, plan, device_mesh,
-                 Policy.of(precision, fp8_recipe, activation_checkpointing))
+                 Policy.of(precision, fp8_recipe, activation_checkpointing), bucket=bucket, prefetch=prefetch,
+                 reshard_after_forward=reshard_after_forward)
     apply_update = make_update(optimizer, lr_schedule or LRSchedule(lr=optimizer.lr, kind="constant"), grad_clip,
                                inspect_grads=inspect_grads)
     actions = pipeline_schedule.ranks[pipe.rank]

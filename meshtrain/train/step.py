@@ -46,7 +46,8 @@ def make_train_step(model: ModelDef, plan=None, device_mesh=None, *, optimizer: 
                     lr_schedule: LRSchedule | None = None, precision: str = "fp32", grad_clip: float | None = 1.0,
                     compile: bool | str = False, fp8_recipe: str = "tensorwise",
                     activation_checkpointing: str = "none", policy: Policy | None = None,
-                    inspect_grads: InspectGrads | None = None,
+                    inspect_grads: InspectGrads | None = None, bucket: str | float = "block", prefetch: int = 1,
+                    reshard_after_forward: bool = True,
                     schedule: LRSchedule | None = None) -> Callable[[TrainState, dict], dict]:
     """Build `step(state, batch) -> metrics`.
 
@@ -66,13 +67,18 @@ def make_train_step(model: ModelDef, plan=None, device_mesh=None, *, optimizer: 
     loss or z-loss is on) aux_loss, the terms added to the objective.
     `inspect_grads`, when given, sees every step's accumulated gradients before they are
     clipped: see make_update.
+    With a plan: `bucket` (block, param or a size in MB), `prefetch` (buckets gathered
+    ahead of use) and `reshard_after_forward` (gather again in backward instead of keeping
+    the gathered weights) shape the parameter traffic: see parallel.buckets. The loss
+    is reduced once per step.
     """
     if compile and plan is not None:
         check_compile_with_cp(plan.mesh)
     policy = policy or Policy.of(precision, fp8_recipe, activation_checkpointing)
     if compile:
         check_compile_with_checkpointing(getattr(model.cfg, "moe", None) is not None, policy.checkpointing)
-    ctx = _context(plan, device_mesh, policy)
+    ctx = _context(plan, device_mesh, policy, bucket=bucket, prefetch=prefetch,
+                   reshard_after_forward=reshard_after_forward)
     if schedule is not None:  # the name before 2026-11: "schedule" now means the pipeline's only
         warnings.warn("make_train_step(schedule=...) is now lr_schedule=...", FutureWarning, stacklevel=2)
         lr_schedule = lr_schedule or schedule
@@ -101,9 +107,11 @@ def make_train_step(model: ModelDef, plan=None, device_mesh=None, *, optimizer: 
                 lm, aux = loss_sum(state.params, tokens[micro], targets[micro])
                 loss = lm / n_tokens
                 extra = terms.add(aux)
-            (loss if extra is None else loss + extra).backward()
+            # The loss is this rank's partial sum: its gradient is the step's gradient of
+            # the tokens this rank holds (no all-reduce before backward).
+            torch.autograd.backward([_local(loss)] + ([] if extra is None else [_local(extra)]))
             total = _add(total, loss.detach())
-        loss = float(full_value(total))
+        loss = float(ctx.reduce_sum(total))
         norm, lr, updated = apply_update(state, loss=loss)
         metrics = {"loss": loss, "grad_norm": float(norm), "lr": lr, "skipped": not updated}
         if terms.load:
@@ -244,37 +252,45 @@ def make_eval_step(model: ModelDef, plan=None, device_mesh=None, *, precision: s
                    compile: bool | str = False, fp8_recipe: str = "tensorwise") -> Callable[[dict, dict], float]:
     """Build `evaluate(params, batch) -> mean loss per target token`, without gradients;
     the batch is given as for the train step (micro-steps bound the memory used)."""
-    loss_sum = _loss_sum(model, _context(plan, device_mesh, Policy.of(precision, fp8_recipe)))
+    ctx = _context(plan, device_mesh, Policy.of(precision, fp8_recipe))
+    loss_sum = _loss_sum(model, ctx)
     if compile:
         loss_sum = _compiled(loss_sum, compile)
 
     @torch.no_grad()
     def evaluate(params: dict, batch: dict) -> float:
         tokens, targets = batch["tokens"], batch["targets"]
-        total = sum(full_value(loss_sum(params, tokens[m], targets[m])[0]) for m in range(len(tokens)))
-        return float(total) / (batch.get("num_targets") or _count_targets(targets))
+        total = None
+        for m in range(len(tokens)):
+            total = _add(total, loss_sum(params, tokens[m], targets[m])[0])
+        return float(ctx.reduce_sum(total)) / (batch.get("num_targets") or _count_targets(targets))
 
     return evaluate
 
 
-def _context(plan, device_mesh, policy: Policy):
+def _context(plan, device_mesh, policy: Policy, **options):
     if plan is None:
         return LocalContext(policy)
-
-    return ShardedContext(plan, device_mesh, policy)
+    return ShardedContext(plan, device_mesh, policy, **options)
 
 
 def _loss_sum(model: ModelDef, ctx):
-    """(summed token loss, the MoE blocks' terms or None)."""
+    """(summed token loss, partial over the token-splitting ranks; the MoE blocks' terms
+    or None)."""
 
     def loss_sum(params, tokens, targets):
-        return ctx.cross_entropy_sum(model.forward(params, tokens, ctx), targets), ctx.moe_aux()
+        return ctx.cross_entropy_sum(model.forward(params, tokens, ctx), targets, reduce=False), ctx.moe_aux()
 
     return loss_sum
 
 
 def _compiled(fn, compile: bool | str):
     return torch.compile(fn, fullgraph=True, backend="inductor" if compile is True else compile)
+
+
+def _local(x: torch.Tensor) -> torch.Tensor:
+    """This rank's local value, differentiable (its gradient keeps x's placements)."""
+    return x.to_local() if hasattr(x, "to_local") else x
 
 
 def full_value(x: torch.Tensor) -> torch.Tensor:

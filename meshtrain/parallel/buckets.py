@@ -1,0 +1,380 @@
+"""Parameter buckets: the weights of one block gathered by one collective from one flat
+buffer, and their gradients reduced by one collective per mesh group, in place of one
+collective per parameter (FSDP2's and Megatron's unit of communication).
+
+`plan_buckets` is pure data (which parameters share a bucket, which mesh dims each one
+gathers over), so `meshtrain plan` can count the calls without a process group.
+`BucketGather` is the runtime: forward packs the shards into one buffer and all-gathers
+it (or takes a gather issued earlier, the prefetch) and copies each weight out; backward
+packs the gradients the same way and issues, per bucket, one all-reduce per other mesh
+dim where gradients are partial (the tp all-reduce of sequence-parallel norm weights),
+one reduce-scatter over the gathered dims (fsdp, or fsdp x cp as one flattened group),
+then one all-reduce of the shards over the replica dims (dp: HSDP, or plain dp).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from torch._prims_common import make_contiguous_strides_for
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from ..errors import ConfigError
+from .mesh import GATHERED_AXES
+from .plan import ParamPlan, Plan
+
+BUCKET_UNITS = ("block", "param")
+# Every parameter-traffic group made in this process: group name -> its mesh axes joined
+# by "+" ("fsdp", "dp+fsdp"), for tools that label recorded collectives by axis.
+GROUP_AXES: dict[str, str] = {}
+DATA_AXES = ("dp", "fsdp", "cp")  # the mesh axes that split tokens: gradients are partial sums over them
+
+
+def check_bucket(value, key: str = "parallel.bucket") -> str | float:
+    """`block`, `param`, or a size in MB (> 0)."""
+    if isinstance(value, str) and value in BUCKET_UNITS:
+        return value
+    try:
+        mb = float(value)
+    except (TypeError, ValueError):
+        mb = None
+    if isinstance(value, bool) or mb is None or not math.isfinite(mb) or mb <= 0:
+        raise ConfigError(f"{key}={value!r}: use block (one bucket per transformer block), param (one "
+                          "collective per parameter) or a bucket size in MB (a number > 0)")
+    return mb
+
+
+@dataclass(frozen=True)
+class Member:
+    """One parameter of a bucket: the mesh dims its shard is gathered over (`gather`, all
+    splitting tensor dim `dim`), and its compute-local shape (after the gather)."""
+
+    name: str
+    gather: tuple[int, ...]
+    dim: int | None
+    shape: tuple[int, ...]  # compute-local: tp shards stay, the gathered dim is whole
+
+    def ways(self, mesh_shape) -> int:
+        return math.prod(mesh_shape[i] for i in self.gather)
+
+    def padded(self, mesh_shape) -> tuple[int, ...]:
+        """This shard's shape padded to the largest rank's (torch.chunk sizes)."""
+        if self.dim is None:
+            return self.shape
+        out = list(self.shape)
+        out[self.dim] = math.ceil(out[self.dim] / self.ways(mesh_shape))
+        return tuple(out)
+
+
+@dataclass(frozen=True)
+class Bucket:
+    index: int
+    members: tuple[Member, ...]
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(m.name for m in self.members)
+
+
+def _member(p: ParamPlan, plan: Plan) -> Member | None:
+    """How `p` is gathered, or None where a bucket cannot hold it (expert weights on the
+    expert mesh, strided or nested shards): those keep one collective per parameter."""
+    if p.mesh is not plan.mesh or any(isinstance(q, _StridedShard) for q in p.placements):
+        return None
+    axes = plan.mesh.axes
+    gather = tuple(i for i, (a, q) in enumerate(zip(axes, p.placements)) if a in GATHERED_AXES and isinstance(q, Shard))
+    dims = {p.placements[i].dim for i in gather}
+    if len(dims) > 1:
+        return None
+    dim = dims.pop() if dims else None
+    if dim is not None and any(isinstance(q, Shard) and q.dim == dim and i not in gather
+                               for i, q in enumerate(p.placements)):
+        return None  # the gathered dim is also split by tp: DTensor's own redistribute handles it
+    shape = list(p.spec.shape)
+    for i, q in enumerate(p.placements):
+        if isinstance(q, Shard) and i not in gather:
+            shape[q.dim] //= plan.mesh.size(axes[i])
+    ways = math.prod(plan.mesh.size(axes[i]) for i in gather)
+    if len(gather) > 1 and shape[dim] % ways:
+        return None  # nested uneven shards are not one flat chunking
+    return Member(p.name, gather, dim, tuple(shape))
+
+
+def _unit(name: str, seen_block: bool) -> str:
+    """Block mode: the bucket a parameter belongs to ('layers.3', or the groups before and
+    after the blocks: embeddings, final norm and head)."""
+    parts = name.split(".")
+    if parts[0] == "layers" and len(parts) > 1:
+        return ".".join(parts[:2])
+    return "after" if seen_block else "before"
+
+
+def plan_buckets(plan: Plan, unit: str | float = "block", names=None) -> tuple[list[Bucket], set[str]]:
+    """The buckets of `names` (default: every parameter, in the plan's order, which is
+    forward order) and the parameters left to one collective each."""
+    unit = check_bucket(unit)
+    names = list(plan.params) if names is None else list(names)
+    alone, groups, keys = set(), [], []
+    seen_block, size = False, 0.0
+    for name in names:
+        p = plan.params[name]
+        member = None if unit == "param" else _member(p, plan)
+        if member is None:
+            alone.add(name)
+            continue
+        nbytes = math.prod(member.shape) * p.spec.dtype.itemsize
+        if unit == "block":
+            key = _unit(name, seen_block)
+            seen_block = seen_block or key.startswith("layers.")
+            new = not keys or keys[-1] != key
+        else:
+            new = not groups or size + nbytes > unit * 2 ** 20
+            key = len(groups)
+        if new:
+            groups.append([])
+            keys.append(key)
+            size = 0.0
+        groups[-1].append(member)
+        size += nbytes
+    return [Bucket(i, tuple(g)) for i, g in enumerate(groups)], alone
+
+
+def group_dims(buckets: list[Bucket], plan: Plan) -> set[tuple[int, ...]]:
+    """Every set of mesh dims a bucket's collectives (or the step's loss) run over: each
+    becomes one process group at run time."""
+    mesh = plan.mesh
+    data = tuple(i for i, a in enumerate(mesh.axes) if a in DATA_AXES and mesh.size(a) > 1)
+    out = set()
+    for b in buckets:
+        for m in b.members:
+            live = tuple(i for i in m.gather if mesh.shape[i] > 1)
+            out.add(live)
+            # What may stay partial after the gather dims: the other data dims, and dims
+            # where the weight is used whole (a norm under sequence parallelism).
+            whole = {i for i, q in enumerate(plan.params[m.name].compute_placements())
+                     if q.is_replicate() and mesh.shape[i] > 1}
+            out.add(tuple(sorted((set(data) | whole) - set(live))))
+    out.add(data)  # the loss
+    for dims in list(out):  # one dim at a time, where no flattened group is made
+        out.update((i,) for i in dims)
+    return {s for s in out if s}
+
+
+class Groups:
+    """Process groups for the parameter traffic, one per set of mesh dims (several dims as
+    one flattened group), made when the context is built. They are new groups, not the
+    mesh's: a gather or reduction left in flight (prefetch, async reductions) then never
+    shares a group with the activations' collectives or context-parallel attention's
+    point-to-point exchange, which on one group would have to run in the same order on
+    every rank (and on NCCL a group of its own is what lets it overlap)."""
+
+    def __init__(self, mesh, sets):
+        self.mesh = mesh
+        self._names: dict[tuple[int, ...], str] = {}
+        self.axes: dict[str, str] = {}  # group name -> its mesh axes, "fsdp+cp" (for recorders)
+        ranks, coord = mesh.mesh, mesh.get_coordinate()
+        for dims in sorted(sets):
+            index = tuple(slice(None) if i in dims else c for i, c in enumerate(coord))
+            members = ranks[index].flatten().tolist()  # mesh order: the flattened rank order
+            # Only the members meet: the groups of other slices are made by their members.
+            group = dist.new_group(members, use_local_synchronization=True)
+            self._names[dims] = group.group_name
+            self.axes[group.group_name] = "+".join(mesh.mesh_dim_names[i] for i in dims)
+            GROUP_AXES[group.group_name] = self.axes[group.group_name]
+
+    def has(self, dims: tuple[int, ...]) -> bool:
+        return dims in self._names
+
+    def name(self, dims: tuple[int, ...]) -> str:
+        return self._names[dims]
+
+    def size(self, dims) -> int:
+        return math.prod([self.mesh.size(i) for i in dims])
+
+
+@dataclass(frozen=True)
+class _Set:
+    """Members of a bucket gathered together: the same mesh dims and compute dtype."""
+
+    gather: tuple[int, ...]
+    dtype: torch.dtype
+    members: tuple[int, ...]  # indices into the bucket's members
+    offsets: tuple[int, ...]
+    numel: int  # per rank, padded
+    ways: int  # ranks in the gather group
+
+
+class BucketRun:
+    """A bucket on a live mesh: its gather sets, dtypes and placements."""
+
+    def __init__(self, bucket: Bucket, plan: Plan, mesh, groups: Groups, policy):
+        self.bucket, self.mesh, self.groups = bucket, mesh, groups
+        shape = tuple(mesh.shape)
+        self.mesh_shape = shape
+        self.param_dtypes, self.dtypes, self.compute, self.global_shapes = [], [], [], []
+        for m in bucket.members:
+            p = plan.params[m.name]
+            self.param_dtypes.append(p.spec.dtype)
+            self.dtypes.append(policy.param_dtype(m.name) or p.spec.dtype)
+            self.compute.append(p.compute_placements())
+            self.global_shapes.append(tuple(p.spec.shape))
+        self.data = tuple(i for i, a in enumerate(mesh.mesh_dim_names) if a in DATA_AXES and shape[i] > 1)
+        sets: dict[tuple, list[int]] = {}
+        for j, m in enumerate(bucket.members):
+            live = tuple(i for i in m.gather if shape[i] > 1)
+            if live:
+                sets.setdefault((live, self.dtypes[j]), []).append(j)
+        # Sizes are plain numbers here, so the traced step sees constants.
+        self.padded = [m.padded(shape) for m in bucket.members]
+        self.numels = [math.prod(p) for p in self.padded]
+        self.sets = []
+        for (gather, dtype), js in sets.items():
+            offsets, n = [], 0
+            for j in js:
+                offsets.append(n)
+                n += self.numels[j]
+            self.sets.append(_Set(gather, dtype, tuple(js), tuple(offsets), n, groups.size(gather)))
+
+    # ------------------------------------------------------------------ forward
+    def pack(self, s: _Set, locals_) -> torch.Tensor:
+        """This rank's shards of a gather set in one flat buffer (padded, compute dtype)."""
+        buf = torch.empty(s.numel, dtype=s.dtype, device=locals_[s.members[0]].device)
+        for j, off in zip(s.members, s.offsets):
+            m, padded = self.bucket.members[j], self.padded[j]
+            view = buf[off:off + self.numels[j]].view(padded)
+            shard = locals_[j]
+            have = shard.shape[m.dim]
+            view.narrow(m.dim, 0, have).copy_(shard)
+            if have < padded[m.dim]:
+                view.narrow(m.dim, have, padded[m.dim] - have).zero_()
+        return buf
+
+    def issue(self, s: _Set, locals_) -> torch.Tensor:
+        with torch.no_grad():
+            return funcol.all_gather_single(self.pack(s, locals_), 0, self.groups.name(s.gather))
+
+    def unpack(self, s: _Set, gathered: torch.Tensor) -> dict[int, torch.Tensor]:
+        ways = s.ways
+        # Waited here, at first use (an issued gather runs until then); a piece that is
+        # already contiguous (a bucket of one) stays a view of the gathered buffer.
+        full = funcol.wait_tensor(gathered).view(ways, s.numel)
+        out = {}
+        for j, off in zip(s.members, s.offsets):
+            m, padded = self.bucket.members[j], self.padded[j]
+            piece = full[:, off:off + self.numels[j]].view(ways, *padded).movedim(0, m.dim)
+            merged = piece.reshape(*padded[:m.dim], ways * padded[m.dim], *padded[m.dim + 1:])
+            out[j] = merged.narrow(m.dim, 0, m.shape[m.dim]).contiguous()
+        return out
+
+    def wrap(self, j: int, local: torch.Tensor) -> DTensor:
+        shape = self.global_shapes[j]
+        return DTensor.from_local(local, self.mesh, self.compute[j], run_check=False, shape=shape,
+                                  stride=make_contiguous_strides_for(shape))
+
+    # ------------------------------------------------------------------ backward
+    def _normalise(self, j: int, grad: DTensor | None, like: torch.Tensor) -> tuple[torch.Tensor, tuple]:
+        """(local gradient in the parameter dtype, its placements): Partial or Replicate on
+        the data dims and on dims where the weight is used whole; the compute placement
+        elsewhere (anything else is redistributed there first, by DTensor)."""
+        compute = self.compute[j]
+        if grad is None:
+            return torch.zeros(self.bucket.members[j].shape, dtype=self.param_dtypes[j], device=like.device), \
+                tuple(Partial() if i in self.data else q for i, q in enumerate(compute))
+        grad = grad.to(self.param_dtypes[j])
+        fixed = [g if (g.is_partial() or g.is_replicate()) and (i in self.data or q.is_replicate()) else q
+                 for i, (g, q) in enumerate(zip(grad.placements, compute))]
+        if tuple(fixed) != tuple(grad.placements):
+            grad = grad.redistribute(self.mesh, fixed)
+        return grad._local_tensor, tuple(grad.placements)
+
+    def _all_reduce(self, items: dict[int, torch.Tensor], dims: tuple[int, ...]) -> None:
+        """One all-reduce of several gradients over the mesh dims `dims` (one flattened
+        group; dim by dim where no such group was made), in place of items."""
+        flat = torch.cat([g.reshape(-1) for g in items.values()])
+        for group in ([dims] if self.groups.has(dims) else [(i,) for i in dims]):
+            flat = funcol.all_reduce(flat, "sum", self.groups.name(group))
+        off = 0
+        for j, g in items.items():
+            items[j] = flat[off:off + g.numel()].view(g.shape)
+            off += g.numel()
+
+    def reduce(self, grads, shards) -> list[torch.Tensor]:
+        """Local gradients of the shards (stored layout) from the gradients of the
+        gathered weights: the collectives of the module docstring."""
+        members = self.bucket.members
+        locals_, places = [], []
+        for j, (g, shard) in enumerate(zip(grads, shards)):
+            local, placements = self._normalise(j, g, shard)
+            locals_.append(local)
+            places.append(placements)
+        out = list(locals_)
+        for s in self.sets:  # one reduce-scatter per gather set
+            ways = s.ways
+            buf = torch.empty(ways, s.numel, dtype=self.param_dtypes[s.members[0]], device=shards[0].device)
+            for j, off in zip(s.members, s.offsets):
+                m, padded = members[j], self.padded[j]
+                g = locals_[j]
+                # A gradient already whole on a gathered dim: each rank adds its share
+                # (the same code on every rank, so a traced step is one graph for all).
+                whole_on = [self.mesh.size(i) for i in s.gather if places[j][i].is_replicate()]
+                if whole_on:
+                    g = g / math.prod(whole_on)
+                whole = ways * padded[m.dim]
+                if whole != g.shape[m.dim]:
+                    pad = list(g.shape)
+                    pad[m.dim] = whole - g.shape[m.dim]
+                    g = torch.cat([g, g.new_zeros(pad)], m.dim)
+                split = g.reshape(*padded[:m.dim], ways, padded[m.dim], *padded[m.dim + 1:]).movedim(m.dim, 0)
+                buf[:, off:off + self.numels[j]].view(ways, *padded).copy_(split)
+            mine = funcol.reduce_scatter_single(buf.view(-1), "sum", 0, self.groups.name(s.gather))
+            for j, off in zip(s.members, s.offsets):
+                m, padded = members[j], self.padded[j]
+                out[j] = mine[off:off + self.numels[j]].view(padded).narrow(m.dim, 0, shards[j].shape[m.dim])
+        # What is still partial (over dp: HSDP's replicas, plain dp; over tp: sequence-
+        # parallel norms), as shards: one all-reduce per set of mesh dims.
+        gathered = {j for s in self.sets for j in s.members}
+        by_dims: dict[tuple, dict[int, torch.Tensor]] = {}
+        for j, m in enumerate(members):
+            done = set(m.gather) if j in gathered else set()
+            dims = tuple(i for i, q in enumerate(places[j]) if q.is_partial() and i not in done)
+            if dims:
+                by_dims.setdefault(dims, {})[j] = out[j]
+        for dims, items in by_dims.items():
+            self._all_reduce(items, dims)
+            for j, g in items.items():
+                out[j] = g
+        return [g.contiguous() for g in out]
+
+
+class BucketGather(torch.autograd.Function):
+    """(run, pending gathers or None per gather set, *shards) -> gathered weights as
+    DTensors in their compute layout; backward: `BucketRun.reduce`, the gradients back as
+    DTensors in the shards' layout. DTensors in and out (not local tensors), so that a
+    traced step hands backward the gradients' real placements."""
+
+    @staticmethod
+    def forward(ctx, run: BucketRun, *args):
+        pending, shards = args[:len(run.sets)], args[len(run.sets):]
+        ctx.run = run
+        ctx.shards = [(s.placements, s.shape, s.stride()) for s in shards]
+        locals_ = [s._local_tensor.to(d) for s, d in zip(shards, run.dtypes)]
+        ctx.save_for_backward(*[s._local_tensor for s in shards])
+        out = dict(enumerate(locals_))
+        for s, ready in zip(run.sets, pending):
+            gathered = ready if ready is not None else \
+                funcol.all_gather_single(run.pack(s, locals_), 0, run.groups.name(s.gather))
+            out.update(run.unpack(s, gathered))
+        return tuple([run.wrap(j, out[j]) for j in range(len(shards))])
+
+    @staticmethod
+    def backward(ctx, *grads):
+        run, shards = ctx.run, ctx.saved_tensors
+        local = run.reduce(grads, shards)
+        out = [DTensor.from_local(g, run.mesh, placements, run_check=False, shape=shape, stride=stride)
+               for g, (placements, shape, stride) in zip(local, ctx.shards)]
+        return (None, *([None] * len(run.sets)), *out)
