@@ -117,6 +117,7 @@ CHOICES = {"model.arch": "llama", "parallel.cp_comm": "ring", "parallel.pp_sched
            "model.moe.balance": "aux_free"}
 # Fields with hand-written cases below (structured or free-form values).
 SPECIAL = {"run_dir", "model.init_from", "model.rope_scaling", "model.moe", "model.moe.layers", "parallel.pp_layout",
+           "parallel.bucket",
            "data.paths", "data.tokenizer", "checkpoint.resume"}
 
 
@@ -214,6 +215,11 @@ def special_cases() -> list[Case]:
         element = str(yaml.safe_load(text)[0]) if text.startswith("[") and text != "[]" else text
         c.append(_case("shape", base, "parallel.pp_layout", text, via_yaml=via_yaml,
                        values=_shown(text, f"[0]={element}")))
+    # parallel.bucket (block | param | a size in MB)
+    for base, text, via_yaml in [("tiny-4proc", "blocks", False), ("tiny", "0", False), ("tiny-cp2", "-25", True),
+                                 ("tiny-4proc", ".nan", True), ("tiny-pp2", "[25]", False), ("tiny", "true", True),
+                                 ("tiny-4proc", "null", True)]:
+        c.append(_case("choice", base, "parallel.bucket", text, via_yaml=via_yaml))
     # model.moe.layers (str | list[int]); in YAML, where "1:" stays a string
     for text in ["'9:'", "[99]", "[1, 1]", "[true]", "'x:'", "[]"]:
         c.append(_case("shape", "tiny-moe", "model.moe.layers", text, via_yaml=True,

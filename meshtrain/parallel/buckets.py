@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch._prims_common import make_contiguous_strides_for
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from ..errors import ConfigError
@@ -83,9 +83,10 @@ class Bucket:
 
 def _member(p: ParamPlan, plan: Plan) -> Member | None:
     """How `p` is gathered, or None where a bucket cannot hold it (expert weights on the
-    expert mesh, strided or nested shards): those keep one collective per parameter."""
-    if p.mesh is not plan.mesh or any(isinstance(q, _StridedShard) for q in p.placements):
-        return None
+    expert mesh, strided or nested shards, frozen tensors): those keep one collective per
+    parameter."""
+    if p.mesh is not plan.mesh or any(isinstance(q, _StridedShard) for q in p.placements) or not p.spec.trainable:
+        return None  # (a frozen tensor, e.g. the aux-free expert bias, has no gradient to reduce)
     axes = plan.mesh.axes
     gather = tuple(i for i, (a, q) in enumerate(zip(axes, p.placements)) if a in GATHERED_AXES and isinstance(q, Shard))
     dims = {p.placements[i].dim for i in gather}
@@ -214,6 +215,7 @@ class BucketRun:
 
     def __init__(self, bucket: Bucket, plan: Plan, mesh, groups: Groups, policy):
         self.bucket, self.mesh, self.groups = bucket, mesh, groups
+        self.hold = False
         shape = tuple(mesh.shape)
         self.mesh_shape = shape
         self.param_dtypes, self.dtypes, self.compute, self.global_shapes = [], [], [], []
@@ -303,9 +305,12 @@ class BucketRun:
             items[j] = flat[off:off + g.numel()].view(g.shape)
             off += g.numel()
 
-    def reduce(self, grads, shards) -> list[torch.Tensor]:
+    def reduce(self, grads, shards, leaves) -> list[torch.Tensor]:
         """Local gradients of the shards (stored layout) from the gradients of the
-        gathered weights: the collectives of the module docstring."""
+        gathered weights: the collectives of the module docstring. With `hold` set (a
+        micro-step before the step's last), the all-reduces after the reduce-scatter are
+        left out and the partial sums accumulate in the parameters' .grad; the last
+        micro-step adds them in and reduces once (DDP's no_sync)."""
         members = self.bucket.members
         locals_, places = [], []
         for j, (g, shard) in enumerate(zip(grads, shards)):
@@ -319,11 +324,10 @@ class BucketRun:
             for j, off in zip(s.members, s.offsets):
                 m, padded = members[j], self.padded[j]
                 g = locals_[j]
-                # A gradient already whole on a gathered dim: each rank adds its share
-                # (the same code on every rank, so a traced step is one graph for all).
-                whole_on = [self.mesh.size(i) for i in s.gather if places[j][i].is_replicate()]
-                if whole_on:
-                    g = g / math.prod(whole_on)
+                # A gradient already whole on a gathered dim is counted once, by the rank
+                # at index 0 of that dim.
+                if not all([self.mesh.get_local_rank(i) == 0 for i in s.gather if places[j][i].is_replicate()]):
+                    g = torch.zeros_like(g)
                 whole = ways * padded[m.dim]
                 if whole != g.shape[m.dim]:
                     pad = list(g.shape)
@@ -344,7 +348,14 @@ class BucketRun:
             dims = tuple(i for i, q in enumerate(places[j]) if q.is_partial() and i not in done)
             if dims:
                 by_dims.setdefault(dims, {})[j] = out[j]
+        if self.hold:  # a micro-step before the last: the partial sums accumulate locally
+            return [g.contiguous() for g in out]
         for dims, items in by_dims.items():
+            for j in items:  # what earlier micro-steps held back joins this one's reduction
+                held = leaves[j].grad
+                if held is not None:
+                    items[j] = items[j] + held._local_tensor
+                    leaves[j].grad = None
             self._all_reduce(items, dims)
             for j, g in items.items():
                 out[j] = g
@@ -354,13 +365,17 @@ class BucketRun:
 class BucketGather(torch.autograd.Function):
     """(run, pending gathers or None per gather set, *shards) -> gathered weights as
     DTensors in their compute layout; backward: `BucketRun.reduce`, the gradients back as
-    DTensors in the shards' layout. DTensors in and out (not local tensors), so that a
-    traced step hands backward the gradients' real placements."""
+    DTensors in the shards' layout.
+
+    Eager only: backward reads each gradient's placements (Partial where it is a sum
+    still to reduce), and a traced step hands a custom Function's backward its outputs'
+    placements instead of the gradients' (torch 2.13: the norm came out halved at fsdp
+    2), so compiled steps keep one collective per parameter (ShardedContext)."""
 
     @staticmethod
     def forward(ctx, run: BucketRun, *args):
         pending, shards = args[:len(run.sets)], args[len(run.sets):]
-        ctx.run = run
+        ctx.run, ctx.leaves = run, shards
         ctx.shards = [(s.placements, s.shape, s.stride()) for s in shards]
         locals_ = [s._local_tensor.to(d) for s, d in zip(shards, run.dtypes)]
         ctx.save_for_backward(*[s._local_tensor for s in shards])
@@ -374,7 +389,7 @@ class BucketGather(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         run, shards = ctx.run, ctx.saved_tensors
-        local = run.reduce(grads, shards)
+        local = run.reduce(grads, shards, ctx.leaves)
         out = [DTensor.from_local(g, run.mesh, placements, run_check=False, shape=shape, stride=stride)
                for g, (placements, shape, stride) in zip(local, ctx.shards)]
         return (None, *([None] * len(run.sets)), *out)

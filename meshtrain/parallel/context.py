@@ -110,11 +110,19 @@ class _FetchParam:
 
 
 class _FetchBucket:
-    def __init__(self, context: "ShardedContext", index: int, j: int, shards):
-        self.context, self.index, self.j, self.shards, self.mesh = context, index, j, shards, context.mesh
+    """Member j of bucket `index`; `saved`: the buckets of the same forward that backward
+    will gather again (bucket -> shards), so the one before can be issued ahead."""
+
+    def __init__(self, context: "ShardedContext", index: int, j: int, shards, saved: dict):
+        self.context, self.index, self.j, self.shards, self.saved = context, index, j, shards, saved
+        self.mesh = context.mesh
+
+    def mark(self) -> None:
+        """Autograd kept a weight of this bucket: backward will gather it again."""
+        self.saved[self.index] = self.shards
 
     def __call__(self) -> torch.Tensor:
-        return self.context._regather_bucket(self.index, self.shards)[self.j]
+        return self.context._regather_bucket(self.index, self.saved)[self.j]
 
 
 class _BoundParams(Mapping):
@@ -131,12 +139,13 @@ class _BoundParams(Mapping):
         self._live: dict[int, dict[str, DTensor]] = {}
         self._pending: dict[int, tuple] = {}  # prefetched gathers by bucket
         self._complete = {r.bucket.index for r in context._runs if all(n in params for n in r.bucket.names)}
+        self._saved: dict[int, list] = {}  # buckets backward gathers again -> their shards
 
     def __getitem__(self, name: str) -> DTensor:
         if name in self._kept:
             return self._kept[name]
         b = self._context._bucket_of.get(name)
-        if b in self._complete:
+        if b in self._complete and not torch.compiler.is_compiling():  # see BucketGather
             if b not in self._live:
                 self._live = {b: self._gather_bucket(b)}
             gathered = self._live[b][name]
@@ -152,12 +161,12 @@ class _BoundParams(Mapping):
         shards = [self._params[n] for n in run.bucket.names]
         pending = self._pending.pop(b, (None,) * len(run.sets))
         outs = BucketGather.apply(run, *pending, *shards)
-        if context.reshard and not torch.compiler.is_compiling():
-            gathered = {j for s in run.sets for j in s.members}
+        gathered = {j for s in run.sets for j in s.members}
+        if context.reshard:
             for j in gathered:
                 local = outs[j]._local_tensor
                 context._gathered[local.untyped_storage().data_ptr()] = (
-                    weakref.ref(local), _FetchBucket(context, b, j, shards))
+                    weakref.ref(local), _FetchBucket(context, b, j, shards, self._saved))
         if not _recomputing():  # a block recomputed in backward wants the bucket before it next
             for nb in range(b + 1, b + 1 + context.prefetch):
                 if nb in self._complete and nb not in self._pending:
@@ -221,6 +230,8 @@ class ShardedContext:
                 ref, fetch = self._gathered.get(ptr, (lambda: None, None))
                 alive = ref()
                 if alive is not None and alive.untyped_storage().data_ptr() == ptr:
+                    if isinstance(fetch, _FetchBucket):
+                        fetch.mark()
                     return _Regather(fetch, t)
             return t
 
@@ -239,11 +250,11 @@ class ShardedContext:
         shards = [params[n]._local_tensor for n in run.bucket.names]
         return tuple(run.issue(s, shards) for s in run.sets)
 
-    def _regather_bucket(self, b: int, shards) -> list[torch.Tensor]:
+    def _regather_bucket(self, b: int, saved: dict) -> list[torch.Tensor]:
         """Backward (eager): bucket b's gathered weights again, once for all of its saved
         uses; the bucket before it (next in backward) is issued ahead."""
         if b not in self._regathered:
-            run = self._runs[b]
+            run, shards = self._runs[b], saved[b]
             locals_ = [s._local_tensor for s in shards]
             with torch.no_grad():
                 pending = self._pending_bwd.pop(b, None) or tuple(run.issue(s, locals_) for s in run.sets)
@@ -252,15 +263,16 @@ class ShardedContext:
                     out.update(run.unpack(s, gathered))
             self._regathered = {b: [out[j] for j in range(len(shards))]}
             before = b - 1
-            if self.prefetch and before >= 0 and before not in self._pending_bwd and \
-                    any(isinstance(f, _FetchBucket) and f.index == before for _, f in self._gathered.values()):
-                self._pending_bwd = {before: self._issue_bucket_from(before)}
+            if self.prefetch and before in saved and before not in self._pending_bwd:
+                self._pending_bwd = {before: self._issue_bucket(before, dict(zip(self._runs[before].bucket.names,
+                                                                                  saved[before])))}
         return self._regathered[b]
 
-    def _issue_bucket_from(self, b: int) -> tuple:
-        fetch = next(f for _, f in self._gathered.values() if isinstance(f, _FetchBucket) and f.index == b)
-        run = self._runs[b]
-        return tuple(run.issue(s, [x._local_tensor for x in fetch.shards]) for s in run.sets)
+    def hold_reductions(self, hold: bool) -> None:
+        """Before a micro-step's backward: True on all but the step's last, so gradients
+        partial over the replica dims (dp) accumulate locally and are reduced once."""
+        for run in self._runs:
+            run.hold = hold
 
     def reduce_sum(self, x: torch.Tensor) -> torch.Tensor:
         """The whole value of `x`, a partial sum over the ranks that split the tokens (a

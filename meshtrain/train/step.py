@@ -84,6 +84,7 @@ def make_train_step(model: ModelDef, plan=None, device_mesh=None, *, optimizer: 
         lr_schedule = lr_schedule or schedule
     lr_schedule = lr_schedule or LRSchedule(lr=optimizer.lr, kind="constant")
     scope = getattr(ctx, "regather_in_backward", contextlib.nullcontext)
+    hold = getattr(ctx, "hold_reductions", lambda _: None)
     data_ranks = plan.mesh.dp * plan.mesh.fsdp if plan is not None else 1
 
     loss_sum = _loss_sum(model, ctx)
@@ -109,6 +110,7 @@ def make_train_step(model: ModelDef, plan=None, device_mesh=None, *, optimizer: 
                 extra = terms.add(aux)
             # The loss is this rank's partial sum: its gradient is the step's gradient of
             # the tokens this rank holds (no all-reduce before backward).
+            hold(micro < len(tokens) - 1)
             torch.autograd.backward([_local(loss)] + ([] if extra is None else [_local(extra)]))
             total = _add(total, loss.detach())
         loss = float(ctx.reduce_sum(total))
