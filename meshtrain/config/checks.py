@@ -85,7 +85,7 @@ def _validate_parallel(p: ParallelConfig) -> None:
     from ..parallel.buckets import check_bucket
 
     check_bucket(p.bucket, "parallel.bucket")
-    _check_int(p.prefetch, "parallel.prefetch", minimum=0)
+    _check_int(p.prefetch, "parallel.prefetch", minimum=0, maximum=64)
     check_bool(p.reshard_after_forward, "parallel.reshard_after_forward")
     check_float(p.collective_timeout_s, "parallel.collective_timeout_s", positive=True)
     if p.collective_timeout_s > MAX_TIMEOUT_S:

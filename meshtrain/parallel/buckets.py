@@ -215,7 +215,8 @@ class BucketRun:
 
     def __init__(self, bucket: Bucket, plan: Plan, mesh, groups: Groups, policy):
         self.bucket, self.mesh, self.groups = bucket, mesh, groups
-        self.hold = False
+        self.hold = False  # set by the step: leave the last all-reduces to a later micro-step
+        self._held = False  # .grad holds partial sums that the next reduction must add in
         shape = tuple(mesh.shape)
         self.mesh_shape = shape
         self.param_dtypes, self.dtypes, self.compute, self.global_shapes = [], [], [], []
@@ -349,16 +350,18 @@ class BucketRun:
             if dims:
                 by_dims.setdefault(dims, {})[j] = out[j]
         if self.hold:  # a micro-step before the last: the partial sums accumulate locally
+            self._held = True
             return [g.contiguous() for g in out]
         for dims, items in by_dims.items():
             for j in items:  # what earlier micro-steps held back joins this one's reduction
-                held = leaves[j].grad
+                held = leaves[j].grad if self._held else None
                 if held is not None:
                     items[j] = items[j] + held._local_tensor
                     leaves[j].grad = None
             self._all_reduce(items, dims)
             for j, g in items.items():
                 out[j] = g
+        self._held = False
         return [g.contiguous() for g in out]
 
 

@@ -109,11 +109,20 @@ class _FetchParam:
             return _gather(self.shard, self.placements, self.dtype)._local_tensor
 
 
+class _Kept(dict):
+    """Bucket -> shards, for the buckets whose weights autograd kept in one forward;
+    `done`: those backward has gathered again (never issued ahead a second time)."""
+
+    def __init__(self):
+        super().__init__()
+        self.done: set[int] = set()
+
+
 class _FetchBucket:
     """Member j of bucket `index`; `saved`: the buckets of the same forward that backward
     will gather again (bucket -> shards), so the one before can be issued ahead."""
 
-    def __init__(self, context: "ShardedContext", index: int, j: int, shards, saved: dict):
+    def __init__(self, context: "ShardedContext", index: int, j: int, shards, saved: _Kept):
         self.context, self.index, self.j, self.shards, self.saved = context, index, j, shards, saved
         self.mesh = context.mesh
 
@@ -139,7 +148,7 @@ class _BoundParams(Mapping):
         self._live: dict[int, dict[str, DTensor]] = {}
         self._pending: dict[int, tuple] = {}  # prefetched gathers by bucket
         self._complete = {r.bucket.index for r in context._runs if all(n in params for n in r.bucket.names)}
-        self._saved: dict[int, list] = {}  # buckets backward gathers again -> their shards
+        self._saved = _Kept()  # the buckets backward gathers again
 
     def __getitem__(self, name: str) -> DTensor:
         if name in self._kept:
@@ -250,7 +259,7 @@ class ShardedContext:
         shards = [params[n]._local_tensor for n in run.bucket.names]
         return tuple(run.issue(s, shards) for s in run.sets)
 
-    def _regather_bucket(self, b: int, saved: dict) -> list[torch.Tensor]:
+    def _regather_bucket(self, b: int, saved: _Kept) -> list[torch.Tensor]:
         """Backward (eager): bucket b's gathered weights again, once for all of its saved
         uses; the bucket before it (next in backward) is issued ahead."""
         if b not in self._regathered:
@@ -262,8 +271,9 @@ class ShardedContext:
                 for s, gathered in zip(run.sets, pending):
                     out.update(run.unpack(s, gathered))
             self._regathered = {b: [out[j] for j in range(len(shards))]}
-            before = b - 1
-            if self.prefetch and before in saved and before not in self._pending_bwd:
+            saved.done.add(b)
+            before = b - 1  # (a tied table's bucket is needed first, by the head, and not again)
+            if self.prefetch and before in saved and before not in saved.done and before not in self._pending_bwd:
                 self._pending_bwd = {before: self._issue_bucket(before, dict(zip(self._runs[before].bucket.names,
                                                                                   saved[before])))}
         return self._regathered[b]
