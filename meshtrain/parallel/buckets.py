@@ -346,7 +346,8 @@ class BucketRun:
         by_dims: dict[tuple, dict[int, torch.Tensor]] = {}
         for j, m in enumerate(members):
             done = set(m.gather) if j in gathered else set()
-            dims = tuple(i for i, q in enumerate(places[j]) if q.is_partial() and i not in done)
+            dims = tuple(i for i, q in enumerate(places[j])
+                         if q.is_partial() and i not in done and self.mesh_shape[i] > 1)  # one rank: summed
             if dims:
                 by_dims.setdefault(dims, {})[j] = out[j]
         if self.hold:  # a micro-step before the last: the partial sums accumulate locally

@@ -289,9 +289,10 @@ class ShardedContext:
         loss accumulated over micro-steps): one all-reduce over those ranks together."""
         if not isinstance(x, DTensor):
             return x
-        dims = tuple(i for i, p in enumerate(x.placements) if p.is_partial())
+        dims = tuple(i for i, p in enumerate(x.placements) if p.is_partial() and self.mesh.size(i) > 1)
         if not dims:
-            return x.full_tensor()
+            return x._local_tensor if all(p.is_partial() or p.is_replicate() for p in x.placements) \
+                else x.full_tensor()
         if not self._groups.has(dims):
             return x.full_tensor()
         group = self._groups.name(dims)
