@@ -23,9 +23,12 @@ anything and exits 1. Then --rounds rounds: in each, every variant runs --steps 
 slowest rank's. Reported per layout: the median ms/step over rounds (min-max), the time
 ratios block/param and prefetch on/off (ratio of medians, and the median of same-round
 ratios: the steadier one when the machine's load drifts), collective calls per step, the
-1-minute load average before and after, torch version, cores.
+1-minute load average before and after, torch version, cores. Last, in the same ranks,
+the cost of one collective apart from its bytes: a blocking all-gather of 256 fp32 over
+the fsdp group, set against the calls block saves (what fewer calls can save at most,
+unless the calls also overlap compute).
 
-    python bench/step_dist_cpu.py --json out.json          # dim 256, 4 layers, 8 x 128 tokens
+    python bench/step_dist_cpu.py --json out.json          # dim 256, 4 layers, 8 x 64 tokens
     python bench/step_dist_cpu.py --tiny --json out.json   # CI: seconds
 """
 
@@ -60,7 +63,7 @@ VARIANTS = {"param": ("param", 1), "block": ("block", 1), "block-prefetch0": ("b
 # name -> (mesh sizes, sequence parallel)
 LAYOUTS = {"fsdp2xtp2-sp": ({"fsdp": 2, "tp": 2}, True), "fsdp2": ({"fsdp": 2}, False)}
 
-FULL = dict(dim=256, layers=4, heads=8, kv_heads=4, ffn=688, vocab=512, batch=8, seq=128, warmup=3, steps=3,
+FULL = dict(dim=256, layers=4, heads=8, kv_heads=4, ffn=688, vocab=512, batch=8, seq=64, warmup=3, steps=3,
             rounds=10)
 TINY = dict(dim=32, layers=2, heads=4, kv_heads=2, ffn=64, vocab=64, batch=4, seq=16, warmup=2, steps=1, rounds=2)
 
@@ -73,7 +76,7 @@ def parse_args(argv=None):
     for flag in ("dim", "layers", "heads", "kv-heads", "ffn", "vocab"):
         m.add_argument(f"--{flag}", type=int, default=None, help=f"default {FULL[flag.replace('-', '_')]}")
     m.add_argument("--batch", type=int, default=None, help="sequences per step (global batch; default 8)")
-    m.add_argument("--seq", type=int, default=None, help="default 128")
+    m.add_argument("--seq", type=int, default=None, help="default 64")
     r = p.add_argument_group("measurement")
     r.add_argument("--warmup", type=int, default=None, help="untimed steps per variant (loss check; default 3)")
     r.add_argument("--steps", type=int, default=None, help="timed steps per variant per round (default 3)")
@@ -196,7 +199,25 @@ def rank_main(cfg: LlamaConfig, layout: str, batch: int, seq: int, warmup: int, 
             print(f"  round {rnd + 1}/{rounds} (load {os.getloadavg()[0]:.2f}): "
                   + "  ".join(f"{n} {1e3 * out['round_s'][n][-1] / steps:.1f} ms" for n in names), flush=True)
     out["phase_s"]["rounds"] = time.perf_counter() - t_warm
+    out["small_all_gather_us"] = _call_latency(mesh.get_group("fsdp"))
     return out
+
+
+def _call_latency(group, n: int = 100, numel: int = 256) -> float:
+    """Microseconds per blocking all-gather of `numel` fp32 over `group`, the slowest
+    rank's mean of `n`: what one collective costs here apart from its bytes (the unit
+    the buckets save)."""
+    import torch.distributed as dist
+
+    x = torch.ones(numel)
+    out = torch.empty(numel * dist.get_world_size(group))
+    for _ in range(5):
+        dist.all_gather_into_tensor(out, x, group=group)
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        dist.all_gather_into_tensor(out, x, group=group)
+    return _max_over_ranks((time.perf_counter() - t0) / n * 1e6)
 
 
 def summarise(result: dict, steps: int) -> dict:
@@ -213,7 +234,10 @@ def summarise(result: dict, steps: int) -> dict:
         return {"of_medians": variants[a]["ms_per_step_median"] / variants[b]["ms_per_step_median"],
                 "paired": statistics.median(x / y for x, y in zip(ms[a], ms[b]))}
 
-    return {"variants": variants,
+    saved = variants["param"]["collectives"] - variants["block"]["collectives"]
+    return {"variants": variants, "small_all_gather_us": result["small_all_gather_us"],
+            # What the calls block saves would cost at that latency, per step.
+            "saved_calls": saved, "saved_calls_ms_at_small_latency": saved * result["small_all_gather_us"] / 1e3,
             "ratios": {"block/param": ratio("block", "param"),
                        "prefetch1/prefetch0": ratio("block", "block-prefetch0")}}
 
@@ -285,6 +309,13 @@ def main(argv=None) -> int:
               f"{r['block/param']['paired']:.3f});  prefetch 1/0 {r['prefetch1/prefetch0']['of_medians']:.3f} "
               f"(paired {r['prefetch1/prefetch0']['paired']:.3f});  load {row['loadavg_1min']['before']:.2f} -> "
               f"{row['loadavg_1min']['after']:.2f}")
+    print("\nper-call cost: a blocking all-gather of 256 fp32 over the fsdp group, after the rounds")
+    for row in rows:
+        v = row["variants"]
+        print(f"{row['layout']:14s} {row['small_all_gather_us']:8.0f} us/call; block issues {row['saved_calls']} "
+              f"fewer calls than param: {row['saved_calls_ms_at_small_latency']:.1f} ms/step at that cost, against "
+              f"a measured difference of {v['param']['ms_per_step_median'] - v['block']['ms_per_step_median']:.1f} "
+              "ms/step (medians)")
     print(f"load average (1 min): {load_before:.2f} before, {load_after:.2f} after; {env['cores']} cores, "
           f"torch {env['torch']}")
     if args.json:

@@ -54,6 +54,10 @@ def test_step_dist_bench_tiny(tmp_path):
             assert math.isfinite(row["ratios"][key]["of_medians"]) and row["ratios"][key]["of_medians"] > 0
             assert math.isfinite(row["ratios"][key]["paired"]) and row["ratios"][key]["paired"] > 0
         v = row["variants"]
+        assert row["small_all_gather_us"] > 0
+        assert row["saved_calls"] == v["param"]["collectives"] - v["block"]["collectives"] > 0
+        assert math.isclose(row["saved_calls_ms_at_small_latency"],
+                            row["saved_calls"] * row["small_all_gather_us"] / 1e3)
         assert v["block"]["collectives"] == v["block-prefetch0"]["collectives"] < v["param"]["collectives"]
         assert v["block"]["bucket"] == "block" and v["block"]["prefetch"] == 1 and v["block-prefetch0"]["prefetch"] == 0
     # fsdp2, untied Llama: 9 L + 3 tensors; per parameter: a gather in forward, one in
