@@ -212,11 +212,11 @@ def _call_latency(group, n: int = 100, numel: int = 256) -> float:
     x = torch.ones(numel)
     out = torch.empty(numel * dist.get_world_size(group))
     for _ in range(5):
-        dist.all_gather_into_tensor(out, x, group=group)
+        dist.all_gather_single(out, x, group=group)
     dist.barrier()
     t0 = time.perf_counter()
     for _ in range(n):
-        dist.all_gather_into_tensor(out, x, group=group)
+        dist.all_gather_single(out, x, group=group)
     return _max_over_ranks((time.perf_counter() - t0) / n * 1e6)
 
 
