@@ -25,8 +25,8 @@ ratios block/param and prefetch on/off (ratio of medians, and the median of same
 ratios: the steadier one when the machine's load drifts), collective calls per step, the
 1-minute load average before and after, torch version, cores. Last, in the same ranks,
 the cost of one collective apart from its bytes: a blocking all-gather of 256 fp32 over
-the fsdp group, set against the calls block saves (what fewer calls can save at most,
-unless the calls also overlap compute).
+the fsdp group, times the calls block saves: the part of the saving that per-call
+latency alone explains (the framework work around each call in param mode is not in it).
 
     python bench/step_dist_cpu.py --json out.json          # dim 256, 4 layers, 8 x 64 tokens
     python bench/step_dist_cpu.py --tiny --json out.json   # CI: seconds
