@@ -341,7 +341,9 @@ class BucketRun:
         by_dims: dict[tuple, dict[int, torch.Tensor]] = {}
         for j, m in enumerate(members):
             done = set(m.gather) if j in gathered else set()
-            dims = tuple(i for i, q in enumerate(places[j]) if q.is_partial() and i not in done)
+            # A dim of one rank (a 1-rank mesh) has nothing to add up and no group.
+            dims = tuple(i for i, q in enumerate(places[j])
+                         if q.is_partial() and i not in done and self.mesh_shape[i] > 1)
             if dims:
                 by_dims.setdefault(dims, {})[j] = out[j]
         for dims, items in by_dims.items():
