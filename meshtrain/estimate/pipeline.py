@@ -8,7 +8,8 @@ so memory and collectives are estimated per pp rank and the most loaded one is r
   them, and as many micro-batches' activations as the schedule keeps in flight on that
   rank at its peak (the simulator's count; for interleaved schedules an in-flight
   micro-batch is counted at the rank's largest stage).
-- collectives: `step_collectives` on the stage plan for the rank's layers, plus the
+- collectives: `step_collectives` on the stage plan for the rank's layers and
+  parameters (its buckets: those it holds whole; the loss per micro-step), plus the
   point-to-point traffic on pp: per micro-batch, per stage boundary the rank touches, one
   activation forward and one gradient backward, each this rank's shard of the
   (batch, seq, dim) residual stream in the compute dtype; a tied embedding's gradient
@@ -81,7 +82,10 @@ def timeline_lines(schedule: PipelineSchedule, max_actions: int = 48) -> list[st
 def pipeline_estimate(plan: Plan, model, *, pp_schedule: str, virtual: int, layout: list[int] | None,
                       micro_batch: int, seq_len: int, micro_steps: int, precision: str = "fp32",
                       compiled: bool = False, activation_checkpointing: str = "none",
-                      device: str = "cuda") -> PipelineEstimate:
+                      device: str = "cuda", bucket: str | float = "block", prefetch: int = 1,
+                      reshard_after_forward: bool = True) -> PipelineEstimate:
+    """bucket, prefetch, reshard_after_forward: the stages' parameter traffic, as
+    make_pipeline_step takes them."""
     pp = plan.mesh.pp
     stages = partition(model, pp, virtual, layout, seq_len=seq_len, micro_batch=micro_batch)
     sched = build_pipeline_schedule(pp_schedule, pp, micro_steps, virtual)
@@ -104,10 +108,14 @@ def pipeline_estimate(plan: Plan, model, *, pp_schedule: str, virtual: int, layo
                                  device=device, names=names,
                                  layers=list(range(*max(mine, key=lambda st: st.n_layers).layers)),
                                  embedding=first, head=has_head, in_flight=max(1, timing.peak_in_flight[r]))
+        # The last stage reduces each micro-step's loss over the token-splitting dims (the
+        # pipeline step's cross_entropy_sum), not the step's once.
         collectives = [e for e in step_collectives(sub, model, micro_batch_rows=micro_batch * data, seq_len=seq_len,
                                                    micro_steps=micro_steps, precision=precision, compiled=compiled,
                                                    layers=[i for st in mine for i in range(*st.layers)], embedding=first,
-                                                   head=has_head)
+                                                   head=has_head, bucket=bucket, prefetch=prefetch,
+                                                   reshard_after_forward=reshard_after_forward, names=names,
+                                                   loss_once=False)
                        if not (e["phase"] == "optimizer" and e["op"] == "all_reduce_sum")]
         # Per micro-batch: an activation out of every stage but the last, a gradient back
         # out of every stage but the first.
