@@ -111,41 +111,19 @@ def step_collectives(plan: Plan, model: ModelDef, *, micro_batch_rows: int, seq_
     (`loss_once` False), not once per step. Dense and MoE blocks' activations are each
     walked once (their first layer) and multiplied by how many of them run; with buckets,
     every layer's parameter lookups are replayed over the plan's buckets."""
-    costs = model.family.costs
     if precision not in ("fp32", "bf16", "fp8"):
         raise ConfigError(f"train.precision={precision!r}: choose fp32, bf16 or fp8")
     unit = check_bucket(bucket)
     c = _check_batch(plan, micro_batch_rows, precision)
     kinds = _block_kinds(model, layers)
-    if kinds["moe"] and costs.walk_moe_block is None:
-        raise ConfigError(f"collective estimate: the {model.family.name} family has no MoE block walk")
     bucketed = unit != "param"
-    regather = not compiled and reshard_after_forward
 
     def walk():
-        return _Walker(plan, micro_batch_rows, seq_len, c, eager=regather, defer=bucketed)
+        return _Walker(plan, micro_batch_rows, seq_len, c, eager=not compiled and reshard_after_forward,
+                       defer=bucketed)
 
-    parts, first = [], {}  # (walker, times per micro-step); kind -> (walker, the layer it walked)
-    for kind, table in (("dense", costs.walk_block), ("moe", costs.walk_moe_block)):
-        if kinds[kind]:
-            block = walk()
-            table(block, model.cfg, f"layers.{kinds[kind][0]}.")
-            parts.append((block, len(kinds[kind])))
-            first[kind] = (block, kinds[kind][0])
-    rest = walk()
-    if embedding:
-        costs.walk_embed(rest, model.cfg, tied_head=model.cfg.tie_embeddings and head)
-    split = len(rest.events)
-    if head:
-        costs.walk_head(rest, model.cfg, table_used=embedding)
-    parts.append((rest, 1))
+    parts, rest, events = _walk_model(model, kinds, walk, embedding, head)
     if bucketed:  # the parameters' traffic: every lookup of one forward, over the buckets
-        events = rest.events[:split]
-        for i in sorted(i for ids in kinds.values() for i in ids):
-            block, j = first["moe" if i in kinds["moe"] else "dense"]
-            was, now = f"layers.{j}.", f"layers.{i}."
-            events += [(e[0], now + e[1][len(was):] if e[1].startswith(was) else e[1], *e[2:]) for e in block.events]
-        events += rest.events[split:]
         params = walk()
         held = set(names) if names is not None else _held(plan, model, kinds, embedding, head)
         bucket_traffic(params, events, unit, held, Policy.of(precision), prefetch)
@@ -182,6 +160,55 @@ def step_collectives(plan: Plan, model: ModelDef, *, micro_batch_rows: int, seq_
         total[("opt", "all_reduce_sum", axis)] = [1, 4]
     return [{"axis": axis, "op": op, "phase": PHASES[phase], "count": n, "bytes": nbytes}
             for (phase, op, axis), (n, nbytes) in sorted(total.items(), key=lambda kv: (list(PHASES).index(kv[0][0]), kv[0]))]
+
+
+def _walk_model(model: ModelDef, kinds: dict, walk, embedding: bool, head: bool):
+    """The family's walks of one forward: ([(walker, times per micro-step)], the walker of
+    the embedding and head, every parameter lookup in order). Dense and MoE blocks are
+    walked once each (their first layer); the lookups of the others are that walk's,
+    renamed."""
+    costs = model.family.costs
+    if kinds["moe"] and costs.walk_moe_block is None:
+        raise ConfigError(f"collective estimate: the {model.family.name} family has no MoE block walk")
+    parts, first = [], {}  # (walker, times per micro-step); kind -> (walker, the layer it walked)
+    for kind, table in (("dense", costs.walk_block), ("moe", costs.walk_moe_block)):
+        if kinds[kind]:
+            block = walk()
+            table(block, model.cfg, f"layers.{kinds[kind][0]}.")
+            parts.append((block, len(kinds[kind])))
+            first[kind] = (block, kinds[kind][0])
+    rest = walk()
+    if embedding:
+        costs.walk_embed(rest, model.cfg, tied_head=model.cfg.tie_embeddings and head)
+    split = len(rest.events)
+    if head:
+        costs.walk_head(rest, model.cfg, table_used=embedding)
+    parts.append((rest, 1))
+    events = rest.events[:split]
+    for i in sorted(i for ids in kinds.values() for i in ids):
+        block, j = first["moe" if i in kinds["moe"] else "dense"]
+        was, now = f"layers.{j}.", f"layers.{i}."
+        events += [(e[0], now + e[1][len(was):] if e[1].startswith(was) else e[1], *e[2:]) for e in block.events]
+    events += rest.events[split:]
+    return parts, rest, events
+
+
+def backward_regathers(plan: Plan, model: ModelDef, *, micro_batch_rows: int, seq_len: int, layers, names,
+                       embedding: bool = True, head: bool = True, precision: str = "fp32",
+                       bucket: str | float = "block", prefetch: int = 1) -> list[tuple[int, dict]]:
+    """What the eager backward of one micro-batch of these layers (a pipeline stage, on a
+    rank holding `names`) gathers again with buckets, in the order it does: (bucket
+    index, {(phase, op, axis): [count, bytes]}) each. The runtime keeps the bucket
+    gathered last until the next forward, so a backward that starts with it gathers it
+    once fewer (pipeline.py counts that from the schedule)."""
+    unit = check_bucket(bucket)
+    if unit == "param":
+        return []
+    c = _check_batch(plan, micro_batch_rows, precision)
+    kinds = _block_kinds(model, layers)
+    walk = lambda: _Walker(plan, micro_batch_rows, seq_len, c, eager=True, defer=True)  # noqa: E731
+    _, _, events = _walk_model(model, kinds, walk, embedding, head)
+    return bucket_traffic(walk(), events, unit, set(names), Policy.of(precision), prefetch)
 
 
 def _held(plan: Plan, model: ModelDef, kinds: dict, embedding: bool, head: bool) -> set[str]:

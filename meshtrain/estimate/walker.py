@@ -270,7 +270,7 @@ class _Walker:
         return tuple(P if tp_split and a == "tp" else q for a, q in zip(self.mesh.axes, h))
 
 
-def bucket_traffic(w: _Walker, events, unit, names, policy: Policy, prefetch: int = 1) -> None:
+def bucket_traffic(w: _Walker, events, unit, names, policy: Policy, prefetch: int = 1) -> list[tuple[int, dict]]:
     """One micro-step's parameter traffic, into `w.out`, as a step with buckets
     (parallel/buckets.py, `unit` block or a size in MB) issues it. `events` are one
     forward's parameter lookups in order (`_Walker.events` of every block the rank runs,
@@ -290,7 +290,10 @@ def bucket_traffic(w: _Walker, events, unit, names, policy: Policy, prefetch: in
       still partial (over dims of size > 1: the other data dims, dims where a weight is
       used whole) per distinct set of dims, over those dims as one group where the step
       made one, else dim by dim. Members not looked up (or not trainable) count as
-      Partial over the data dims."""
+      Partial over the data dims.
+
+    Returns the eager backward's gathers again, in the order backward issues them:
+    (bucket index, {(phase, op, axis): [count, bytes]}) each."""
     plan, shape, axes = w.plan, w.plan.mesh.shape, w.mesh.axes
     buckets, _ = plan_buckets(plan, unit)
     groups = group_dims(buckets, plan)
@@ -309,9 +312,9 @@ def bucket_traffic(w: _Walker, events, unit, names, policy: Policy, prefetch: in
                         for g, dtype, js in gather_sets(bucket, shape, dtypes)]
         return cache[b]
 
-    def gather(b: int, phase: str):
+    def gather(b: int, phase: str, into: _Walker = w):
         for g, dtype, _, numel in sets_of(b):
-            w.add_group(phase, "all_gather", g, ways(g) * numel * dtype.itemsize)
+            into.add_group(phase, "all_gather", g, ways(g) * numel * dtype.itemsize)
 
     def in_sets(b: int) -> set[int]:
         return {j for _, _, js, _ in sets_of(b) for j in js}
@@ -371,13 +374,18 @@ def bucket_traffic(w: _Walker, events, unit, names, policy: Policy, prefetch: in
                 saved += [b] * saves
         if kind == "use" and spec.reused and name not in kept:
             kept[name] = call
-    if w.eager:
-        for i, b in enumerate(saved):
-            if i == 0 or saved[i - 1] != b:
+    regathers = []
+    if w.eager:  # backward unpacks the saved tensors in the reverse order of their saves
+        for i, b in reversed(list(enumerate(saved))):
+            if i == len(saved) - 1 or saved[i + 1] != b:
+                one = _Walker(plan, w.B, w.S, w.c, w.eager)
+                gather(b, "bwd", one)
                 gather(b, "bwd")
+                regathers.append((b, dict(one.out)))
     for b, grads in calls:
         if grads:
             reduce(b, grads)
+    return regathers
 
 
 def routed_rows(w: _Walker, m) -> int:
