@@ -46,9 +46,14 @@ output, reduce_scatter the input, all_reduce the tensor, all_to_all_single the i
 `all_to_all_single`); an all-reduce over the whole world of a mesh with several dims has
 axis "world". Bucket traffic and the step's loss run on process groups of their own
 (parallel/buckets.py `Groups`), one per set of mesh dims, named as GROUP_AXES names
-them: their axes joined by "+" ("fsdp", "dp+fsdp", "fsdp+cp"). Expert weights live on the expert mesh (`plan.mesh.experts()`, fsdp x cp
-refolded as fsdp x ep): their collectives are named by its axes (its "fsdp" is the
-refolded group, counted under "fsdp" with the dense one).
+them: their axes joined by "+" ("fsdp", "dp+fsdp", "fsdp+cp"). Expert weights live on
+the expert mesh (`plan.mesh.experts()`, fsdp x cp refolded as fsdp x ep): their
+collectives are named by its axes (its "fsdp" is the refolded group, counted under
+"fsdp" with the dense one).
+
+Not modelled: activation checkpointing's recompute (it repeats a block's activation
+collectives in backward), and the zero-bubble schedule's split backward (on stages
+after the first, both halves gather saved weights again).
 
 Expert all-to-alls (axis "ep", MoE blocks with ep > 1) are routing-dependent; everything
 else in an MoE block is sized by the plan and counted exactly. Their count is exact: per
