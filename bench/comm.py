@@ -66,8 +66,14 @@ all-to-alls are sized as a balanced exchange. All-to-all bytes are counted with 
 convention above on both sides ((ep-1)/ep of the input leaves); the real share depends on
 the routing.
 
+The step moves parameters in buckets (`--bucket`, make_train_step's and parallel.bucket's:
+block, the default, one collective per block per mesh group; param, one per parameter,
+the baseline the buckets were measured against; or a size in MB). Bytes are the same for
+every unit; the number of calls is what changes.
+
     python bench/comm.py --json out.json       # dim 256, 4 layers, 8 x 256 tokens (1-2 min on 2 cores)
     python bench/comm.py --tiny --json out.json   # dim 32, 2 layers, 4 x 8 tokens (~10 s on 2 cores)
+    python bench/comm.py --bucket param --json out.json   # the per-parameter baseline
 """
 
 from __future__ import annotations
@@ -94,6 +100,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from meshtrain.models import build  # noqa: E402
 from meshtrain.models.llama import LlamaConfig  # noqa: E402
 from meshtrain.models.moe import MoeConfig  # noqa: E402
+from meshtrain.parallel.buckets import GROUP_AXES, check_bucket  # noqa: E402
 from meshtrain.parallel.init import init_params  # noqa: E402
 from meshtrain.parallel.mesh import MeshSpec, device_mesh_for  # noqa: E402
 from meshtrain.parallel.plan import make_plan  # noqa: E402
@@ -239,8 +246,9 @@ def model_config(cfg: LlamaConfig, moe: MoeConfig, layout: Layout) -> LlamaConfi
     return LlamaConfig(**{**cfg.__dict__, "moe": moe if layout.moe else None})
 
 
-def record_step(cfg: LlamaConfig, layout: Layout, batch: int, seq: int) -> list[Collective]:
-    """The collectives of one training step of `cfg` under `layout`, as rank 0 issues them."""
+def record_step(cfg: LlamaConfig, layout: Layout, batch: int, seq: int, bucket="block") -> list[Collective]:
+    """The collectives of one training step of `cfg` under `layout`, as rank 0 issues them,
+    with parameters moved per `bucket` (make_train_step's)."""
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=layout.world)
     try:
         model = build("llama", cfg)
@@ -253,7 +261,9 @@ def record_step(cfg: LlamaConfig, layout: Layout, batch: int, seq: int) -> list[
         for i, a in enumerate(experts.mesh_dim_names):  # folded: ep may be the fsdp group itself
             name = experts.get_group(i).group_name
             axis_of_group[name] = a if axis_of_group.get(name, a) == a else f"{axis_of_group[name]}={a}"
-        step = make_train_step(model, plan, mesh, optimizer=AdamW(lr=3e-4), precision="fp32")
+        step = make_train_step(model, plan, mesh, optimizer=AdamW(lr=3e-4), precision="fp32", bucket=bucket)
+        for name, axes in GROUP_AXES.items():  # the buckets' (and the loss's) groups: "fsdp", "dp+fsdp", ...
+            axis_of_group.setdefault(name, axes)
         state = TrainState.create(init_params(plan, mesh, seed=0))
         t = torch.randint(0, cfg.vocab_size, (1, batch, seq + 1), generator=torch.Generator().manual_seed(0))
         recorder = CollectiveRecorder(axis_of_group)
@@ -365,11 +375,11 @@ def _number(x: Fraction):
     return int(x) if x.denominator == 1 else float(x)
 
 
-def measure(cfg: LlamaConfig, moe: MoeConfig, layout: Layout, batch: int, seq: int) -> Result:
+def measure(cfg: LlamaConfig, moe: MoeConfig, layout: Layout, batch: int, seq: int, bucket="block") -> Result:
     cfg = model_config(cfg, moe, layout)
     if parameter_count(cfg) != sum(s.numel for s in build("llama", cfg).specs.values()):
         raise RuntimeError("bench/comm.py: the closed-form parameter count differs from the model's specs")
-    log = record_step(cfg, layout, batch, seq)
+    log = record_step(cfg, layout, batch, seq, bucket)
     tensors = [c for c in log if c.numel > 1]
     scalars = [c for c in log if c.numel <= 1]
     measured = sum((c.wire for c in tensors), Fraction(0))
@@ -413,18 +423,25 @@ def main(argv=None) -> int:
     p.add_argument("--tiny", action="store_true", help="a small model and batch, for CI (seconds on a CPU)")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
     p.add_argument("--layouts", nargs="*", metavar="NAME", help=f"a subset of {', '.join(x.name for x in LAYOUTS)}")
+    p.add_argument("--bucket", default="block", metavar="UNIT",
+                   help="the step's unit of parameter traffic: block (default), param (one collective per "
+                        "parameter: the baseline) or a size in MB")
     args = p.parse_args(argv)
+    try:
+        bucket = check_bucket(args.bucket, "--bucket")
+    except ValueError as e:  # ConfigError
+        p.error(str(e))
     cfg, moe, batch, seq = SIZES["tiny" if args.tiny else "full"]
     layouts = [x for x in LAYOUTS if not args.layouts or x.name in args.layouts]
     if args.layouts and len(layouts) != len(set(args.layouts)):
         p.error(f"unknown layout in {args.layouts}")
-    results = [measure(cfg, moe, layout, batch, seq) for layout in layouts]
+    results = [measure(cfg, moe, layout, batch, seq, bucket) for layout in layouts]
     model = {**{k: v for k, v in cfg.__dict__.items() if k != "moe"}, "moe": asdict(moe), "batch": batch,
-             "seq": seq, "precision": "fp32", "parameters": parameter_count(cfg)}
+             "seq": seq, "precision": "fp32", "parameters": parameter_count(cfg), "bucket": bucket}
     header = (f"collective bytes per step: Llama dim {cfg.dim}, {cfg.n_layers} layers, vocab {cfg.vocab_size}, "
               f"{parameter_count(cfg):,} parameters, fp32, batch {batch} x {seq} tokens (MoE layout: every block "
-              f"{moe.num_experts} experts, top {moe.top_k}, expert ffn {moe.expert_ffn_dim}); fake process group, "
-              "rank 0")
+              f"{moe.num_experts} experts, top {moe.top_k}, expert ffn {moe.expert_ffn_dim}); parameters moved per "
+              f"{bucket if isinstance(bucket, str) else f'{bucket:g} MB'} (--bucket); fake process group, rank 0")
     print(render(results, header))
     if args.json:
         doc = {"layouts": [asdict(r) for r in results], "model": model,

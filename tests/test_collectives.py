@@ -1,5 +1,7 @@
 """The collectives of one real training step, counted, against the closed forms of
-docs/parallelism.md ("Per-step collectives").
+docs/parallelism.md ("Per-step collectives"), for both units of parameter traffic:
+bucket="param" (one collective per parameter and use: the reference) and the default
+bucket="block" (parallel/buckets.py: one collective per block per mesh group).
 
 Each case runs `make_train_step(...)` once, in-process, on the fake process group (every
 collective is issued with its real shape; the values are garbage, which does not
@@ -39,6 +41,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from meshtrain.models import build
 from meshtrain.models.llama import LlamaConfig
+from meshtrain.parallel.buckets import GROUP_AXES
 from meshtrain.parallel.init import init_params
 from meshtrain.parallel.mesh import MeshSpec
 from meshtrain.parallel.plan import make_plan
@@ -154,32 +157,44 @@ class Observed:
     msgs: list[Msg]
     comm_counts: dict[str, int]  # CommDebugMode: op name -> count
     tied: bool = False  # the step's model tied its embeddings
+    bucket: str = "param"  # the step's unit of parameter traffic
 
 
-def run_step(layout: dict, *, sp: bool = False, tied: bool = False, batch: int, seq: int,
+def axis_names(mesh) -> dict[str, str]:
+    """Process group name -> the axis a recorded collective is labelled with: the mesh's
+    groups by their axis (the whole world of a mesh of several dims "world"), the
+    parameter buckets' groups (parallel/buckets.py `Groups`) by their axes joined by "+"
+    (GROUP_AXES: call after the step is built, which makes them)."""
+    names = dict(GROUP_AXES)
+    if mesh.ndim > 1:
+        names[dist.group.WORLD.group_name] = "world"
+    for i, axis in enumerate(mesh.mesh_dim_names):
+        names[mesh.get_group(i).group_name] = axis
+    return names
+
+
+def run_step(layout: dict, *, bucket: str | float, sp: bool = False, tied: bool = False, batch: int, seq: int,
              micro: int = 1, world: int = 2, precision: str = "fp32", cfg: LlamaConfig = CFG,
              cp_comm: str = "allgather") -> Observed:
-    """One real optimizer step on the fake process group, with both counters on."""
+    """One real optimizer step on the fake process group, with both counters on. `bucket`
+    (make_train_step's: "param", "block" or a size in MB) is always given: a case says
+    which parameter traffic it checks."""
     cfg = LlamaConfig(**{**cfg.__dict__, "tie_embeddings": tied})
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     try:
         model = build("llama", cfg)
         plan = make_plan(model.specs, Rules.default(sp=sp), MeshSpec(**layout), world=world, cp_comm=cp_comm)
         mesh = plan.mesh.build()
-        axis_of_group = {}
-        if mesh.ndim > 1:
-            axis_of_group[dist.group.WORLD.group_name] = "world"
-        for i, axis in enumerate(mesh.mesh_dim_names):
-            axis_of_group[mesh.get_group(i).group_name] = axis
         params = init_params(plan, mesh, seed=0)
-        step = make_train_step(model, plan, mesh, optimizer=AdamW(lr=3e-4), precision=precision)
+        step = make_train_step(model, plan, mesh, optimizer=AdamW(lr=3e-4), precision=precision, bucket=bucket)
+        axis_of_group = axis_names(mesh)
         state = TrainState.create(params)
         t = torch.randint(0, cfg.vocab_size, (micro, batch, seq + 1), generator=torch.Generator().manual_seed(0))
         recorder = _Recorder(axis_of_group)
         with CommDebugMode() as comm, recorder:
             step(state, {"tokens": t[..., :-1], "targets": t[..., 1:]})
         counts = {k.__name__: v for k, v in comm.get_comm_counts().items() if v}
-        return Observed(recorder.msgs, counts, tied)
+        return Observed(recorder.msgs, counts, tied, bucket)
     finally:
         dist.destroy_process_group()
 
@@ -221,40 +236,63 @@ def p_block(cfg: LlamaConfig) -> int:
 LAYOUTS = ("fsdp", "dp", "hsdp", "tp", "tp_sp", "fsdp_tp", "fsdp_tp_sp")
 
 
+def bucket_elements(cfg: LlamaConfig, with_tp: bool, tp: int = 2) -> list[int]:
+    """bucket="block": the tp-local elements of each bucket, in forward order: the token
+    table; each block's 9 parameters; the final norm, with the output table when untied
+    (a tied table is in the first bucket only, gathered once and kept for the head)."""
+    d, V = cfg.dim, cfg.vocab_size
+    split = tp if with_tp else 1
+    table = V * d // split
+    block = 2 * d + (p_block(cfg) - 2 * d) // split  # the norms whole, the rest split over tp
+    return [table] + [block] * cfg.n_layers + [d + (0 if cfg.tie_embeddings else table)]
+
+
+def loss_axis(kind: str) -> str | None:
+    """The loss is a partial sum over the ranks that split the tokens (dp, fsdp), reduced
+    once per step by one fp32 all-reduce over all of them as one group (its axes joined
+    by "+"); none where no axis splits them."""
+    axes = [a for a, present in (("dp", kind in ("dp", "hsdp")),
+                                 ("fsdp", kind in ("fsdp", "hsdp", "fsdp_tp", "fsdp_tp_sp"))) if present]
+    return "+".join(axes) or None
+
+
 def closed_form(kind: str, cfg: LlamaConfig, B: int, S: int, m: int = 1, c: int = FP32,
-                tp: int = 2) -> dict[tuple, tuple[int, int]]:
+                tp: int = 2, bucket: str = "param") -> dict[tuple, tuple[int, int]]:
     """(phase, op, axis) -> (count, total bytes): the doc's closed-form tables. Every axis
-    that exists has size 2; `kind` is one of LAYOUTS."""
-    if kind not in LAYOUTS:
-        raise ValueError(kind)
+    that exists has size 2; `kind` is one of LAYOUTS; `bucket` "param" or "block"."""
+    if kind not in LAYOUTS or bucket not in ("param", "block"):
+        raise ValueError((kind, bucket))
     L, d, V, b = cfg.n_layers, cfg.dim, cfg.vocab_size, FP32
     tables = 1 if cfg.tie_embeddings else 2  # a tied table is gathered and reduced once
     n, k = 9 * L + 1 + tables, 2 * L + 1  # parameters gathered per forward; tp/sp boundaries per forward
+    # bucket="block": one gather, one reduction per bucket (L + 2 of them: the table, each
+    # block, the final norm with the output table), each over all of its parameters.
+    calls = L + 2 if bucket == "block" else n
     fsdp = kind in ("fsdp", "hsdp", "fsdp_tp", "fsdp_tp_sp")
     dp = kind in ("dp", "hsdp")
     with_tp, sp = kind in ("tp", "tp_sp", "fsdp_tp", "fsdp_tp_sp"), kind in ("tp_sp", "fsdp_tp_sp")
     out: dict[tuple, tuple[int, int]] = {}
 
-    # Parameters: one gather per use, one gradient reduction per use, over fsdp / dp.
+    # Parameters: one gather per use (bucket), one gradient reduction per use (bucket), over fsdp / dp.
     U = L * p_block(cfg) + d + tables * V * d  # elements of all parameters gathered
-    # Backward needs no value of the lookup-only table (untied tok_emb); a tied one is
-    # needed by the output projection.
+    # Backward needs no value of the lookup-only table (untied tok_emb, a bucket of its
+    # own); a tied one is needed by the output projection.
     lookup = 0 if cfg.tie_embeddings else V * d
     if with_tp:  # tp-local pieces: everything but the norms is split tp ways
         U = L * (2 * d + (p_block(cfg) - 2 * d) // tp) + d + tables * V * d // tp
         lookup //= tp
     if fsdp:
-        out[("fwd", "all_gather", "fsdp")] = (m * n, m * c * U)
+        out[("fwd", "all_gather", "fsdp")] = (m * calls, m * c * U)
         if REGATHER:
-            out[("bwd", "all_gather", "fsdp")] = (m * (n - (lookup > 0)), m * c * (U - lookup))
-        out[("bwd", "reduce_scatter_sum", "fsdp")] = (m * n, m * b * U)
+            out[("bwd", "all_gather", "fsdp")] = (m * (calls - (lookup > 0)), m * c * (U - lookup))
+        out[("bwd", "reduce_scatter_sum", "fsdp")] = (m * calls, m * b * U)
     if dp:  # after the reduce-scatter when fsdp is there too: the shard (textbook HSDP)
-        out[("bwd", "all_reduce_sum", "dp")] = (m * n, m * b * U // (2 if fsdp else 1))
+        out[("bwd", "all_reduce_sum", "dp")] = (m * calls, m * b * U // (2 if fsdp else 1))
 
-    # The loss: a sum over the batch shards, one scalar all-reduce per batch axis.
-    for axis, present in (("dp", dp), ("fsdp", fsdp)):
-        if present:
-            out[("fwd", "all_reduce_sum", axis)] = (m, m * b)
+    # The loss: summed over micro-steps, then one scalar all-reduce per step over the
+    # batch axes as one group.
+    if loss_axis(kind):
+        out[("fwd", "all_reduce_sum", loss_axis(kind))] = (1, b)
 
     # Tensor (and sequence) parallel activations, on the tokens of one batch shard.
     if with_tp:
@@ -268,7 +306,8 @@ def closed_form(kind: str, cfg: LlamaConfig, B: int, S: int, m: int = 1, c: int 
                 out[(phase, "all_gather", "tp")] = (m * k, m * k * A)
             out[("fwd", "all_reduce_sum", "tp")] = (m, m * 2 * b * Tl)  # [sum_exp, target_logit]
             norm = d // 2 if fsdp else d  # norm-weight grads, as the fsdp shard
-            out[("bwd", "all_reduce_sum", "tp")] = (m * k, m * k * b * norm)
+            # param: one per norm (2 per block, the final one); block: one per bucket with norms.
+            out[("bwd", "all_reduce_sum", "tp")] = (m * (k if bucket == "param" else L + 1), m * k * b * norm)
         else:
             A = c * Tl * d
             out[("fwd", "all_reduce_sum", "tp")] = (m * (k + 1), m * (k * A + 2 * b * Tl))
@@ -280,19 +319,23 @@ def closed_form(kind: str, cfg: LlamaConfig, B: int, S: int, m: int = 1, c: int 
     return out
 
 
-def per_message(kind: str, cfg: LlamaConfig, B: int, S: int, m: int = 1, c: int = FP32, tp: int = 2) -> Counter:
-    """The doc's per-use tables as a multiset of messages (each size, not just totals)."""
+def per_message(kind: str, cfg: LlamaConfig, B: int, S: int, m: int = 1, c: int = FP32, tp: int = 2,
+                bucket: str = "param") -> Counter:
+    """The doc's per-use (per-bucket) tables as a multiset of messages (each size, not just totals)."""
     L, d, b = cfg.n_layers, cfg.dim, FP32
     k = 2 * L + 1
     out: Counter = Counter()
     with_fsdp = kind in ("fsdp", "hsdp", "fsdp_tp", "fsdp_tp_sp")
     with_tp = kind in ("tp", "tp_sp", "fsdp_tp", "fsdp_tp_sp")
-    for i, (n, tp_split) in enumerate(param_uses(cfg)):  # one gather, one gradient reduction per use
-        n = n // tp if with_tp and tp_split else n
+    if bucket == "param":
+        units = [n // tp if with_tp and tp_split else n for n, tp_split in param_uses(cfg)]
+    else:
+        units = bucket_elements(cfg, with_tp, tp)
+    for i, n in enumerate(units):  # one gather, one gradient reduction per use (bucket)
         if with_fsdp:
             out[Msg("fwd", "all_gather", "fsdp", c * n)] += m
-            # Entry 0 is tok_emb: untied, only the lookup uses it and backward needs no value
-            # of it; tied, the output projection needs it again.
+            # Entry 0 is tok_emb (its bucket): untied, only the lookup uses it and backward
+            # needs no value of it; tied, the output projection needs it again.
             if REGATHER and (i > 0 or cfg.tie_embeddings):
                 out[Msg("bwd", "all_gather", "fsdp", c * n)] += m
             out[Msg("bwd", "reduce_scatter_sum", "fsdp", b * n)] += m
@@ -300,8 +343,8 @@ def per_message(kind: str, cfg: LlamaConfig, B: int, S: int, m: int = 1, c: int 
             out[Msg("bwd", "all_reduce_sum", "dp", b * n // 2)] += m
         if kind == "dp":
             out[Msg("bwd", "all_reduce_sum", "dp", b * n)] += m
-    for axis in {"dp": ["dp"], "hsdp": ["dp", "fsdp"]}.get(kind, ["fsdp"] if with_fsdp else []):
-        out[Msg("fwd", "all_reduce_sum", axis, b)] += m  # the loss, summed over batch shards
+    if loss_axis(kind):
+        out[Msg("fwd", "all_reduce_sum", loss_axis(kind), b)] += 1  # the loss, once per step
     if with_tp:
         Bl = B // 2 if with_fsdp else B
         Tl = Bl * S
@@ -312,7 +355,12 @@ def per_message(kind: str, cfg: LlamaConfig, B: int, S: int, m: int = 1, c: int 
             for phase in ("fwd", "bwd"):
                 out[Msg(phase, "reduce_scatter_sum", "tp", A)] += m * k
                 out[Msg(phase, "all_gather", "tp", A)] += m * k
-            out[Msg("bwd", "all_reduce_sum", "tp", b * (d // 2 if with_fsdp else d))] += m * k
+            norm = b * (d // 2 if with_fsdp else d)
+            if bucket == "param":  # each norm's gradient
+                out[Msg("bwd", "all_reduce_sum", "tp", norm)] += m * k
+            else:  # per block its two norms' together, and the final norm
+                out[Msg("bwd", "all_reduce_sum", "tp", 2 * norm)] += m * L
+                out[Msg("bwd", "all_reduce_sum", "tp", norm)] += m
         else:
             out[Msg("fwd", "all_reduce_sum", "tp", c * Tl * d)] += m * k
             out[Msg("bwd", "all_reduce_sum", "tp", c * Tl * d)] += m * k
@@ -327,7 +375,7 @@ _COMM_NAME = {"all_gather": "all_gather_into_tensor", "reduce_scatter_sum": "red
 
 def check_totals(obs: Observed, kind: str, cfg: LlamaConfig, B: int, S: int, m: int = 1, c: int = FP32) -> None:
     """The closed forms: count and total bytes per (phase, op, axis)."""
-    expected = closed_form(kind, cfg, B, S, m, c)
+    expected = closed_form(kind, cfg, B, S, m, c, bucket=obs.bucket)
     got: dict[tuple, list[int]] = {}
     for msg in obs.msgs:
         tally = got.setdefault((msg.phase, msg.op, msg.axis), [0, 0])
@@ -338,7 +386,7 @@ def check_totals(obs: Observed, kind: str, cfg: LlamaConfig, B: int, S: int, m: 
 
 def check_messages(obs: Observed, kind: str, cfg: LlamaConfig, B: int, S: int, m: int = 1, c: int = FP32) -> None:
     """The per-use tables: the multiset of individual messages (phase, op, axis, bytes)."""
-    want, have = per_message(kind, cfg, B, S, m, c), Counter(obs.msgs)
+    want, have = per_message(kind, cfg, B, S, m, c, bucket=obs.bucket), Counter(obs.msgs)
     assert have == want, f"extra: {dict(have - want)}\nmissing: {dict(want - have)}"
 
 
@@ -346,7 +394,7 @@ def check_comm_counts(obs: Observed, kind: str, cfg: LlamaConfig, B: int, S: int
                       c: int = FP32) -> None:
     """torch's CommDebugMode agrees with the closed forms on the count per op type."""
     want: Counter = Counter()
-    for (_, op, _), (count, _) in closed_form(kind, cfg, B, S, m, c).items():
+    for (_, op, _), (count, _) in closed_form(kind, cfg, B, S, m, c, bucket=obs.bucket).items():
         want[_COMM_NAME[op]] += count
     assert obs.comm_counts == dict(want), f"CommDebugMode {obs.comm_counts} != formula {dict(want)}"
 
@@ -384,57 +432,96 @@ CASES = [
 ]
 
 
+# Every case runs with both units of parameter traffic: "param" (the per-parameter
+# reference) and "block" (the default).
+BUCKETS = ("param", "block")
+
+
+@pytest.mark.parametrize("bucket", BUCKETS)
 @pytest.mark.parametrize("layout,sp,tied,kind,B,S", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
-def test_step_collectives_match_formulas(layout, sp, tied, kind, B, S):
-    obs = run_step(layout, sp=sp, tied=tied, batch=B, seq=S)
+def test_step_collectives_match_formulas(layout, sp, tied, kind, B, S, bucket):
+    obs = run_step(layout, bucket=bucket, sp=sp, tied=tied, batch=B, seq=S)
     check(obs, kind, CFG, B, S)
 
 
-def test_micro_batches_repeat_forward_and_backward_only():
-    """m micro-batches: every forward / backward collective m times, the optimizer's once."""
-    obs = run_step(dict(fsdp=2), tied=True, batch=4, seq=5, micro=2)
+@pytest.mark.parametrize("bucket", BUCKETS)
+def test_micro_batches_repeat_forward_and_backward_only(bucket):
+    """m micro-batches: every forward / backward collective m times, the optimizer's and
+    the loss's once."""
+    obs = run_step(dict(fsdp=2), bucket=bucket, tied=True, batch=4, seq=5, micro=2)
     check(obs, "fsdp", CFG, 4, 5, m=2)
 
 
+@pytest.mark.parametrize("bucket", BUCKETS)
 @pytest.mark.parametrize("layout,sp,kind", [(dict(fsdp=2), False, "fsdp"), (dict(tp=2), True, "tp_sp")],
                          ids=["fsdp2", "tp2-sp"])
-def test_bf16_halves_gathers_and_activations_only(layout, sp, kind):
+def test_bf16_halves_gathers_and_activations_only(layout, sp, kind, bucket):
     """bf16 compute: parameters are gathered and activations move in bf16 (c = 2); the
     gradient reduce-scatters, norm-grad all-reduces, loss reductions and the grad norm stay fp32."""
-    obs = run_step(layout, sp=sp, tied=True, batch=2, seq=6, precision="bf16")
+    obs = run_step(layout, bucket=bucket, sp=sp, tied=True, batch=2, seq=6, precision="bf16")
     check(obs, kind, CFG, 2, 6, c=2)
 
 
-def test_fsdp_backward_all_gathers():
-    """Kept gathered parameters: no all-gather in backward. Re-gathered (ZeRO-3): one per
-    parameter use whose value backward needs, i.e. all but the embedding lookup."""
-    obs = run_step(dict(fsdp=2), batch=2, seq=5)
+@pytest.mark.parametrize("bucket", BUCKETS)
+def test_fsdp_backward_all_gathers(bucket):
+    """Kept gathered parameters: no all-gather in backward. Re-gathered (ZeRO-3): per
+    parameter, one per use whose value backward needs, i.e. all but the embedding lookup
+    (9 L + 2); per block bucket, one per bucket with such a use, i.e. all but the table's
+    (L + 1)."""
+    obs = run_step(dict(fsdp=2), bucket=bucket, batch=2, seq=5)
     gathers = [m for m in obs.msgs if m.phase == "bwd" and m.op == "all_gather"]
-    assert len(gathers) == (9 * CFG.n_layers + 2 if REGATHER else 0)
+    want = 9 * CFG.n_layers + 2 if bucket == "param" else CFG.n_layers + 1
+    assert len(gathers) == (want if REGATHER else 0)
 
 
-def test_data_parallel_collectives():
-    obs = run_step(dict(dp=2), tied=True, batch=4, seq=5)
+@pytest.mark.parametrize("bucket", BUCKETS)
+def test_data_parallel_collectives(bucket):
+    """Plain dp: one gradient all-reduce per parameter, or per bucket (L + 2 per micro-step)."""
+    obs = run_step(dict(dp=2), bucket=bucket, tied=True, batch=4, seq=5)
     check(obs, "dp", CFG, 4, 5)
 
 
-def test_hsdp_collectives():
-    """Reduce-scatter over fsdp first, then all-reduce the shard over dp."""
-    obs = run_step(dict(dp=2, fsdp=2), batch=4, seq=5, world=4)
+@pytest.mark.parametrize("bucket", BUCKETS)
+def test_hsdp_collectives(bucket):
+    """Reduce-scatter over fsdp first, then all-reduce the shard over dp; the loss over
+    dp x fsdp as one group."""
+    obs = run_step(dict(dp=2, fsdp=2), bucket=bucket, batch=4, seq=5, world=4)
     check(obs, "hsdp", CFG, 4, 5)
 
 
-def test_fsdp_x_tp_collectives():
+@pytest.mark.parametrize("bucket", BUCKETS)
+def test_fsdp_x_tp_collectives(bucket):
     """FSDP x TP (world 4). Also guards the vocab-parallel embedding's gradient: before
     cb158b8 its table gradient was marked Replicate over fsdp, so tok_emb's lookup use
     got no reduce-scatter (one short here) and a gradient from one batch shard only."""
-    obs = run_step(dict(fsdp=2, tp=2), batch=4, seq=5, world=4)
+    obs = run_step(dict(fsdp=2, tp=2), bucket=bucket, batch=4, seq=5, world=4)
     check(obs, "fsdp_tp", CFG, 4, 5)
 
 
-def test_fsdp_x_tp_sp_tied_collectives():
-    obs = run_step(dict(fsdp=2, tp=2), sp=True, tied=True, batch=4, seq=6, world=4)
+@pytest.mark.parametrize("bucket", BUCKETS)
+def test_fsdp_x_tp_sp_tied_collectives(bucket):
+    obs = run_step(dict(fsdp=2, tp=2), bucket=bucket, sp=True, tied=True, batch=4, seq=6, world=4)
     check(obs, "fsdp_tp_sp", CFG, 4, 6)
+
+
+def test_block_closed_forms_at_three_layers_and_three_micro_steps():
+    """The block closed forms of docs/parallelism.md for an untied L-block Llama and m
+    micro-steps, written out (L = 3, m = 3): fsdp eager gathers m (L + 2) buckets in
+    forward and m (L + 1) again in backward (not the lookup table's), reduce-scatters
+    m (L + 2); the scalars are one loss all-reduce and one grad-norm all-reduce per step.
+    dp: L + 2 gradient all-reduces per micro-step."""
+    cfg = LlamaConfig(**{**CFG.__dict__, "n_layers": 3})
+    L, m = 3, 3
+    fsdp = run_step(dict(fsdp=2), bucket="block", batch=4, seq=5, micro=m, cfg=cfg)
+    check(fsdp, "fsdp", cfg, 4, 5, m=m)
+    calls = Counter((x.phase, x.op) for x in fsdp.msgs)
+    assert calls == {("fwd", "all_gather"): m * (L + 2), ("bwd", "all_gather"): m * (L + 1),
+                     ("bwd", "reduce_scatter_sum"): m * (L + 2), ("fwd", "all_reduce_sum"): 1,
+                     ("opt", "all_reduce_sum"): 1}
+    dp = run_step(dict(dp=2), bucket="block", batch=4, seq=5, micro=m, cfg=cfg)
+    check(dp, "dp", cfg, 4, 5, m=m)
+    assert Counter((x.phase, x.op) for x in dp.msgs) == {("bwd", "all_reduce_sum"): m * (L + 2),
+                                                          ("fwd", "all_reduce_sum"): 1, ("opt", "all_reduce_sum"): 1}
 
 
 # ----------------------------------------------------------------------------------------
@@ -443,32 +530,39 @@ def test_fsdp_x_tp_sp_tied_collectives():
 def test_checks_can_fail():
     """Each of the three checks, on its own, catches one collective too many or too few
     (or one message resized) of every (phase, op, axis) kind the step issues."""
-    for _, layout, sp, tied, kind, B, S in (CASES[0], CASES[2], CASES[4]):
-        obs = run_step(layout, sp=sp, tied=tied, batch=B, seq=S)
+    for (_, layout, sp, tied, kind, B, S), bucket in ((CASES[0], "param"), (CASES[2], "param"), (CASES[4], "param"),
+                                                      (CASES[0], "block"), (CASES[4], "block")):
+        obs = run_step(layout, bucket=bucket, sp=sp, tied=tied, batch=B, seq=S)
         check(obs, kind, CFG, B, S)
         kinds = {(m.phase, m.op, m.axis): m for m in obs.msgs}
         assert len(kinds) >= 4
         for msg in kinds.values():
             i = obs.msgs.index(msg)
-            fewer = Observed(obs.msgs[:i] + obs.msgs[i + 1:], obs.comm_counts)
-            more = Observed(obs.msgs + [msg], obs.comm_counts)
+            fewer = Observed(obs.msgs[:i] + obs.msgs[i + 1:], obs.comm_counts, bucket=bucket)
+            more = Observed(obs.msgs + [msg], obs.comm_counts, bucket=bucket)
             resized = Observed(obs.msgs[:i] + [Msg(msg.phase, msg.op, msg.axis, msg.nbytes + FP32)]
-                               + obs.msgs[i + 1:], obs.comm_counts)
+                               + obs.msgs[i + 1:], obs.comm_counts, bucket=bucket)
             for bad in (fewer, more, resized):
                 for f in (check_totals, check_messages):
                     with pytest.raises(AssertionError):
                         f(bad, kind, CFG, B, S)
         for op in obs.comm_counts:
             for delta in (-1, 1):
-                bad = Observed(obs.msgs, {**obs.comm_counts, op: obs.comm_counts[op] + delta})
+                bad = Observed(obs.msgs, {**obs.comm_counts, op: obs.comm_counts[op] + delta}, bucket=bucket)
                 with pytest.raises(AssertionError):
                     check_comm_counts(bad, kind, CFG, B, S)
-        # The right collectives against another layout's formulas do not pass either.
+        # The right collectives against another layout's formulas do not pass either,
+        # nor (where buckets change the traffic) against the other unit's.
         for other in ("fsdp", "tp", "tp_sp"):
             if other != kind:
                 for f in CHECKS:
                     with pytest.raises(AssertionError):
                         f(obs, other, CFG, B, S)
+        if kind != "tp":
+            swapped = Observed(obs.msgs, obs.comm_counts, bucket="block" if bucket == "param" else "param")
+            for f in CHECKS:
+                with pytest.raises(AssertionError):
+                    f(swapped, kind, CFG, B, S)
 
 
 def test_injected_collectives_are_caught(monkeypatch):
@@ -479,7 +573,7 @@ def test_injected_collectives_are_caught(monkeypatch):
     real = step_module.all_reduce_sum
     monkeypatch.setattr(step_module, "all_reduce_sum", lambda x: real(real(x)))
     with pytest.raises(AssertionError, match="opt"):
-        check(run_step(dict(tp=2), batch=2, seq=4), "tp", CFG, 2, 4)
+        check(run_step(dict(tp=2), bucket="param", batch=2, seq=4), "tp", CFG, 2, 4)
     monkeypatch.setattr(step_module, "all_reduce_sum", lambda x: x)
     with pytest.raises(AssertionError, match="opt"):
-        check(run_step(dict(tp=2), batch=2, seq=4), "tp", CFG, 2, 4)
+        check(run_step(dict(tp=2), bucket="param", batch=2, seq=4), "tp", CFG, 2, 4)

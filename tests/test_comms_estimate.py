@@ -1,8 +1,10 @@
 """`step_collectives` (estimate/comms.py, a table of what the runtime issues) against the
 collectives of real steps, recorded on the fake process group by test_collectives's
 `_Recorder`: for every layout that test exercises, and for GPT-2, the estimate must equal
-the recording (same (phase, op, axis) keys, equal count and bytes). Also: the estimate
-at llama3-405b scale is fast and has the magnitudes first principles give."""
+the recording (same (phase, op, axis) keys, equal count and bytes), with one collective
+per parameter (bucket="param", the reference), per block (bucket="block", the default)
+and per bucket of a size in MB (buckets that split blocks and span them). Also: the
+estimate at llama3-405b scale is fast and has the magnitudes first principles give."""
 
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ from meshtrain.parallel.plan import make_plan
 from meshtrain.parallel.rules import Rules
 from meshtrain.train.optim import AdamW
 from meshtrain.train.step import TrainState, make_train_step
-from test_collectives import CFG, Msg, _Recorder, run_step
+from test_collectives import CFG, Msg, _Recorder, axis_names, run_step
 
 SHORT = {v: k for k, v in PHASES.items()}
 GPT2_CFG = GPT2Config(dim=48, n_layers=2, n_heads=6, ffn_dim=100, vocab_size=130, max_seq_len=16)
@@ -40,11 +42,13 @@ def totals(msgs) -> dict[tuple, tuple[int, int]]:
     return {k: tuple(v) for k, v in out.items()}
 
 
-def estimate(model, layout, *, sp, batch, seq, micro=1, world=2, precision="fp32", compiled=False,
-             cp_comm="allgather"):
+def estimate(model, layout, *, bucket, sp, batch, seq, micro=1, world=2, precision="fp32", compiled=False,
+             cp_comm="allgather", **traffic):
+    """step_collectives as (phase, op, axis) -> (count, bytes); `bucket` always given.
+    traffic: prefetch, reshard_after_forward."""
     plan = make_plan(model.specs, Rules.default(sp=sp), MeshSpec(**layout), world=world, cp_comm=cp_comm)
     got = step_collectives(plan, model, micro_batch_rows=batch, seq_len=seq, micro_steps=micro,
-                           precision=precision, compiled=compiled)
+                           precision=precision, compiled=compiled, bucket=bucket, **traffic)
     keys = [(SHORT[e["phase"]], e["op"], e["axis"]) for e in got]
     assert len(set(keys)) == len(keys), "entries are not aggregated per (axis, op, phase)"
     return {k: (e["count"], e["bytes"]) for k, e in zip(keys, got)}
@@ -56,16 +60,17 @@ def assert_same(est: dict, rec: dict) -> None:
     assert not lines, "estimate differs from the recorded step:\n" + "\n".join(lines)
 
 
-def run_model_step(model, layout, *, sp, batch, seq, micro=1, world=2, precision="fp32",
-                   cp_comm="allgather") -> list[Msg]:
-    """run_step for any ModelDef (test_collectives's is fixed to its Llama config)."""
+def run_model_step(model, layout, *, bucket, sp, batch, seq, micro=1, world=2, precision="fp32",
+                   cp_comm="allgather", **traffic) -> list[Msg]:
+    """run_step for any ModelDef (test_collectives's is fixed to its Llama config).
+    traffic: make_train_step's prefetch, reshard_after_forward."""
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     try:
         plan = make_plan(model.specs, Rules.default(sp=sp), MeshSpec(**layout), world=world, cp_comm=cp_comm)
         mesh = plan.mesh.build()
-        groups = {dist.group.WORLD.group_name: "world"} if mesh.ndim > 1 else {}
-        groups.update({mesh.get_group(i).group_name: a for i, a in enumerate(mesh.mesh_dim_names)})
-        step = make_train_step(model, plan, mesh, optimizer=AdamW(lr=3e-4), precision=precision)
+        step = make_train_step(model, plan, mesh, optimizer=AdamW(lr=3e-4), precision=precision, bucket=bucket,
+                               **traffic)
+        groups = axis_names(mesh)
         state = TrainState.create(init_params(plan, mesh, seed=0))
         t = torch.randint(0, model.cfg.vocab_size, (micro, batch, seq + 1), generator=torch.Generator().manual_seed(0))
         recorder = _Recorder(groups)
@@ -92,26 +97,68 @@ CASES = [
     ("fsdp2xtp2", dict(fsdp=2, tp=2), False, False, 4, 5, 1, 4, "fp32"),
     ("fsdp2xtp2-sp-tied", dict(fsdp=2, tp=2), True, True, 4, 6, 1, 4, "fp32"),
 ]
-_RECORDED: dict[str, dict] = {}
+# Every case with one collective per parameter (the reference) and per block (the default).
+BUCKETS = ("param", "block")
+_RECORDED: dict[tuple, dict] = {}
 
 
-def recorded(case) -> dict:
+def recorded(case, bucket) -> dict:
     cid, layout, sp, tied, B, S, m, world, precision = case
-    if cid not in _RECORDED:
-        obs = run_step(layout, sp=sp, tied=tied, batch=B, seq=S, micro=m, world=world, precision=precision)
-        _RECORDED[cid] = totals(obs.msgs)
-    return _RECORDED[cid]
+    if (cid, bucket) not in _RECORDED:
+        obs = run_step(layout, bucket=bucket, sp=sp, tied=tied, batch=B, seq=S, micro=m, world=world,
+                       precision=precision)
+        _RECORDED[(cid, bucket)] = totals(obs.msgs)
+    return _RECORDED[(cid, bucket)]
 
 
 def llama(tied: bool):
     return build("llama", LlamaConfig(**{**CFG.__dict__, "tie_embeddings": tied}))
 
 
+@pytest.mark.parametrize("bucket", BUCKETS)
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-def test_estimate_equals_recorded_step(case):
+def test_estimate_equals_recorded_step(case, bucket):
     _, layout, sp, tied, B, S, m, world, precision = case
-    est = estimate(llama(tied), layout, sp=sp, batch=B, seq=S, micro=m, world=world, precision=precision)
-    assert_same(est, recorded(case))
+    est = estimate(llama(tied), layout, bucket=bucket, sp=sp, batch=B, seq=S, micro=m, world=world,
+                   precision=precision)
+    assert_same(est, recorded(case, bucket))
+
+
+# Buckets of a size in MB (CFG: a block is 82,560 fp32 bytes, each vocab table 24,960): id,
+# MB, layout, sp, tied, batch, seq, micro, world, precision. 0.05 MB cuts blocks apart and
+# puts the tied table in one bucket with block 0's attention, whose gather the head's
+# save then needs again after the other buckets'; 0.2 MB spans blocks; 0.003 MB leaves
+# most weights a bucket of their own.
+MB_CASES = [
+    ("fsdp2-0.05MB", 0.05, dict(fsdp=2), False, False, 4, 7, 1, 2, "fp32"),
+    ("fsdp2-tied-0.05MB-micro2", 0.05, dict(fsdp=2), False, True, 4, 5, 2, 2, "fp32"),
+    ("fsdp2-0.2MB-bf16", 0.2, dict(fsdp=2), False, False, 2, 6, 1, 2, "bf16"),
+    ("hsdp-0.003MB", 0.003, dict(dp=2, fsdp=2), False, False, 4, 5, 1, 4, "fp32"),
+    ("fsdp2xtp2-sp-tied-0.05MB", 0.05, dict(fsdp=2, tp=2), True, True, 4, 6, 1, 4, "fp32"),
+    ("dp2-0.05MB", 0.05, dict(dp=2), False, False, 4, 5, 1, 2, "fp32"),
+]
+
+
+@pytest.mark.parametrize("case", MB_CASES, ids=[c[0] for c in MB_CASES])
+def test_estimate_equals_recorded_step_with_buckets_in_mb(case):
+    cid, mb, layout, sp, tied, B, S, m, world, precision = case
+    rec = recorded((cid, layout, sp, tied, B, S, m, world, precision), mb)
+    assert_same(estimate(llama(tied), layout, bucket=mb, sp=sp, batch=B, seq=S, micro=m, world=world,
+                         precision=precision), rec)
+
+
+@pytest.mark.parametrize("traffic", [dict(reshard_after_forward=False), dict(prefetch=0), dict(prefetch=3)],
+                         ids=["kept", "prefetch0", "prefetch3"])
+@pytest.mark.parametrize("bucket", ["block", 0.05])
+def test_estimate_follows_resharding_and_prefetch(bucket, traffic):
+    """reshard_after_forward False keeps the gathered weights (no backward all-gather);
+    prefetch moves gathers earlier, never adds or drops one in a step that uses every
+    bucket in order."""
+    model = llama(True)
+    rec = totals(run_model_step(model, dict(fsdp=2), bucket=bucket, sp=False, batch=4, seq=5, **traffic))
+    est = estimate(model, dict(fsdp=2), bucket=bucket, sp=False, batch=4, seq=5, **traffic)
+    assert_same(est, rec)
+    assert (("bwd", "all_gather", "fsdp") in est) == traffic.get("reshard_after_forward", True)
 
 
 GPT2_CASES = [
@@ -123,12 +170,13 @@ GPT2_CASES = [
 ]
 
 
+@pytest.mark.parametrize("bucket", [*BUCKETS, 0.02])  # 0.02 MB: a gpt2 block is 111,360 bytes
 @pytest.mark.parametrize("case", GPT2_CASES, ids=[c[0] for c in GPT2_CASES])
-def test_gpt2_estimate_equals_recorded_step(case):
+def test_gpt2_estimate_equals_recorded_step(case, bucket):
     _, layout, sp, B, S, world = case
     model = build("gpt2", GPT2_CFG)
-    rec = totals(run_model_step(model, layout, sp=sp, batch=B, seq=S, world=world))
-    assert_same(estimate(model, layout, sp=sp, batch=B, seq=S, world=world), rec)
+    rec = totals(run_model_step(model, layout, bucket=bucket, sp=sp, batch=B, seq=S, world=world))
+    assert_same(estimate(model, layout, bucket=bucket, sp=sp, batch=B, seq=S, world=world), rec)
 
 
 # Context parallelism: id, family, layout, sp, cp_comm, batch, seq, world, precision. The
@@ -145,25 +193,29 @@ CP_CASES = [
 ]
 
 
+@pytest.mark.parametrize("bucket", BUCKETS)
 @pytest.mark.parametrize("case", CP_CASES, ids=[c[0] for c in CP_CASES])
-def test_context_parallel_estimate_equals_recorded_step(case):
+def test_context_parallel_estimate_equals_recorded_step(case, bucket):
     _, family, layout, sp, comm, B, S, world, precision = case
     model = llama(False) if family == "llama" else build("gpt2", GPT2_CFG)
-    rec = totals(run_model_step(model, layout, sp=sp, batch=B, seq=S, world=world, precision=precision,
-                                cp_comm=comm))
-    assert not [k for k in rec if k[2] == "?"], f"collectives on an unknown group: {rec}"
+    rec = totals(run_model_step(model, layout, bucket=bucket, sp=sp, batch=B, seq=S, world=world,
+                                precision=precision, cp_comm=comm))
+    assert not [k for k in rec if k[2] == "?" or k[2].startswith("group:")], f"collectives on an unknown group: {rec}"
     assert any(k[2] == "cp" and k[1] != "all_gather" for k in rec)  # the attention exchange is there
-    assert_same(estimate(model, layout, sp=sp, batch=B, seq=S, world=world, precision=precision, cp_comm=comm), rec)
+    assert_same(estimate(model, layout, bucket=bucket, sp=sp, batch=B, seq=S, world=world, precision=precision,
+                         cp_comm=comm), rec)
 
 
+@pytest.mark.parametrize("bucket", BUCKETS)
 @pytest.mark.parametrize("i", [0, 5, 12], ids=[CASES[i][0] for i in (0, 5, 12)])
-def test_comparison_can_fail(i):
+def test_comparison_can_fail(i, bucket):
     """One message more, fewer or resized in the recording, of every kind, fails; so does
-    the estimate for a different mode, precision, micro-step count or layout."""
+    the estimate for a different mode, precision, micro-step count, layout or (where it
+    changes the traffic) unit of parameter traffic."""
     case = CASES[i]
     _, layout, sp, tied, B, S, m, world, precision = case
-    model, rec = llama(tied), recorded(case)
-    est = estimate(model, layout, sp=sp, batch=B, seq=S, micro=m, world=world, precision=precision)
+    model, rec = llama(tied), recorded(case, bucket)
+    est = estimate(model, layout, bucket=bucket, sp=sp, batch=B, seq=S, micro=m, world=world, precision=precision)
     assert_same(est, rec)
     for key, (n, nbytes) in rec.items():
         one = nbytes // n
@@ -173,11 +225,12 @@ def test_comparison_can_fail(i):
     # Each change alters the step where it applies (fsdp gathers, tp activations).
     variants = [dict(micro=m + 1), dict(precision="bf16" if precision == "fp32" else "fp32")]
     if "fsdp" in layout:
-        variants.append(dict(compiled=True))
+        variants += [dict(compiled=True), dict(reshard_after_forward=False),
+                     dict(bucket="block" if bucket == "param" else "param")]
     if "tp" in layout:
         variants += [dict(sp=not sp), dict(batch=2 * B), dict(seq=S + 2)]
     for change in variants:
-        kw = dict(sp=sp, batch=B, seq=S, micro=m, world=world, precision=precision)
+        kw = dict(bucket=bucket, sp=sp, batch=B, seq=S, micro=m, world=world, precision=precision)
         kw.update(change)
         with pytest.raises(AssertionError):
             assert_same(estimate(model, layout, **kw), rec)
@@ -202,7 +255,8 @@ def test_llama3_405b_at_16384_ranks():
     fsdp = plan.mesh.fsdp
     assert fsdp == 2048
     t0 = time.perf_counter()
-    entries = step_collectives(plan, model, micro_batch_rows=B, seq_len=S, micro_steps=1, precision="fp32")
+    entries = step_collectives(plan, model, micro_batch_rows=B, seq_len=S, micro_steps=1, precision="fp32",
+                               bucket="param")
     elapsed = time.perf_counter() - t0
     assert elapsed < 2.0, f"estimate took {elapsed:.2f} s"
     est = {(SHORT[e["phase"]], e["op"], e["axis"]): (e["count"], e["bytes"]) for e in entries}
@@ -235,12 +289,30 @@ def test_llama3_405b_at_16384_ranks():
     assert 1.95 < ratio < 2.05, ratio  # ~2x the tp-local fp32 parameter bytes
     assert math.isclose(est[("bwd", "reduce_scatter_sum", "fsdp")][1], 4 * total_params / tp, rel_tol=0.01)
     bf16 = step_collectives(plan, model, micro_batch_rows=B, seq_len=S, micro_steps=4, precision="bf16",
-                            compiled=True)
+                            compiled=True, bucket="param")
     got = Counter({(SHORT[e["phase"]], e["op"], e["axis"]): e["bytes"] for e in bf16})
     assert got[("fwd", "all_gather", "fsdp")] == 4 * 2 * U  # 4 micro-steps, gathered in bf16
     assert ("bwd", "all_gather", "fsdp") not in got  # compiled: gathered weights kept
     assert got[("bwd", "reduce_scatter_sum", "fsdp")] == 4 * 4 * U  # reduced in fp32
     assert got[("opt", "all_reduce_sum", "world")] == 4  # once per step
+    assert got[("fwd", "all_reduce_sum", "fsdp")] == 4  # the loss: once per step too
+
+    # bucket="block" (the default): the same bytes in one collective per bucket (the
+    # table, each block, the final norm with the output table): L + 2 gathers, L + 1
+    # again in backward (not the table's), L + 2 reduce-scatters; the norms' tp
+    # all-reduce once per block (its two norms together) and once for the final norm.
+    t0 = time.perf_counter()
+    blocks = step_collectives(plan, model, micro_batch_rows=B, seq_len=S, micro_steps=1, precision="fp32")
+    elapsed = time.perf_counter() - t0
+    assert elapsed < 2.0, f"estimate took {elapsed:.2f} s"
+    est = {(SHORT[e["phase"]], e["op"], e["axis"]): (e["count"], e["bytes"]) for e in blocks}
+    want.update({
+        ("fwd", "all_gather", "fsdp"): (L + 2, 4 * U),
+        ("bwd", "all_gather", "fsdp"): (L + 1, 4 * (U - V * d // tp)),
+        ("bwd", "reduce_scatter_sum", "fsdp"): (L + 2, 4 * U),
+        ("bwd", "all_reduce_sum", "tp"): (L + 1, k * 4 * d // fsdp),
+    })
+    assert_same(est, want)
 
 
 # ----------------------------------------------------------------------------------------
@@ -282,7 +354,7 @@ class _MoeRecorder(_Recorder):
         return msg
 
 
-def run_moe_step(model, layout, *, sp, batch, seq, world, precision, monkeypatch):
+def run_moe_step(model, layout, *, bucket, sp, batch, seq, world, precision, monkeypatch):
     """One step on the fake process group: (recorded totals, rows sent, rows received by
     this rank's experts), both summed over the MoE calls."""
     from meshtrain.parallel import expert_parallel
@@ -309,11 +381,10 @@ def run_moe_step(model, layout, *, sp, batch, seq, world, precision, monkeypatch
         plan = make_plan(model.specs, Rules.default(sp=sp), MeshSpec(**layout), world=world)
         mesh = plan.mesh.build()
         experts = device_mesh_for(mesh, plan.mesh.experts())
-        groups = {dist.group.WORLD.group_name: "world"} if mesh.ndim > 1 else {}
-        groups.update({mesh.get_group(i).group_name: a for i, a in enumerate(mesh.mesh_dim_names)})
+        step = make_train_step(model, plan, mesh, optimizer=AdamW(lr=3e-4), precision=precision, bucket=bucket)
+        groups = axis_names(mesh)
         for i, a in enumerate(experts.mesh_dim_names):
             groups.setdefault(experts.get_group(i).group_name, a)
-        step = make_train_step(model, plan, mesh, optimizer=AdamW(lr=3e-4), precision=precision)
         state = TrainState.create(init_params(plan, mesh, seed=0))
         t = torch.randint(0, model.cfg.vocab_size, (1, batch, seq + 1), generator=torch.Generator().manual_seed(0))
         recorder = _MoeRecorder(groups, experts.get_group("ep").group_name)
@@ -324,8 +395,9 @@ def run_moe_step(model, layout, *, sp, batch, seq, world, precision, monkeypatch
         dist.destroy_process_group()
 
 
+@pytest.mark.parametrize("bucket", [*BUCKETS, 0.01])
 @pytest.mark.parametrize("case", MOE_CASES, ids=[c[0] for c in MOE_CASES])
-def test_moe_estimate_equals_recorded_step(case, monkeypatch):
+def test_moe_estimate_equals_recorded_step(case, bucket, monkeypatch):
     """Every collective of an MoE step but the routing-dependent token all-to-alls: equal
     count and bytes. Those (axis ep): equal count; recorded bytes = the captured routing's
     rows (out and back, forward and backward) + the counts; estimated bytes = the same
@@ -335,9 +407,9 @@ def test_moe_estimate_equals_recorded_step(case, monkeypatch):
     _, moe, layout, sp, B, S, world, precision = case
     cfg = LlamaConfig(**{**MOE_CFG.__dict__, "moe": MoeConfig(num_experts=4, top_k=2, expert_ffn_dim=24, **moe)})
     model = build("llama", cfg)
-    rec, sent, received = run_moe_step(model, layout, sp=sp, batch=B, seq=S, world=world, precision=precision,
-                                       monkeypatch=monkeypatch)
-    est = estimate(model, layout, sp=sp, batch=B, seq=S, world=world, precision=precision)
+    rec, sent, received = run_moe_step(model, layout, bucket=bucket, sp=sp, batch=B, seq=S, world=world,
+                                       precision=precision, monkeypatch=monkeypatch)
+    est = estimate(model, layout, bucket=bucket, sp=sp, batch=B, seq=S, world=world, precision=precision)
     a2a = [k for k in rec if k[1:] == ("all_to_all_single", "ep")]
     assert {k[0] for k in a2a} == {"fwd", "bwd"}
     assert_same({k: v for k, v in est.items() if k not in a2a}, {k: v for k, v in rec.items() if k not in a2a})

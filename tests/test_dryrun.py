@@ -112,3 +112,65 @@ def test_layouts_that_cannot_work_exit_2_with_the_valid_choices(args, words):
     proc = run_cli("plan", "--config", str(ROOT / "configs" / "llama3-8b.yaml"), *args)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     assert all(w in proc.stderr for w in words), proc.stderr
+
+
+def tiny(**parallel) -> RunConfig:
+    raw = yaml.safe_load((ROOT / "configs" / "tiny.yaml").read_text())
+    raw["parallel"].update(parallel)
+    return RunConfig.from_dict(raw).validate()
+
+
+@pytest.mark.parametrize("bucket", ["block", "param", 2])
+def test_plan_counts_the_collectives_of_the_configured_bucket(bucket):
+    """parallel.bucket reaches the collective table: configs/tiny.yaml (an untied Llama
+    of L = 4 blocks, fp32, eager) on fsdp 2, m = 16 / (4 x 2) = 2 micro-steps. block: L + 2
+    buckets (the table, each block, the final norm with the output table), each gathered
+    and reduce-scattered once per micro-step and gathered again in backward but the
+    table's; param: the same with one collective per parameter (9 L + 3). The bytes do not
+    change; `buckets` says how many there are and the largest one's bytes."""
+    from meshtrain.estimate.comms import step_collectives
+
+    cfg = tiny(bucket=bucket)
+    run = dry_run(cfg, 2)
+    L, d, V, f = cfg.model.n_layers, cfg.model.dim, cfg.model.vocab_size, cfg.model.ffn_dim
+    kv = cfg.model.n_kv_heads * d // cfg.model.n_heads
+    block, table = 4 * (2 * d + 2 * d * d + 2 * kv * d + 3 * f * d), 4 * V * d
+    rows = {(c["axis"], c["op"], c["phase"]): (c["count"], c["bytes"]) for c in run.collectives}
+    m, units = 2, {"block": L + 2, "param": 9 * L + 3}.get(bucket)
+    gathered = 2 * table + L * block + 4 * d  # fp32 bytes of every parameter
+    assert rows[("fsdp", "all_gather", "forward")][1] == m * gathered
+    assert rows[("fsdp", "reduce_scatter_sum", "backward")][1] == m * gathered
+    # Gathered again in backward: all but the lookup table, unless (2 MB) the table shares
+    # its bucket with block 0's first weights, whose saves need the bucket again.
+    assert rows[("fsdp", "all_gather", "backward")][1] == m * (gathered - (table if units else 0))
+    assert rows[("fsdp", "all_reduce_sum", "forward")] == (1, 4)  # the loss, once per step
+    if units is not None:
+        assert rows[("fsdp", "all_gather", "forward")][0] == m * units
+        assert rows[("fsdp", "reduce_scatter_sum", "backward")][0] == m * units
+        assert rows[("fsdp", "all_gather", "backward")][0] == m * (units - 1)
+    plan = cfg.plan(world=2)
+    assert run.collectives == step_collectives(plan, cfg.model_def(), micro_batch_rows=8, seq_len=cfg.train.seq_len,
+                                               micro_steps=m, bucket=bucket)
+    b = run.to_dict()["buckets"]
+    if bucket == "block":
+        assert b == {"unit": "block", "count": L + 2, "largest_bytes": block}
+    elif bucket == "param":
+        assert b == {"unit": "param", "count": 0, "largest_bytes": 0}
+    else:  # 2 MB: a block (2.9 MB) is cut in two; no bucket over 2 MB (no parameter is)
+        assert b["unit"] == 2.0 and L + 2 < b["count"] < 9 * L + 3 and 0 < b["largest_bytes"] <= 2 * 2**20
+        assert rows[("fsdp", "all_gather", "forward")][0] == m * b["count"]
+    text = run.render(width=200)
+    assert f"parallel.bucket {'2 MB' if bucket == 2 else bucket}" in text
+    assert ("one collective per parameter" in text) == (bucket == "param")
+
+
+def test_plan_json_reports_the_bucket_through_the_cli(tmp_path):
+    out = tmp_path / "plan.json"
+    proc = run_cli("plan", "--config", str(ROOT / "configs" / "tiny.yaml"), "--world", "2", "--parallel.bucket",
+                   "param", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr
+    plan = json.loads(out.read_text())
+    assert plan["buckets"] == {"unit": "param", "count": 0, "largest_bytes": 0}
+    assert {(c["axis"], c["op"], c["phase"]): c["count"] for c in plan["collectives"]}[
+        ("fsdp", "all_gather", "forward")] == 2 * (9 * 4 + 3)
+    assert "parallel.bucket param" in proc.stdout

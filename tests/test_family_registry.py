@@ -238,12 +238,13 @@ LAYOUTS = [("fsdp2", dict(fsdp=2), False, 2), ("tp2-sp", dict(tp=2), True, 2),
            ("fsdp2xtp2-sp", dict(fsdp=2, tp=2), True, 4)]
 
 
+@pytest.mark.parametrize("bucket", ["param", "block"])
 @pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
 @pytest.mark.parametrize("name,layout,sp,world", LAYOUTS, ids=[c[0] for c in LAYOUTS])
-def test_a_registered_family_collective_estimate_equals_its_step(name, layout, sp, world, tie):
+def test_a_registered_family_collective_estimate_equals_its_step(name, layout, sp, world, tie, bucket):
     model = _model(tie)
-    rec = totals(run_model_step(model, layout, sp=sp, batch=4, seq=8, world=world))
-    assert_same(estimate(model, layout, sp=sp, batch=4, seq=8, world=world), rec)
+    rec = totals(run_model_step(model, layout, bucket=bucket, sp=sp, batch=4, seq=8, world=world))
+    assert_same(estimate(model, layout, bucket=bucket, sp=sp, batch=4, seq=8, world=world), rec)
 
 
 def _saved_bytes(model, plan, mesh, micro, seq):

@@ -9,18 +9,21 @@ not a trace of it:
 this table and the runtime issue the same collectives (count and bytes per axis, op and
 phase), so a change to one without the other fails there.
 
-What each runtime call issues (one micro-step; `redistribute` below is the DTensor rule
-per mesh dim: P->R all-reduce, P->S reduce-scatter, S->R all-gather, R->S and equal
-placements nothing, S(i)->S(j) all-to-all):
+What each runtime call issues (one micro-step unless said; `redistribute` below is the
+DTensor rule per mesh dim: P->R all-reduce, P->S reduce-scatter, S->R all-gather, R->S
+and equal placements nothing, S(i)->S(j) all-to-all):
 
 | call | forward | backward |
 |---|---|---|
-| parameter lookup (`_UseParam`) | stored -> compute placements (all-gather over fsdp), compute dtype | gradient, in the parameter dtype, redistributed to the stored dims first (reduce-scatter), then to the replicated ones (all-reduce of the shard) |
-| the same, eager (`compiled=False`) | | the gather again for every tensor autograd saved of it (`saves` below) |
+| parameter lookup, bucket="param" (`_UseParam`; with buckets too: expert weights, strided or nested shards, a bucket this rank does not hold whole) | stored -> compute placements (all-gather over fsdp), compute dtype | gradient, in the parameter dtype, redistributed to the stored dims first (reduce-scatter), then to the replicated ones (all-reduce of the shard) |
+| the same, eager with reshard_after_forward | | the gather again for every tensor autograd saved of it (`saves` below) |
+| parameter lookup, bucket="block" or MB (`_BoundParams`, `BucketGather`; buckets of parallel/buckets.py `plan_buckets`) | the first lookup of a bucket, unless it is the bucket gathered last, gathers all of it: one all-gather per gather set (members with the same gathered mesh dims and compute dtype), over those dims as one group, of the shards padded to the largest rank's in one buffer (ways x padded shards x c bytes); and issues the next `prefetch` buckets' gathers (taken by their first lookup). A `reused` table is kept from its first lookup | per gather of a bucket with a trainable member used: one reduce-scatter per gather set (parameter dtype), then one all-reduce of what is still partial (dp replicas; tp, for weights used whole under sequence parallelism), one per distinct set of mesh dims, over them as one group; a member without gradient counts as Partial over the data dims |
+| the same, eager with reshard_after_forward | | the bucket gathered again (every set) once per run of saved uses of its gathered members, in the order autograd saved them |
 | `constrain(x)` | source -> target placements | incoming gradient -> source, its Partials taken as Replicate |
 | `embedding` (vocab split) | output Partial over the table's vocab dims | none (the table gradient is Partial over token-sharding dims) |
 | `attention` (sequence split over cp) | allgather: one all-gather of K/V; a2a: two all-to-alls; ring: cp-1 sends (and receives) of a K/V block | allgather: one fp32 reduce-scatter of dK/dV; a2a: two all-to-alls; ring: cp-1 K/V blocks and cp fp32 dK/dV blocks sent |
-| `cross_entropy_sum` | all-reduce max (rows) and sum (2 x rows) per vocab dim, fp32; all-reduce of the scalar per token-sharding dim | none |
+| `cross_entropy_sum` | all-reduce max (rows) and sum (2 x rows) per vocab dim, fp32; the loss left a partial sum over the token-sharding dims | none |
+| the step's loss (`reduce_sum`, once per step) | the micro-steps' sum: one fp32 scalar all-reduce over the token-sharding dims as one group (a pipeline step instead reduces each micro-step's, one all-reduce per dim: `loss_once` False) | |
 | `moe` (MoE block, context.py) | router and expert weights gathered (experts over the expert mesh's fsdp); balance == "aux": the per-sequence sums (prob, counts; fp32, (batch, E)) all-reduced over cp, then the scalar loss over each batch dim; z_loss_coef > 0: the scalar over each token-splitting dim; ep > 1: one all-to-all of the per-expert counts (int64, E), then the routed rows out (dispatch) and back (combine) | gradients back as for any lookup, and eager re-gathers of what autograd keeps (the experts; the router in fp32 only, bf16 keeps its fp32 copy); experts Partial over the expert mesh's dp/fsdp; experts split over tp: rows (c) and gates (fp32) all-reduced over tp; ep > 1: the two row all-to-alls mirrored |
 | `update` | | one fp32 scalar all-reduce over the world (optimizer phase, once per step) |
 | the step's MoE load | the per-expert load (MoE layers x E, fp32), summed over micro-steps, all-reduced over each token-splitting dim once per step, after `update` (so forward by the recorder's phases) | |
@@ -41,9 +44,16 @@ output, reduce_scatter the input, all_reduce the tensor, all_to_all_single the i
 (the part a rank sends to itself included). Ops are named as it names them
 (`all_gather`, `reduce_scatter_sum`, `all_reduce_sum`, `all_reduce_max`,
 `all_to_all_single`); an all-reduce over the whole world of a mesh with several dims has
-axis "world". Expert weights live on the expert mesh (`plan.mesh.experts()`, fsdp x cp
-refolded as fsdp x ep): their collectives are named by its axes (its "fsdp" is the
-refolded group, counted under "fsdp" with the dense one).
+axis "world". Bucket traffic and the step's loss run on process groups of their own
+(parallel/buckets.py `Groups`), one per set of mesh dims, named as GROUP_AXES names
+them: their axes joined by "+" ("fsdp", "dp+fsdp", "fsdp+cp"). Expert weights live on
+the expert mesh (`plan.mesh.experts()`, fsdp x cp refolded as fsdp x ep): their
+collectives are named by its axes (its "fsdp" is the refolded group, counted under
+"fsdp" with the dense one).
+
+Not modelled: activation checkpointing's recompute (it repeats a block's activation
+collectives in backward), and the zero-bubble schedule's split backward (on stages
+after the first, both halves gather saved weights again).
 
 Expert all-to-alls (axis "ep", MoE blocks with ep > 1) are routing-dependent; everything
 else in an MoE block is sized by the plan and counted exactly. Their count is exact: per
@@ -65,9 +75,11 @@ from collections import defaultdict
 
 from ..errors import ConfigError
 from ..models import ModelDef
-from ..parallel.plan import Plan
 from ..models.family import BLOCK_IN
-from .walker import FP32, INT64, PHASES, P, R, _Walker, routed_rows
+from ..models.policy import Policy
+from ..parallel.buckets import check_bucket, group_dims, plan_buckets
+from ..parallel.plan import Plan
+from .walker import FP32, INT64, PHASES, P, R, _Walker, bucket_traffic, routed_rows
 
 
 def _block_kinds(model: ModelDef, layers) -> dict[str, list[int]]:
@@ -89,39 +101,57 @@ def _block_kinds(model: ModelDef, layers) -> dict[str, list[int]]:
 
 def step_collectives(plan: Plan, model: ModelDef, *, micro_batch_rows: int, seq_len: int, micro_steps: int,
                      precision: str = "fp32", compiled: bool = False, layers=None,
-                     embedding: bool = True, head: bool = True) -> list[dict]:
+                     embedding: bool = True, head: bool = True, bucket: str | float = "block",
+                     prefetch: int = 1, reshard_after_forward: bool = True, names=None,
+                     loss_once: bool = True) -> list[dict]:
     """The collectives of one optimizer step: dicts {axis, op, phase, count, bytes}, one per
     (axis, op, phase); bytes are the total per rank over the step. `micro_batch_rows` is
     the sequences of one micro-step over all data-parallel ranks (micro_batch x dp x fsdp).
-    A pipeline rank (plan: the stage plan without pp) runs `layers` layers (a count, or
-    their indices) and the embedding and head only where it holds them; its point-to-point
-    traffic is counted by meshtrain/estimate/pipeline.py. Dense and MoE blocks are each
-    walked once (their first layer) and multiplied by how many of them run."""
-    costs = model.family.costs
+    `bucket`, `prefetch`, `reshard_after_forward`: the step's parameter traffic, as
+    make_train_step takes them (parallel.bucket, ...; "param": one collective per
+    parameter). A pipeline rank (plan: the stage plan without pp) runs `layers` layers (a
+    count, or their indices) and the embedding and head only where it holds them, and
+    holds `names` (default: those); its point-to-point traffic is counted by
+    meshtrain/estimate/pipeline.py, and its loss is reduced in every micro-step
+    (`loss_once` False), not once per step. Dense and MoE blocks' activations are each
+    walked once (their first layer) and multiplied by how many of them run; with buckets,
+    every layer's parameter lookups are replayed over the plan's buckets."""
     if precision not in ("fp32", "bf16", "fp8"):
         raise ConfigError(f"train.precision={precision!r}: choose fp32, bf16 or fp8")
+    unit = check_bucket(bucket)
     c = _check_batch(plan, micro_batch_rows, precision)
     kinds = _block_kinds(model, layers)
-    if kinds["moe"] and costs.walk_moe_block is None:
-        raise ConfigError(f"collective estimate: the {model.family.name} family has no MoE block walk")
-    walk = lambda: _Walker(plan, micro_batch_rows, seq_len, c, eager=not compiled)  # noqa: E731
-    parts = []  # (walker, times per micro-step)
-    for kind, table in (("dense", costs.walk_block), ("moe", costs.walk_moe_block)):
-        if kinds[kind]:
-            block = walk()
-            table(block, model.cfg, f"layers.{kinds[kind][0]}.")
-            parts.append((block, len(kinds[kind])))
-    rest = walk()
-    if embedding:
-        costs.walk_embed(rest, model.cfg, tied_head=model.cfg.tie_embeddings and head)
-    if head:
-        costs.walk_head(rest, model.cfg, table_used=embedding)
-    parts.append((rest, 1))
+    bucketed = unit != "param"
+
+    def walk():
+        return _Walker(plan, micro_batch_rows, seq_len, c, eager=not compiled and reshard_after_forward,
+                       defer=bucketed)
+
+    parts, rest, events = _walk_model(model, kinds, walk, embedding, head)
+    if bucketed:  # the parameters' traffic: every lookup of one forward, over the buckets
+        params = walk()
+        held = set(names) if names is not None else _held(plan, model, kinds, embedding, head)
+        bucket_traffic(params, events, unit, held, Policy.of(precision), prefetch)
+        parts.append((params, 1))
     total: dict[tuple, list[int]] = defaultdict(lambda: [0, 0])
     for part, times in parts:
         for key, (n, nbytes) in part.out.items():
             total[key][0] += n * times * micro_steps
             total[key][1] += nbytes * times * micro_steps
+    if rest.loss_dims:  # the loss, a partial sum over the token-splitting dims (fp32 scalar)
+        once = walk()
+        dims = rest.loss_dims
+        if not loss_once:  # every micro-step: DTensor's all-reduce per dim
+            once.redistribute("fwd", (), tuple(P if i in dims else R for i in range(len(plan.mesh.axes))),
+                              (R,) * len(plan.mesh.axes), FP32, n=micro_steps)
+        elif dims in group_dims(plan_buckets(plan, unit)[0], plan):  # once per step, one group
+            once.add_group("fwd", "all_reduce_sum", dims, FP32)
+        else:  # once per step, with no group over these dims: dim by dim
+            once.redistribute("fwd", (), tuple(P if i in dims else R for i in range(len(plan.mesh.axes))),
+                              (R,) * len(plan.mesh.axes), FP32)
+        for key, (n, nbytes) in once.out.items():
+            total[key][0] += n
+            total[key][1] += nbytes
     if kinds["moe"]:  # the per-expert load (MoE layers x E, fp32), summed over micro-steps, all-reduced
         once = walk()  # once per step, after the update (outside it: counted as forward, as recorded)
         tokens = once.act(BLOCK_IN)
@@ -135,6 +165,74 @@ def step_collectives(plan: Plan, model: ModelDef, *, micro_batch_rows: int, seq_
         total[("opt", "all_reduce_sum", axis)] = [1, 4]
     return [{"axis": axis, "op": op, "phase": PHASES[phase], "count": n, "bytes": nbytes}
             for (phase, op, axis), (n, nbytes) in sorted(total.items(), key=lambda kv: (list(PHASES).index(kv[0][0]), kv[0]))]
+
+
+def _walk_model(model: ModelDef, kinds: dict, walk, embedding: bool, head: bool):
+    """The family's walks of one forward: ([(walker, times per micro-step)], the walker of
+    the embedding and head, every parameter lookup in order). Dense and MoE blocks are
+    walked once each (their first layer); the lookups of the others are that walk's,
+    renamed."""
+    costs = model.family.costs
+    if kinds["moe"] and costs.walk_moe_block is None:
+        raise ConfigError(f"collective estimate: the {model.family.name} family has no MoE block walk")
+    parts, first = [], {}  # (walker, times per micro-step); kind -> (walker, the layer it walked)
+    for kind, table in (("dense", costs.walk_block), ("moe", costs.walk_moe_block)):
+        if kinds[kind]:
+            block = walk()
+            table(block, model.cfg, f"layers.{kinds[kind][0]}.")
+            parts.append((block, len(kinds[kind])))
+            first[kind] = (block, kinds[kind][0])
+    rest = walk()
+    if embedding:
+        costs.walk_embed(rest, model.cfg, tied_head=model.cfg.tie_embeddings and head)
+    split = len(rest.events)
+    if head:
+        costs.walk_head(rest, model.cfg, table_used=embedding)
+    parts.append((rest, 1))
+    events = rest.events[:split]
+    for i in sorted(i for ids in kinds.values() for i in ids):
+        block, j = first["moe" if i in kinds["moe"] else "dense"]
+        was, now = f"layers.{j}.", f"layers.{i}."
+        events += [(e[0], now + e[1][len(was):] if e[1].startswith(was) else e[1], *e[2:]) for e in block.events]
+    events += rest.events[split:]
+    return parts, rest, events
+
+
+def backward_regathers(plan: Plan, model: ModelDef, *, micro_batch_rows: int, seq_len: int, layers, names,
+                       embedding: bool = True, head: bool = True, precision: str = "fp32",
+                       bucket: str | float = "block", prefetch: int = 1) -> list[tuple[int, dict]]:
+    """What the eager backward of one micro-batch of these layers (a pipeline stage, on a
+    rank holding `names`) gathers again with buckets, in the order it does: (bucket
+    index, {(phase, op, axis): [count, bytes]}) each. The runtime keeps the bucket
+    gathered last until the next forward, so a backward that starts with it gathers it
+    once fewer (pipeline.py counts that from the schedule)."""
+    unit = check_bucket(bucket)
+    if unit == "param":
+        return []
+    c = _check_batch(plan, micro_batch_rows, precision)
+    kinds = _block_kinds(model, layers)
+    walk = lambda: _Walker(plan, micro_batch_rows, seq_len, c, eager=True, defer=True)  # noqa: E731
+    _, _, events = _walk_model(model, kinds, walk, embedding, head)
+    return bucket_traffic(walk(), events, unit, set(names), Policy.of(precision), prefetch)
+
+
+def _held(plan: Plan, model: ModelDef, kinds: dict, embedding: bool, head: bool) -> set[str]:
+    """The parameters a rank holds that runs these layers, and the embedding and head
+    where it holds them: the blocks' own, those before the first block (embedding) and
+    after the last (head), and a tied table beside the head."""
+    ids = {i for v in kinds.values() for i in v}
+    out, seen_block = set(), False
+    for name in plan.params:
+        parts = name.split(".")
+        if parts[0] == "layers" and len(parts) > 1:
+            seen_block = True
+            if int(parts[1]) in ids:
+                out.add(name)
+        elif (head if seen_block else embedding):
+            out.add(name)
+    if head and model.cfg.tie_embeddings:
+        out.add("tok_emb")
+    return out
 
 
 def _check_batch(plan: Plan, micro_batch_rows: int, precision: str):

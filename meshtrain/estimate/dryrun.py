@@ -17,8 +17,9 @@ import math
 from dataclasses import dataclass, field
 
 from ..errors import ConfigError
+from ..parallel.buckets import check_bucket, plan_buckets
 from ..parallel.mesh import MESH_AXES
-from ..parallel.plan import Plan, placement_str
+from ..parallel.plan import Plan, placement_str, without_pp
 from ..parallel.plan_table import human_bytes
 from .advice import Fit, layouts_that_fit, nothing_fits, search_space
 from .comms import expert_exchange, step_collectives
@@ -46,6 +47,7 @@ class DryRun:
     advice: list[Fit] = field(default_factory=list)  # layouts that fit the GPU, cheapest first
     lowest: Fit | None = None  # with no layout that fits: the lowest peak the advice planned
     search: str = ""  # what the advice tried, in words
+    buckets: dict | None = None  # bucket_summary: parallel.bucket's unit, count, largest bucket's bytes
 
     @property
     def fits(self) -> bool | None:
@@ -72,6 +74,7 @@ class DryRun:
             "per_rank_bytes": {k: int(self.memory[k]) for k in MEMORY_KEYS},
             "memory_detail": {k: v for k, v in self.memory.items() if k not in MEMORY_KEYS},
             "collectives": self.collectives,
+            "buckets": self.buckets,
             "params": [{"name": p.name, "shape": list(p.spec.shape),
                         "placements": [placement_str(x) for x in p.placements],
                         "local_shape": list(p.local_shape)} for p in self.plan.params.values()],
@@ -136,14 +139,16 @@ def dry_run(cfg, world: int | None = None, gpu: str | None = None, *, suggest: b
         collectives, experts = pipeline.busiest["collectives"], None
     else:
         collectives = step_collectives(plan, model, micro_batch_rows=t.micro_batch * dp_size, seq_len=t.seq_len,
-                                       micro_steps=micro_steps, precision=t.precision, compiled=bool(t.compile))
+                                       micro_steps=micro_steps, precision=t.precision, compiled=bool(t.compile),
+                                       bucket=p.bucket, prefetch=p.prefetch,
+                                       reshard_after_forward=p.reshard_after_forward)
         experts = expert_exchange(plan, model, micro_batch_rows=t.micro_batch * dp_size, seq_len=t.seq_len,
                                   precision=t.precision)
     axis_nodes = {a: _nodes_spanned(plan.mesh, a, gpus_per_node) for a in plan.mesh.axes}
     total, active = _param_counts(model)
     run = DryRun(world, gpus_per_node, plan, memory, collectives, axis_nodes, gpu, pipeline=pipeline,
                  expert_exchange=experts, model=_describe(cfg.model), setup=_setup(t), total_params=total,
-                 active_params=active)
+                 active_params=active, buckets=bucket_summary(plan, p.bucket))
     for axis in ("tp", "cp"):
         if axis_nodes.get(axis, 1) > 1:
             run.warnings.append(f"parallel.{axis}={plan.mesh.size(axis)} spans {axis_nodes[axis]} nodes: its "
@@ -154,6 +159,17 @@ def dry_run(cfg, world: int | None = None, gpu: str | None = None, *, suggest: b
         run.search = search_space(cfg, world)
         run.error = _over_capacity(run)
     return run
+
+
+def bucket_summary(plan: Plan, bucket) -> dict:
+    """parallel.bucket's buckets over the whole model (under pp, the stage mesh's: each pp
+    rank holds some of them): the unit, how many, and the largest one's bytes (its
+    members' compute-local elements in the parameters' dtype: what a size in MB bounds).
+    With bucket param, none."""
+    unit = check_bucket(bucket)
+    sub = without_pp(plan) if plan.mesh.pp > 1 else plan
+    buckets, _ = plan_buckets(sub, unit)
+    return {"unit": unit, "count": len(buckets), "largest_bytes": max((b.nbytes(sub) for b in buckets), default=0)}
 
 
 def _param_counts(model) -> tuple[int, int | None]:

@@ -21,6 +21,8 @@ def renderables(run) -> list:
     if run.pipeline is not None:
         out += _pipeline_renderables(run.pipeline)
     out += [_memory_table(run), _collectives_table(run)]
+    if run.buckets is not None:
+        out.append(_buckets_line(run.buckets))
     if run.expert_exchange is not None:
         out.append(_expert_line(run.expert_exchange))
     return out
@@ -116,6 +118,15 @@ def _collectives_table(run) -> Table:
     for c in run.collectives:
         comms.add_row(c["axis"], c["op"], c["phase"], f"{c['count']:,}", human_bytes(c["bytes"]))
     return comms
+
+
+def _buckets_line(b: dict) -> str:
+    """parallel.bucket's buckets (dryrun.bucket_summary), under the collectives they set."""
+    unit = f"{b['unit']:g} MB" if isinstance(b["unit"], float) else b["unit"]
+    if not b["count"]:
+        return f"parameter traffic: parallel.bucket {unit}, one collective per parameter"
+    return (f"parameter traffic: parallel.bucket {unit}, {b['count']:,} buckets (each gathered and reduced by one "
+            f"collective per mesh group), the largest {human_bytes(b['largest_bytes'])}")
 
 
 def _pipeline_renderables(est) -> list:

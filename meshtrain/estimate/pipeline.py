@@ -8,7 +8,10 @@ so memory and collectives are estimated per pp rank and the most loaded one is r
   them, and as many micro-batches' activations as the schedule keeps in flight on that
   rank at its peak (the simulator's count; for interleaved schedules an in-flight
   micro-batch is counted at the rank's largest stage).
-- collectives: `step_collectives` on the stage plan for the rank's layers, plus the
+- collectives: `step_collectives` on the stage plan for the rank's layers and
+  parameters (its buckets: those it holds whole; the loss per micro-step), less the
+  backward gathers its schedule saves (a backward that starts with the bucket the
+  rank's last backward gathered again, with no forward between, takes that), plus the
   point-to-point traffic on pp: per micro-batch, per stage boundary the rank touches, one
   activation forward and one gradient backward, each this rank's shard of the
   (batch, seq, dim) residual stream in the compute dtype; a tied embedding's gradient
@@ -24,11 +27,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .comms import step_collectives
+from .comms import backward_regathers, step_collectives
 from .memory import per_rank_memory
 from ..parallel.plan import Plan, without_pp
 from ..pipeline.partition import Stage, partition
-from ..pipeline.schedule import PipelineSchedule, build_pipeline_schedule
+from ..pipeline.schedule import B, BI, BW, F, PipelineSchedule, build_pipeline_schedule
 from ..pipeline.simulate import Result, simulate, stage_costs_from_partition
 
 RESIDUAL = ("batch", "seq_sp", None)
@@ -67,6 +70,29 @@ class PipelineEstimate:
         }
 
 
+def _kept_regathers(collectives: list[dict], actions, regathers: dict) -> None:
+    """Take from `collectives` (step_collectives of a pp rank) the backward gathers its
+    schedule saves: the runtime keeps the bucket it gathered again last until the rank's
+    next forward, so a backward (B; BI, or BW on stage 0, whose BI does nothing) that
+    starts with that bucket does not gather it again. `regathers`: stage ->
+    backward_regathers of one micro-batch."""
+    held = None
+    for a in actions:
+        if a.kind == F:
+            held = None
+        elif a.kind == B or (a.kind == BI and a.stage > 0) or (a.kind == BW and a.stage == 0):
+            runs = regathers.get(a.stage) or []
+            if runs and runs[0][0] == held:
+                for (_, op, axis), (n, nbytes) in runs[0][1].items():
+                    entry = next(e for e in collectives
+                                 if (e["phase"], e["op"], e["axis"]) == ("backward", op, axis))
+                    entry["count"] -= n
+                    entry["bytes"] -= nbytes
+            if runs:
+                held = runs[-1][0]
+    collectives[:] = [e for e in collectives if e["count"]]
+
+
 def timeline_lines(schedule: PipelineSchedule, max_actions: int = 48) -> list[str]:
     """Each rank's compute actions in order (F/B/I/W stage.micro), cut after max_actions."""
     out = []
@@ -81,7 +107,10 @@ def timeline_lines(schedule: PipelineSchedule, max_actions: int = 48) -> list[st
 def pipeline_estimate(plan: Plan, model, *, pp_schedule: str, virtual: int, layout: list[int] | None,
                       micro_batch: int, seq_len: int, micro_steps: int, precision: str = "fp32",
                       compiled: bool = False, activation_checkpointing: str = "none",
-                      device: str = "cuda") -> PipelineEstimate:
+                      device: str = "cuda", bucket: str | float = "block", prefetch: int = 1,
+                      reshard_after_forward: bool = True) -> PipelineEstimate:
+    """bucket, prefetch, reshard_after_forward: the stages' parameter traffic, as
+    make_pipeline_step takes them."""
     pp = plan.mesh.pp
     stages = partition(model, pp, virtual, layout, seq_len=seq_len, micro_batch=micro_batch)
     sched = build_pipeline_schedule(pp_schedule, pp, micro_steps, virtual)
@@ -104,11 +133,20 @@ def pipeline_estimate(plan: Plan, model, *, pp_schedule: str, virtual: int, layo
                                  device=device, names=names,
                                  layers=list(range(*max(mine, key=lambda st: st.n_layers).layers)),
                                  embedding=first, head=has_head, in_flight=max(1, timing.peak_in_flight[r]))
+        # The last stage reduces each micro-step's loss over the token-splitting dims (the
+        # pipeline step's cross_entropy_sum), not the step's once.
         collectives = [e for e in step_collectives(sub, model, micro_batch_rows=micro_batch * data, seq_len=seq_len,
                                                    micro_steps=micro_steps, precision=precision, compiled=compiled,
                                                    layers=[i for st in mine for i in range(*st.layers)], embedding=first,
-                                                   head=has_head)
+                                                   head=has_head, bucket=bucket, prefetch=prefetch,
+                                                   reshard_after_forward=reshard_after_forward, names=names,
+                                                   loss_once=False)
                        if not (e["phase"] == "optimizer" and e["op"] == "all_reduce_sum")]
+        _kept_regathers(collectives, sched.ranks[r], {
+            st.index: backward_regathers(sub, model, micro_batch_rows=micro_batch * data, seq_len=seq_len,
+                                         layers=list(range(*st.layers)), names=names, embedding=st.has_embedding,
+                                         head=st.has_head, precision=precision, bucket=bucket, prefetch=prefetch)
+            for st in mine} if not compiled and reshard_after_forward else {})
         # Per micro-batch: an activation out of every stage but the last, a gradient back
         # out of every stage but the first.
         fwd_send = sum(st.index < last for st in mine) * micro_steps

@@ -26,7 +26,8 @@ def step_memory(cfg, plan, model) -> tuple[dict, object | None]:
         pipeline = pipeline_estimate(plan, model, pp_schedule=p.pp_schedule, virtual=p.pp_virtual, layout=p.pp_layout,
                                      micro_batch=t.micro_batch, seq_len=t.seq_len, micro_steps=micro_steps,
                                      precision=t.precision, compiled=bool(t.compile),
-                                     activation_checkpointing=t.activation_checkpointing)
+                                     activation_checkpointing=t.activation_checkpointing, bucket=p.bucket,
+                                     prefetch=p.prefetch, reshard_after_forward=p.reshard_after_forward)
         return {**pipeline.most_loaded["memory"], "pp_rank": pipeline.most_loaded["pp_rank"]}, pipeline
     memory = per_rank_memory(plan, model, micro_batch=t.micro_batch, seq_len=t.seq_len, precision=t.precision,
                              activation_checkpointing=t.activation_checkpointing, compiled=bool(t.compile),

@@ -10,7 +10,8 @@ from torch.distributed.tensor import Shard
 
 from ..models.experts import expert_capacity
 from ..models.family import TOKENS
-from ..models.policy import keeps_fp32
+from ..models.policy import Policy, keeps_fp32
+from ..parallel.buckets import DATA_AXES, gather_sets, group_axes, group_dims, plan_buckets
 from ..parallel.plan import Plan
 
 R, P = ("R",), ("P",)
@@ -27,13 +28,20 @@ def _pl(p) -> tuple:
 
 
 class _Walker:
-    """Accumulates (phase, op, axis) -> [count, bytes] while a family table walks the model."""
+    """Accumulates (phase, op, axis) -> [count, bytes] while a family table walks the model.
 
-    def __init__(self, plan: Plan, B: int, S: int, c: int, eager: bool):
+    `eager`: gathered weights are dropped after forward and gathered again in backward
+    where autograd saved them (an eager step with reshard_after_forward). Every parameter
+    lookup is also kept in `events`, in order; `defer` leaves their traffic out of `out`,
+    for `bucket_traffic` to replay them over the plan's buckets."""
+
+    def __init__(self, plan: Plan, B: int, S: int, c: int, eager: bool, defer: bool = False):
         self.plan, self.mesh = plan, plan.mesh
-        self.B, self.S, self.c, self.eager = B, S, c, eager
+        self.B, self.S, self.c, self.eager, self.defer = B, S, c, eager, defer
         self.out: dict[tuple, list[int]] = defaultdict(lambda: [0, 0])
         self._acts: dict[tuple, tuple] = {}
+        self.events: list[tuple] = []  # ("use" | "save", name, acts_on, saves, grad)
+        self.loss_dims: tuple[int, ...] | None = None  # mesh dims the loss is a partial sum over
 
     # ---------------------------------------------------------------- placements
     def act(self, axes, partial=()) -> tuple:
@@ -83,6 +91,14 @@ class _Walker:
             entry[0] += n
             entry[1] += n * nbytes
 
+    def add_group(self, phase, op, dims, nbytes, n=1):
+        """n collectives of nbytes each over the group of dense mesh dims `dims` (a
+        parameter bucket's group, parallel/buckets.py), named as `group_axes` names it."""
+        if n and math.prod(self.mesh.shape[i] for i in dims) > 1:
+            entry = self.out[(phase, op, group_axes(self.mesh.axes, dims))]
+            entry[0] += n
+            entry[1] += n * nbytes
+
     def redistribute(self, phase, shape, cur, dst, itemsize, n=1, mesh=None):
         mesh = mesh or self.mesh
         add = lambda *a: self.add(*a, mesh=mesh)  # noqa: E731
@@ -128,18 +144,46 @@ class _Walker:
         activations' placements) split the tokens, unless `grad` gives its placements; a
         parameter without gradient (not trainable) reduces nothing. Collectives run over
         the parameter's own mesh."""
+        self.events.append(("use", name, acts_on, saves, grad))
+        if not self.defer:
+            self.param_traffic(name, acts_on, saves, grad)
+
+    def reuse(self, name):
+        """A parameter kept from its first lookup (`reused`: a tied table) used again where
+        autograd saves it: nothing is gathered; eager, it is gathered again in backward."""
+        self.events.append(("save", name, None, 1, None))
+        if not self.defer:
+            self.regather(name)
+
+    def _dtype_bytes(self, name) -> int:
+        spec = self.plan.params[name].spec
+        return spec.dtype.itemsize if keeps_fp32(name) else self.c or spec.dtype.itemsize
+
+    def regather(self, name, n=1):
+        """Eager: `n` saved uses of the gathered `name` gathered again in backward."""
+        pp = self.plan.params[name]
+        stored, compute = self.stored(name), self.compute(name)
+        if self.eager and stored != compute:
+            self.redistribute("bwd", pp.spec.shape, stored, compute, self._dtype_bytes(name), n=n, mesh=pp.mesh)
+
+    def grad_of(self, name, acts_on, grad=None) -> tuple:
+        """Placements of the gradient of a lookup of `name` (see `use`)."""
+        if grad is not None:
+            return grad
+        return tuple(q if q != R else P if any(a[i][0] == "S" for a in acts_on) else R
+                     for i, q in enumerate(self.compute(name)))
+
+    def param_traffic(self, name, acts_on, saves=1, grad=None):
+        """The collectives of one lookup of `name` with a collective of its own (`use`)."""
         pp = self.plan.params[name]
         spec, mesh = pp.spec, pp.mesh
         stored, compute = self.stored(name), self.compute(name)
-        shape, c = spec.shape, spec.dtype.itemsize if keeps_fp32(name) else self.c or spec.dtype.itemsize
-        self.redistribute("fwd", shape, stored, compute, c, mesh=mesh)
-        if self.eager and stored != compute:
-            self.redistribute("bwd", shape, stored, compute, c, n=saves, mesh=mesh)
+        shape = spec.shape
+        self.redistribute("fwd", shape, stored, compute, self._dtype_bytes(name), mesh=mesh)
+        self.regather(name, saves)
         if not spec.trainable:
             return
-        if grad is None:
-            grad = tuple(q if q != R else P if any(a[i][0] == "S" for a in acts_on) else R
-                         for i, q in enumerate(compute))
+        grad = self.grad_of(name, acts_on, grad)
         first = tuple(s if s != R else g for s, g in zip(stored, grad))
         self.redistribute("bwd", shape, grad, first, spec.dtype.itemsize, mesh=mesh)
         self.redistribute("bwd", shape, first, stored, spec.dtype.itemsize, mesh=mesh)
@@ -183,9 +227,9 @@ class _Walker:
             if p == ("S", 2):
                 self.add("fwd", "all_reduce_max", i, 4 * rows)
                 self.add("fwd", "all_reduce_sum", i, 4 * 2 * rows)
-        for i, p in enumerate(logits):
-            if p[0] == "S" and p[1] < 2:
-                self.add("fwd", "all_reduce_sum", i, 4)
+        # The loss is a partial sum over the mesh dims that split the tokens: the step
+        # reduces it (comms.step_collectives), once per step or once per micro-step.
+        self.loss_dims = tuple(i for i, p in enumerate(logits) if p[0] == "S" and p[1] < 2)
 
     def moe(self, m, e: str, h, dim: int) -> tuple:
         """ctx.moe (parallel/context.py) on the block input h (placements) of the MoE block
@@ -224,6 +268,124 @@ class _Walker:
             for phase in ("fwd", "bwd"):  # dispatch and combine, mirrored by autograd
                 self.add(phase, "all_to_all_single", i, (self.c or 4) * rows * dim, n=2, mesh=em)
         return tuple(P if tp_split and a == "tp" else q for a, q in zip(self.mesh.axes, h))
+
+
+def bucket_traffic(w: _Walker, events, unit, names, policy: Policy, prefetch: int = 1) -> list[tuple[int, dict]]:
+    """One micro-step's parameter traffic, into `w.out`, as a step with buckets
+    (parallel/buckets.py, `unit` block or a size in MB) issues it. `events` are one
+    forward's parameter lookups in order (`_Walker.events` of every block the rank runs,
+    with the embedding's first and the head's last); `names` the parameters the rank
+    holds. As `_BoundParams` and `BucketGather` run them:
+
+    - forward: a lookup from a bucket the rank holds whole gathers the bucket unless it
+      is the one gathered last (one all-gather per gather set: members with the same
+      mesh dims and compute dtype, over those dims as one group, the padded shards in one
+      buffer), and issues the next `prefetch` buckets' gathers (one not gathered since,
+      once looked up, takes that gather); a `reused` parameter is kept from its first
+      lookup. Any other parameter has collectives of its own (`param_traffic`).
+    - eager backward (`w.eager`): a bucket is gathered again (every set) for each run of
+      saved uses of its gathered members, in the order autograd saved them;
+    - backward, per gather of a bucket with a trainable member looked up: one
+      reduce-scatter per gather set (parameter dtype), then one all-reduce of what is
+      still partial (over dims of size > 1: the other data dims, dims where a weight is
+      used whole) per distinct set of dims, over those dims as one group where the step
+      made one, else dim by dim. Members not looked up (or not trainable) count as
+      Partial over the data dims.
+
+    Returns the eager backward's gathers again, in the order backward issues them:
+    (bucket index, {(phase, op, axis): [count, bytes]}) each."""
+    plan, shape, axes = w.plan, w.plan.mesh.shape, w.mesh.axes
+    buckets, _ = plan_buckets(plan, unit)
+    groups = group_dims(buckets, plan)
+    bucket_of = {n: b.index for b in buckets for n in b.names}
+    complete = {b.index for b in buckets if all(n in names for n in b.names)}
+    data = tuple(i for i, a in enumerate(axes) if a in DATA_AXES and shape[i] > 1)
+    ways = lambda dims: math.prod(shape[i] for i in dims)  # noqa: E731
+    cache: dict[int, list] = {}
+
+    def sets_of(b: int) -> list:
+        """(gather dims, compute dtype, member indices, padded elements per rank) per set."""
+        if b not in cache:
+            bucket = buckets[b]
+            dtypes = [policy.param_dtype(m.name) or plan.params[m.name].spec.dtype for m in bucket.members]
+            cache[b] = [(g, dtype, js, sum(math.prod(bucket.members[j].padded(shape)) for j in js))
+                        for g, dtype, js in gather_sets(bucket, shape, dtypes)]
+        return cache[b]
+
+    def gather(b: int, phase: str, into: _Walker = w):
+        for g, dtype, _, numel in sets_of(b):
+            into.add_group(phase, "all_gather", g, ways(g) * numel * dtype.itemsize)
+
+    def in_sets(b: int) -> set[int]:
+        return {j for _, _, js, _ in sets_of(b) for j in js}
+
+    def reduce(b: int, grads: dict):
+        bucket = buckets[b]
+        for g, _, js, numel in sets_of(b):
+            itemsize = plan.params[bucket.members[js[0]].name].spec.dtype.itemsize
+            w.add_group("bwd", "reduce_scatter_sum", g, ways(g) * numel * itemsize)
+        gathered, partial = in_sets(b), defaultdict(int)
+        for j, m in enumerate(bucket.members):
+            spec, compute = plan.params[m.name].spec, w.compute(m.name)
+            grad = grads.get(m.name) or tuple(P if i in data else q for i, q in enumerate(compute))
+            done = set(m.gather) if j in gathered else set()
+            dims = tuple(i for i, q in enumerate(grad) if q == P and i not in done and shape[i] > 1)
+            if dims:
+                numel = math.prod(m.padded(shape)) if j in gathered else w._numel(spec.shape, compute)
+                partial[dims] += numel * spec.dtype.itemsize
+        for dims, nbytes in partial.items():
+            for group in ([dims] if dims in groups else [(i,) for i in dims]):
+                w.add_group("bwd", "all_reduce_sum", group, nbytes)
+
+    kept: dict[str, int | None] = {}  # reused parameters: the gather (index into calls) they came from
+    live, pending = None, set()  # (bucket, call) gathered last; buckets whose gather was issued ahead
+    calls: list[tuple[int, dict]] = []  # per bucket gather: (bucket, gradient placements by name)
+    saved: list[int] = []  # buckets of the saved uses of gathered members, in forward order
+    for kind, name, acts_on, saves, grad in events:
+        spec, b = plan.params[name].spec, bucket_of.get(name)
+        if name in kept:
+            call = kept[name]
+        elif b in complete:
+            if live is None or live[0] != b:
+                if b in pending:
+                    pending.discard(b)
+                else:
+                    gather(b, "fwd")
+                calls.append((b, {}))
+                live = (b, len(calls) - 1)
+                for nb in range(b + 1, b + 1 + prefetch):
+                    if nb in complete and nb not in pending:
+                        pending.add(nb)
+                        gather(nb, "fwd")
+            call = live[1]
+        else:
+            call = None
+        if call is None:
+            if name in kept or kind == "save":
+                w.regather(name, saves)  # kept from its own gather: only the saves
+            else:
+                w.param_traffic(name, acts_on, saves, grad)
+        else:
+            b = calls[call][0]
+            if kind == "use" and spec.trainable:
+                new, old = w.grad_of(name, acts_on, grad), calls[call][1].get(name)
+                calls[call][1][name] = new if old is None else w.summed(old, new)
+            if saves and buckets[b].names.index(name) in in_sets(b):
+                saved += [b] * saves
+        if kind == "use" and spec.reused and name not in kept:
+            kept[name] = call
+    regathers = []
+    if w.eager:  # backward unpacks the saved tensors in the reverse order of their saves
+        for i, b in reversed(list(enumerate(saved))):
+            if i == len(saved) - 1 or saved[i + 1] != b:
+                one = _Walker(plan, w.B, w.S, w.c, w.eager)
+                gather(b, "bwd", one)
+                gather(b, "bwd")
+                regathers.append((b, dict(one.out)))
+    for b, grads in calls:
+        if grads:
+            reduce(b, grads)
+    return regathers
 
 
 def routed_rows(w: _Walker, m) -> int:

@@ -36,7 +36,9 @@ class Costs:
       norm scale does; an embedding lookup keeps ids, a bias addition nothing)?
     walk_block / walk_moe_block / walk_embed / walk_head: the block (dense, MoE), the
       embedding and the head as walks over the estimator's walker (estimate/walker.py),
-      mirroring the forward's parameter uses and `ctx.constrain` calls one for one.
+      mirroring the forward's parameter uses and `ctx.constrain` calls one for one, the
+      uses in the order the forward looks the parameters up (`w.reuse` where a kept,
+      tied table is used again).
       walk_embed(w, cfg, tied_head) and walk_head(w, cfg, table_used) say whether this
       rank also runs the head (embedding) that shares a tied table."""
 

@@ -80,6 +80,15 @@ class Bucket:
     def names(self) -> tuple[str, ...]:
         return tuple(m.name for m in self.members)
 
+    def nbytes(self, plan: Plan) -> int:
+        """The bucket's size as a size in MB bounds it: its members' compute-local
+        elements (tp shards stay, the gathered dim is whole) in the parameters' dtype."""
+        return sum(_member_bytes(m, plan) for m in self.members)
+
+
+def _member_bytes(m: Member, plan: Plan) -> int:
+    return math.prod(m.shape) * plan.params[m.name].spec.dtype.itemsize
+
 
 def _member(p: ParamPlan, plan: Plan) -> Member | None:
     """How `p` is gathered, or None where a bucket cannot hold it (expert weights on the
@@ -128,7 +137,7 @@ def plan_buckets(plan: Plan, unit: str | float = "block", names=None) -> tuple[l
         if member is None:
             alone.add(name)
             continue
-        nbytes = math.prod(member.shape) * p.spec.dtype.itemsize
+        nbytes = _member_bytes(member, plan)
         if unit == "block":
             key = _unit(name, seen_block)
             seen_block = seen_block or key.startswith("layers.")
@@ -143,6 +152,24 @@ def plan_buckets(plan: Plan, unit: str | float = "block", names=None) -> tuple[l
         groups[-1].append(member)
         size += nbytes
     return [Bucket(i, tuple(g)) for i, g in enumerate(groups)], alone
+
+
+def gather_sets(bucket: Bucket, mesh_shape, dtypes) -> list[tuple[tuple[int, ...], object, tuple[int, ...]]]:
+    """The members of `bucket` gathered together, by first member: (the mesh dims of size
+    > 1 they are gathered over, their compute dtype (`dtypes`, one per member), their
+    indices in the bucket). A member with nothing to gather is in none. Each set is one
+    all-gather in forward and one reduce-scatter in backward."""
+    sets: dict[tuple, list[int]] = {}
+    for j, m in enumerate(bucket.members):
+        live = tuple(i for i in m.gather if mesh_shape[i] > 1)
+        if live:
+            sets.setdefault((live, dtypes[j]), []).append(j)
+    return [(gather, dtype, tuple(js)) for (gather, dtype), js in sets.items()]
+
+
+def group_axes(axes, dims: tuple[int, ...]) -> str:
+    """The name a group over mesh dims `dims` is reported by: their axes joined by "+"."""
+    return "+".join(axes[i] for i in dims)
 
 
 def group_dims(buckets: list[Bucket], plan: Plan) -> set[tuple[int, ...]]:
@@ -185,7 +212,7 @@ class Groups:
             # Only the members meet: the groups of other slices are made by their members.
             group = dist.new_group(members, use_local_synchronization=True)
             self._names[dims] = group.group_name
-            self.axes[group.group_name] = "+".join(mesh.mesh_dim_names[i] for i in dims)
+            self.axes[group.group_name] = group_axes(mesh.mesh_dim_names, dims)
             GROUP_AXES[group.group_name] = self.axes[group.group_name]
 
     def has(self, dims: tuple[int, ...]) -> bool:
@@ -227,16 +254,11 @@ class BucketRun:
             self.compute.append(p.compute_placements())
             self.global_shapes.append(tuple(p.spec.shape))
         self.data = tuple(i for i, a in enumerate(mesh.mesh_dim_names) if a in DATA_AXES and shape[i] > 1)
-        sets: dict[tuple, list[int]] = {}
-        for j, m in enumerate(bucket.members):
-            live = tuple(i for i in m.gather if shape[i] > 1)
-            if live:
-                sets.setdefault((live, self.dtypes[j]), []).append(j)
         # Sizes are plain numbers here, so the traced step sees constants.
         self.padded = [m.padded(shape) for m in bucket.members]
         self.numels = [math.prod(p) for p in self.padded]
         self.sets = []
-        for (gather, dtype), js in sets.items():
+        for gather, dtype, js in gather_sets(bucket, shape, self.dtypes):
             offsets, n = [], 0
             for j in js:
                 offsets.append(n)
@@ -346,8 +368,9 @@ class BucketRun:
         by_dims: dict[tuple, dict[int, torch.Tensor]] = {}
         for j, m in enumerate(members):
             done = set(m.gather) if j in gathered else set()
+            # A dim of one rank (a 1-rank mesh) has nothing to add up and no group.
             dims = tuple(i for i, q in enumerate(places[j])
-                         if q.is_partial() and i not in done and self.mesh_shape[i] > 1)  # one rank: summed
+                         if q.is_partial() and i not in done and self.mesh_shape[i] > 1)
             if dims:
                 by_dims.setdefault(dims, {})[j] = out[j]
         if self.hold:  # a micro-step before the last: the partial sums accumulate locally

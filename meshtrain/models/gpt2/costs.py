@@ -1,6 +1,7 @@
 """The gpt2 family's cost terms (models/family.py `Costs`): learned positions, biases that
 keep nothing for backward, and its block, embedding and head as walks over the
-estimator's walker (meshtrain/estimate/walker.py), one `w.use` per parameter lookup and one
+estimator's walker (meshtrain/estimate/walker.py), one `w.use` per parameter lookup, in
+model.py's order of lookups (buckets of a size in MB may split a block), and one
 `w.constrain` per `ctx.constrain` of model.py."""
 
 from __future__ import annotations
@@ -32,9 +33,9 @@ def walk_block(w, cfg, p: str):
     w.use(p + "attn_norm_bias", [x], saves=0)  # added, not saved
     qkv = [p + f"attn.w{n}" for n in "qkv"]
     w.constrain((B, S, d), x, h, w.grad_in(h, qkv))
-    for n in "qkv":
-        w.use(p + f"attn.w{n}", [h])
+    for n in "qkv":  # the bias is looked up first: it is an argument of ctx.linear
         w.use(p + f"attn.b{n}", [h], saves=0)  # bias inside F.linear: its gradient sums tokens
+        w.use(p + f"attn.w{n}", [h])
         w.constrain((B, S, cfg.n_heads, hd), w.linear(h, p + f"attn.w{n}"), q, q)
     w.attention(cfg.n_heads, cfg.n_heads, hd)
     w.use(p + "attn.wo", [q])
@@ -43,8 +44,8 @@ def walk_block(w, cfg, p: str):
     w.use(p + "mlp_norm", [x])
     w.use(p + "mlp_norm_bias", [x], saves=0)
     w.constrain((B, S, d), x, h, w.grad_in(h, [p + "mlp.w_up"]))
-    w.use(p + "mlp.w_up", [h])
     w.use(p + "mlp.b_up", [h], saves=0)
+    w.use(p + "mlp.w_up", [h])
     hidden = w.linear(h, p + "mlp.w_up")
     w.use(p + "mlp.w_down", [hidden])
     w.constrain((B, S, d), w.linear(hidden, p + "mlp.w_down"), x, x)

@@ -1,7 +1,7 @@
 """The llama family's cost terms (models/family.py `Costs`): what its blocks keep for
 backward beyond the shared terms, and its blocks, embedding and head as walks over the
-estimator's walker (meshtrain/estimate/walker.py), one `w.use` per parameter lookup and one
-`w.constrain` per `ctx.constrain` of model.py."""
+estimator's walker (meshtrain/estimate/walker.py), one `w.use` per parameter lookup, in
+model.py's order of lookups, and one `w.constrain` per `ctx.constrain` of model.py."""
 
 from __future__ import annotations
 
