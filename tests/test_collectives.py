@@ -286,8 +286,11 @@ def closed_form(kind: str, cfg: LlamaConfig, B: int, S: int, m: int = 1, c: int 
         if REGATHER:
             out[("bwd", "all_gather", "fsdp")] = (m * (calls - (lookup > 0)), m * c * (U - lookup))
         out[("bwd", "reduce_scatter_sum", "fsdp")] = (m * calls, m * b * U)
+    # Per bucket, what is still partial after the reduce-scatter is all-reduced once per
+    # step (held over micro-steps, DDP's no_sync); per parameter, on every micro-step.
+    r = 1 if bucket == "block" else m
     if dp:  # after the reduce-scatter when fsdp is there too: the shard (textbook HSDP)
-        out[("bwd", "all_reduce_sum", "dp")] = (m * calls, m * b * U // (2 if fsdp else 1))
+        out[("bwd", "all_reduce_sum", "dp")] = (r * calls, r * b * U // (2 if fsdp else 1))
 
     # The loss: summed over micro-steps, then one scalar all-reduce per step over the
     # batch axes as one group.
@@ -307,7 +310,7 @@ def closed_form(kind: str, cfg: LlamaConfig, B: int, S: int, m: int = 1, c: int 
             out[("fwd", "all_reduce_sum", "tp")] = (m, m * 2 * b * Tl)  # [sum_exp, target_logit]
             norm = d // 2 if fsdp else d  # norm-weight grads, as the fsdp shard
             # param: one per norm (2 per block, the final one); block: one per bucket with norms.
-            out[("bwd", "all_reduce_sum", "tp")] = (m * (k if bucket == "param" else L + 1), m * k * b * norm)
+            out[("bwd", "all_reduce_sum", "tp")] = (r * (k if bucket == "param" else L + 1), r * k * b * norm)
         else:
             A = c * Tl * d
             out[("fwd", "all_reduce_sum", "tp")] = (m * (k + 1), m * (k * A + 2 * b * Tl))
@@ -339,10 +342,11 @@ def per_message(kind: str, cfg: LlamaConfig, B: int, S: int, m: int = 1, c: int 
             if REGATHER and (i > 0 or cfg.tie_embeddings):
                 out[Msg("bwd", "all_gather", "fsdp", c * n)] += m
             out[Msg("bwd", "reduce_scatter_sum", "fsdp", b * n)] += m
+        r = 1 if bucket == "block" else m  # the dp all-reduce: once per step per bucket
         if kind == "hsdp":
-            out[Msg("bwd", "all_reduce_sum", "dp", b * n // 2)] += m
+            out[Msg("bwd", "all_reduce_sum", "dp", b * n // 2)] += r
         if kind == "dp":
-            out[Msg("bwd", "all_reduce_sum", "dp", b * n)] += m
+            out[Msg("bwd", "all_reduce_sum", "dp", b * n)] += r
     if loss_axis(kind):
         out[Msg("fwd", "all_reduce_sum", loss_axis(kind), b)] += 1  # the loss, once per step
     if with_tp:
@@ -356,11 +360,11 @@ def per_message(kind: str, cfg: LlamaConfig, B: int, S: int, m: int = 1, c: int 
                 out[Msg(phase, "reduce_scatter_sum", "tp", A)] += m * k
                 out[Msg(phase, "all_gather", "tp", A)] += m * k
             norm = b * (d // 2 if with_fsdp else d)
-            if bucket == "param":  # each norm's gradient
+            if bucket == "param":  # each norm's gradient, every micro-step
                 out[Msg("bwd", "all_reduce_sum", "tp", norm)] += m * k
-            else:  # per block its two norms' together, and the final norm
-                out[Msg("bwd", "all_reduce_sum", "tp", 2 * norm)] += m * L
-                out[Msg("bwd", "all_reduce_sum", "tp", norm)] += m
+            else:  # per block its two norms' together, and the final norm: once per step
+                out[Msg("bwd", "all_reduce_sum", "tp", 2 * norm)] += L
+                out[Msg("bwd", "all_reduce_sum", "tp", norm)] += 1
         else:
             out[Msg("fwd", "all_reduce_sum", "tp", c * Tl * d)] += m * k
             out[Msg("bwd", "all_reduce_sum", "tp", c * Tl * d)] += m * k
@@ -476,7 +480,8 @@ def test_fsdp_backward_all_gathers(bucket):
 
 @pytest.mark.parametrize("bucket", BUCKETS)
 def test_data_parallel_collectives(bucket):
-    """Plain dp: one gradient all-reduce per parameter, or per bucket (L + 2 per micro-step)."""
+    """Plain dp: one gradient all-reduce per parameter per micro-step, or per bucket once
+    per step (L + 2)."""
     obs = run_step(dict(dp=2), bucket=bucket, tied=True, batch=4, seq=5)
     check(obs, "dp", CFG, 4, 5)
 
@@ -509,7 +514,8 @@ def test_block_closed_forms_at_three_layers_and_three_micro_steps():
     micro-steps, written out (L = 3, m = 3): fsdp eager gathers m (L + 2) buckets in
     forward and m (L + 1) again in backward (not the lookup table's), reduce-scatters
     m (L + 2); the scalars are one loss all-reduce and one grad-norm all-reduce per step.
-    dp: L + 2 gradient all-reduces per micro-step."""
+    dp: L + 2 gradient all-reduces per step (the micro-steps' partial sums held and
+    reduced on the last)."""
     cfg = LlamaConfig(**{**CFG.__dict__, "n_layers": 3})
     L, m = 3, 3
     fsdp = run_step(dict(fsdp=2), bucket="block", batch=4, seq=5, micro=m, cfg=cfg)
@@ -520,7 +526,7 @@ def test_block_closed_forms_at_three_layers_and_three_micro_steps():
                      ("opt", "all_reduce_sum"): 1}
     dp = run_step(dict(dp=2), bucket="block", batch=4, seq=5, micro=m, cfg=cfg)
     check(dp, "dp", cfg, 4, 5, m=m)
-    assert Counter((x.phase, x.op) for x in dp.msgs) == {("bwd", "all_reduce_sum"): m * (L + 2),
+    assert Counter((x.phase, x.op) for x in dp.msgs) == {("bwd", "all_reduce_sum"): L + 2,
                                                           ("fwd", "all_reduce_sum"): 1, ("opt", "all_reduce_sum"): 1}
 
 

@@ -64,6 +64,11 @@ LAYOUTS = {
     "fsdp2_full": ({"fsdp": 2}, False, {"activation_checkpointing": "full"}),
     "tp2_sp_selective": ({"tp": 2}, True, {"activation_checkpointing": "selective"}),
     "cp2_ring_full": ({"cp": 2}, False, {"activation_checkpointing": "full"}),
+    # Buckets gathered ahead (prefetch) and, by size, across block boundaries: a block's
+    # recompute gathers what its forward found already gathered.
+    "fsdp2_selective": ({"fsdp": 2}, False, {"activation_checkpointing": "selective"}),
+    "fsdp2_selective_10kb_buckets": ({"fsdp": 2}, False, {"activation_checkpointing": "selective",
+                                                           "bucket": 0.01}),
     # fp8 GEMMs with everything else in fp32 (a policy, not a train.precision): only the
     # quantisation and fp32 sums differ from the fp32 runs, so layouts can be compared tightly.
     "fsdp2_fp8_tensorwise": ({"fsdp": 2}, False, {"policy": Policy(fp8="tensorwise")}),

@@ -121,7 +121,7 @@ def step_collectives(plan: Plan, model: ModelDef, *, micro_batch_rows: int, seq_
     unit = check_bucket(bucket)
     c = _check_batch(plan, micro_batch_rows, precision)
     kinds = _block_kinds(model, layers)
-    bucketed = unit != "param"
+    bucketed = unit != "param" and not compiled  # compiled steps keep one collective per parameter
 
     def walk():
         return _Walker(plan, micro_batch_rows, seq_len, c, eager=not compiled and reshard_after_forward,
@@ -131,9 +131,16 @@ def step_collectives(plan: Plan, model: ModelDef, *, micro_batch_rows: int, seq_
     if bucketed:  # the parameters' traffic: every lookup of one forward, over the buckets
         params = walk()
         held = set(names) if names is not None else _held(plan, model, kinds, embedding, head)
-        bucket_traffic(params, events, unit, held, Policy.of(precision), prefetch)
+        # A plain step reduces what is left partial after the reduce-scatters once per
+        # step (held over micro-steps); a pipeline rank on every micro-step.
+        per_step = walk() if loss_once else None
+        bucket_traffic(params, events, unit, held, Policy.of(precision), prefetch, per_step)
         parts.append((params, 1))
     total: dict[tuple, list[int]] = defaultdict(lambda: [0, 0])
+    if bucketed and per_step is not None:
+        for key, (n, nbytes) in per_step.out.items():
+            total[key][0] += n
+            total[key][1] += nbytes
     for part, times in parts:
         for key, (n, nbytes) in part.out.items():
             total[key][0] += n * times * micro_steps

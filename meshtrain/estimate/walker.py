@@ -270,7 +270,8 @@ class _Walker:
         return tuple(P if tp_split and a == "tp" else q for a, q in zip(self.mesh.axes, h))
 
 
-def bucket_traffic(w: _Walker, events, unit, names, policy: Policy, prefetch: int = 1) -> list[tuple[int, dict]]:
+def bucket_traffic(w: _Walker, events, unit, names, policy: Policy, prefetch: int = 1,
+                   step: _Walker | None = None) -> list[tuple[int, dict]]:
     """One micro-step's parameter traffic, into `w.out`, as a step with buckets
     (parallel/buckets.py, `unit` block or a size in MB) issues it. `events` are one
     forward's parameter lookups in order (`_Walker.events` of every block the rank runs,
@@ -290,7 +291,8 @@ def bucket_traffic(w: _Walker, events, unit, names, policy: Policy, prefetch: in
       still partial (over dims of size > 1: the other data dims, dims where a weight is
       used whole) per distinct set of dims, over those dims as one group where the step
       made one, else dim by dim. Members not looked up (or not trainable) count as
-      Partial over the data dims.
+      Partial over the data dims. Those all-reduces go into `step` when given: a plain
+      step holds them back on every micro-step but the last and issues them once.
 
     Returns the eager backward's gathers again, in the order backward issues them:
     (bucket index, {(phase, op, axis): [count, bytes]}) each."""
@@ -335,7 +337,7 @@ def bucket_traffic(w: _Walker, events, unit, names, policy: Policy, prefetch: in
                 partial[dims] += numel * spec.dtype.itemsize
         for dims, nbytes in partial.items():
             for group in ([dims] if dims in groups else [(i,) for i in dims]):
-                w.add_group("bwd", "all_reduce_sum", group, nbytes)
+                (step or w).add_group("bwd", "all_reduce_sum", group, nbytes)
 
     kept: dict[str, int | None] = {}  # reused parameters: the gather (index into calls) they came from
     live, pending = None, set()  # (bucket, call) gathered last; buckets whose gather was issued ahead

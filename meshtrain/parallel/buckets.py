@@ -405,7 +405,6 @@ class BucketGather(torch.autograd.Function):
         ctx.run, ctx.leaves = run, shards
         ctx.shards = [(s.placements, s.shape, s.stride()) for s in shards]
         locals_ = [s._local_tensor.to(d) for s, d in zip(shards, run.dtypes)]
-        ctx.save_for_backward(*[s._local_tensor for s in shards])
         out = dict(enumerate(locals_))
         for s, ready in zip(run.sets, pending):
             gathered = ready if ready is not None else \
@@ -415,7 +414,11 @@ class BucketGather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        run, shards = ctx.run, ctx.saved_tensors
+        # The shards' local tensors are read from the parameters, not saved for backward:
+        # a checkpointed block's recompute must save exactly what its forward saved, and a
+        # bucket gathered in another block's forward is gathered in this one's recompute.
+        run = ctx.run
+        shards = [leaf._local_tensor for leaf in ctx.leaves]
         local = run.reduce(grads, shards, ctx.leaves)
         out = [DTensor.from_local(g, run.mesh, placements, run_check=False, shape=shape, stride=stride)
                for g, (placements, shape, stride) in zip(local, ctx.shards)]

@@ -156,7 +156,8 @@ class _BoundParams(Mapping):
         b = self._context._bucket_of.get(name)
         if b in self._complete and not torch.compiler.is_compiling():  # see BucketGather
             if b not in self._live:
-                self._live = {b: self._gather_bucket(b)}
+                with _outside_selective_checkpoint():
+                    self._live = {b: self._gather_bucket(b)}
             gathered = self._live[b][name]
         else:
             gathered = self._gather(name)
@@ -203,6 +204,22 @@ class _BoundParams(Mapping):
 
     def __len__(self) -> int:
         return len(self._params)
+
+
+@contextlib.contextmanager
+def _outside_selective_checkpoint():
+    """Gathering a bucket is parameter traffic, not part of the block: keep its ops out of
+    selective checkpointing's op cache, which requires the block's recompute in backward
+    to run exactly the ops its forward ran (a bucket gathered ahead, or still live from
+    the block before, is gathered inside the block only when recomputed)."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode, _pop_mode_temporarily
+    from torch.utils.checkpoint import _CachedTorchDispatchMode, _CachingTorchDispatchMode
+
+    if isinstance(_get_current_dispatch_mode(), (_CachingTorchDispatchMode, _CachedTorchDispatchMode)):
+        with _pop_mode_temporarily():
+            yield
+    else:
+        yield
 
 
 class ShardedContext:
