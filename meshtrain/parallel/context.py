@@ -4,11 +4,14 @@ Activations are DTensors; `constrain` redistributes them to the layout the plan 
 their logical axes, so DTensor emits exactly the collective a layout change needs
 (Partial -> Replicate is the tensor-parallel all-reduce, Partial -> Shard(seq) the
 sequence-parallel reduce-scatter, Shard(seq) -> Replicate its all-gather). Parameters are
-gathered where they are used (SimpleFSDP): the all-gather over fsdp runs forward and
-its backward reduce-scatters the gradient, in fp32 whatever the compute dtype. Gathered
-parameters are not kept for backward in eager mode (ZeRO-3): saved-tensor hooks keep a
-reference to the shard and gather again when backward needs the value. Compiled steps
-keep them (the hooks cannot be traced), as FSDP2's reshard_after_forward=False does.
+gathered where they are used (SimpleFSDP), a bucket at a time in eager steps
+(parallel/buckets.py: one all-gather per block, the next one issued ahead; backward
+reduce-scatters the bucket's gradients in fp32 whatever the compute dtype) and one
+parameter at a time in compiled steps (DTensor's redistribute both ways). Gathered
+parameters are not kept for backward in eager mode (ZeRO-3, reshard_after_forward):
+saved-tensor hooks keep a reference to the shard and gather again (the whole bucket,
+once) when backward needs the value. Compiled steps keep them (the hooks cannot be
+traced), as FSDP2's reshard_after_forward=False does.
 Attention and the vocab-parallel loss run on local shards with explicit collectives.
 A sequence split over cp is held in zigzag order (rank r: chunks r and 2cp-1-r of 2cp),
 so causal attention costs every cp rank the same; position-wise ops never notice the
