@@ -179,14 +179,7 @@ def _raise_bad_input(report: dict) -> None:
         raise _bad_input_errors()[report["bad_input"]](report["message"]) from None
 
 
-# How gloo and NCCL say a peer went away: a rank's reaction to another's failure.
-_PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "NCCL communicator was aborted")
-
-
 def _first_failure(reports: Path) -> dict | None:
-    """The earliest error any rank reported: the cause, not a peer's reaction to it (a
-    rank that lost its peer can report before the failing rank has unwound and reported,
-    e.g. while a prefetched gather was in flight)."""
+    """The earliest error any rank reported: the cause, not a peer's reaction to it."""
     found = [json.loads(p.read_text()) for p in reports.glob("rank*.json")]
-    lost = lambda r: any(s in r["message"] for s in _PEER_LOST)  # noqa: E731
-    return min(found, key=lambda r: (lost(r), r["time"])) if found else None
+    return min(found, key=lambda r: r["time"]) if found else None
