@@ -160,3 +160,35 @@ def test_two_ranks_under_torchrun_stop_on_group_signals_and_resume_exactly(tmp_p
     assert reference.returncode == 0, reference.stdout + reference.stderr
     assert [r["step"] for r in read_metrics(run_dir)] == list(range(1, stops[-1] + 3))
     assert _losses(run_dir) == _losses(tmp_path / "ref")
+
+
+_THREAD_SIGNALS = """
+import signal, threading, time
+from meshtrain.run import stopping
+
+assert stopping.REQUEST.install()
+stopping.REQUEST.doing = "asleep"
+other = threading.Thread(target=time.sleep, args=(30,), daemon=True)
+other.start()
+
+def send():
+    signal.pthread_kill(other.ident, signal.SIGTERM)
+    time.sleep(0.3)
+    assert stopping.REQUEST.name == "SIGTERM"
+    time.sleep(stopping.DUPLICATE_S + 0.2)
+    signal.pthread_kill(other.ident, signal.SIGINT)
+
+threading.Thread(target=send, daemon=True).start()
+time.sleep(30)  # as a rank inside a save or a collective: no signal interrupts the main thread
+"""
+
+
+def test_a_signal_caught_by_another_thread_still_stops_the_process_while_the_main_thread_waits():
+    """The kernel hands a process's signal to any of its threads (gloo starts several per
+    process group); a Python handler would then wait for a main thread that never wakes."""
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", _THREAD_SIGNALS], cwd=ROOT, env=_env(), capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 128 + signal.SIGINT, done.stdout + done.stderr
+    assert done.stderr == "meshtrain: stopped at once by a second SIGINT (asleep)\n"
+    assert time.monotonic() - started < 20

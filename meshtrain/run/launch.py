@@ -120,7 +120,10 @@ def _raise_stop_or_failure(reports: Path, error: Exception) -> None:
     notes = stopping.read_notes(reports)
     at_once = next((n for n in notes if n["at_once"]), None)
     if at_once is not None:
-        raise stopping.Interrupted(at_once["message"], at_once["signal"])
+        # The signal the user sent is the one this process got: the agent, interrupted in
+        # its shutdown, passes on a SIGTERM of its own, which a rank may see first.
+        name = error.sigval.name if isinstance(error, SignalException) else at_once["signal"]
+        raise stopping.Interrupted(stopping.at_once_line(name, at_once["where"]), name)
     first = (None if isinstance(error, SignalException) else _killed(error)) or _first_failure(reports)
     if first is not None:
         _raise_bad_input(first)
@@ -179,7 +182,17 @@ def _raise_bad_input(report: dict) -> None:
         raise _bad_input_errors()[report["bad_input"]](report["message"]) from None
 
 
+# How gloo and NCCL say a peer went away: a rank's reaction to another's failure.
+_PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "NCCL communicator was aborted")
+
+
 def _first_failure(reports: Path) -> dict | None:
-    """The earliest error any rank reported: the cause, not a peer's reaction to it."""
+    """The earliest error any rank reported: the cause, not a peer's reaction to it (a
+    rank that lost its peer can report before the failing rank has unwound and reported,
+    e.g. while a prefetched gather was in flight)."""
     found = [json.loads(p.read_text()) for p in reports.glob("rank*.json")]
-    return min(found, key=lambda r: r["time"]) if found else None
+    return min(found, key=lambda r: (_lost_peer(r), r["time"])) if found else None
+
+
+def _lost_peer(report: dict) -> bool:
+    return any(s in report["message"] for s in _PEER_LOST)

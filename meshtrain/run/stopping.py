@@ -30,7 +30,13 @@ NOTE_DIR = "MESHTRAIN_FAILURE_DIR"  # set by our launcher in each rank (launch._
 
 
 class StopRequest:
-    """This process's stop request: installed once, read by the training loop."""
+    """This process's stop request: installed once, read by the training loop.
+
+    Signals are acted on by a thread of ours, not by a Python handler: the kernel may hand
+    a process's signal to any of its threads (gloo starts several per process group), and
+    then a Python handler waits for the main thread, which may sit in a sleep or a
+    collective that the signal never interrupts. Python's C handler still catches the
+    signal on whichever thread and writes its number to the wakeup pipe we read."""
 
     def __init__(self):
         self.name: str | None = None  # the first signal's name
@@ -38,6 +44,7 @@ class StopRequest:
         self.doing = "starting"  # what the loop is doing, for the line a second signal prints
         self.after: Callable[[], str] | None = None  # what stays on disk, for that line
         self._previous: dict = {}
+        self._wakeup: tuple[int, int] | None = None  # (previous wakeup fd, our pipe's write end)
 
     def install(self) -> bool:
         """Handle SIGINT and SIGTERM from now on, with no request yet; False where that is
@@ -45,8 +52,12 @@ class StopRequest:
         if self._previous or threading.current_thread() is not threading.main_thread():
             return False
         self.name, self.doing, self.after = None, "starting", None
+        read, write = os.pipe()
+        os.set_blocking(write, False)  # a signal handler never blocks on a full pipe
+        self._wakeup = (signal.set_wakeup_fd(write, warn_on_full_buffer=False), write)
         for sig in SIGNALS:
-            self._previous[sig] = signal.signal(sig, self._handle)
+            self._previous[sig] = signal.signal(sig, _caught)
+        threading.Thread(target=self._watch, args=(read,), name="meshtrain-signals", daemon=True).start()
         return True
 
     def restore(self) -> None:
@@ -54,8 +65,22 @@ class StopRequest:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous = {}
+        if self._wakeup is not None:
+            previous, write = self._wakeup
+            signal.set_wakeup_fd(previous)
+            os.close(write)  # the watching thread reads the end of its pipe and leaves
+            self._wakeup = None
 
-    def _handle(self, sig: int, frame) -> None:
+    def _watch(self, read: int) -> None:
+        with os.fdopen(read, "rb", buffering=0) as pipe:
+            while numbers := pipe.read(64):
+                for sig in numbers:
+                    # Only while our handler is the one installed: a launcher that took
+                    # the signals over (torch's elastic agent) handles them itself.
+                    if sig in SIGNALS and signal.getsignal(sig) is _caught:
+                        self._handle(sig)
+
+    def _handle(self, sig: int) -> None:
         now = time.monotonic()
         if self.name is None:
             self.name, self.first_at = signal.Signals(sig).name, now
@@ -63,12 +88,11 @@ class StopRequest:
             self._stop_now(sig)
 
     def _stop_now(self, sig: int) -> None:
-        signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)  # a third signal must not re-enter here
         name = signal.Signals(sig).name
-        line = f"stopped at once by a second {name} ({self.doing})"
+        where = f"({self.doing})"
         try:
             if self.after is not None:
-                line += f"; {self.after()}"
+                where += f"; {self.after()}"
         except Exception:  # the line must not fail: the process is leaving anyway
             pass
         try:
@@ -77,10 +101,20 @@ class StopRequest:
             pass
         try:
             # Under our launcher it prints the line once for every rank.
-            if not leave_note(name, True, line) and os.environ.get("RANK", "0") == "0":
-                os.write(2, f"meshtrain: {line}\n".encode())
+            if not leave_note(name, True, where) and os.environ.get("RANK", "0") == "0":
+                os.write(2, f"meshtrain: {at_once_line(name, where)}\n".encode())
         finally:
             os._exit(128 + sig)
+
+
+def at_once_line(signal_name: str, where: str) -> str:
+    """The one line of a run stopped at once: the signal, what it interrupted, what stays."""
+    return f"stopped at once by a second {signal_name} {where}"
+
+
+def _caught(sig: int, frame) -> None:
+    """The Python handler: nothing to do on the main thread (the watching thread acts); it
+    keeps SIGINT from raising KeyboardInterrupt and SIGTERM from ending the process."""
 
 
 REQUEST = StopRequest()
@@ -95,12 +129,13 @@ class Interrupted(Exception):
         self.exit_code = 128 + signal.Signals[signal_name].value
 
 
-def leave_note(signal_name: str, at_once: bool, message: str = "") -> bool:
-    """A rank under our launcher records how it stopped; False under any other launcher."""
+def leave_note(signal_name: str, at_once: bool, where: str = "") -> bool:
+    """A rank under our launcher records how it stopped (and, stopped at once, where: see
+    at_once_line); False under any other launcher."""
     notes = os.environ.get(NOTE_DIR)
     if notes:
         Path(notes, f"stop-rank{os.environ.get('RANK', '0')}.json").write_text(
-            json.dumps({"at_once": at_once, "message": message, "signal": signal_name}))
+            json.dumps({"at_once": at_once, "where": where, "signal": signal_name}))
     return bool(notes)
 
 
