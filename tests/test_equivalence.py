@@ -221,6 +221,22 @@ def test_inductor_single_process_matches_eager(reference):
     check_run(single_process(compile=True), reference, "inductor")
 
 
+def test_a_compiled_step_takes_another_sequence_length():
+    """Shapes are static: a second length recompiles (dynamo would otherwise make it
+    symbolic, which the RoPE table's constant-folded builder refused)."""
+    model = build("llama", CFG)
+    steps = {c: make_train_step(model, compile=c, **_optimizer()) for c in (False, "aot_eager")}
+    states = {c: TrainState.create({n: init_slice(s, n, seed=0).requires_grad_() for n, s in model.specs.items()})
+              for c in steps}
+    g = torch.Generator().manual_seed(5)
+    for seq in (SEQ, SEQ // 2, SEQ):
+        t = torch.randint(0, CFG.vocab_size, (1, BATCH, seq + 1), generator=g)
+        batch = {"tokens": t[..., :-1], "targets": t[..., 1:]}
+        eager, compiled = (steps[c](states[c], batch) for c in steps)
+        assert compiled["loss"] == pytest.approx(eager["loss"], rel=1e-5)
+        assert compiled["grad_norm"] == pytest.approx(eager["grad_norm"], rel=1e-5)
+
+
 @pytest.mark.slow
 def test_inductor_sharded_layouts_match_single_process(reference):
     """Inductor's generated code on DTensor layouts: fsdp (gathers) and tp+sp (sequence

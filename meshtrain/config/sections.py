@@ -118,9 +118,9 @@ class ParallelConfig:
     bucket: str | float = "block"
     """Unit of parameter communication: block (the weights of one transformer block, and the groups before and after the blocks, gathered by one all-gather from one flat buffer and their gradients reduced by one collective per mesh group), param (one collective per parameter: the reference behaviour), or a bucket size in MB (consecutive parameters up to that size). Expert weights and strided shards keep one collective per parameter."""
     prefetch: int = 1
-    """Buckets whose all-gather is issued ahead of use: 1 starts block i+1's gather before block i computes (and, in eager backward, block i-1's before block i); 0 gathers each where it is used. Each one in flight holds one more block's gathered weights."""
+    """Buckets whose all-gather is issued ahead of use: 1 starts block i+1's gather before block i computes (and, in eager backward, block i-1's before block i); 0 gathers each where it is used. Each one in flight holds one more block's gathered weights. Also the most gradient reductions left in flight (eager), each holding one block's packed gradients."""
     reshard_after_forward: bool = True
-    """ZeRO-3: drop gathered weights after each block's forward and gather them again in backward (eager steps; compiled steps keep them, docs/parallelism.md). false keeps them from forward to backward: one all-gather per bucket per micro-step fewer, at the memory of the whole gathered model."""
+    """ZeRO-3: drop gathered weights after each block's forward and gather them again in backward (eager: a bucket at a time; compiled: each weight's gather recomputed where backward needs it, docs/parallelism.md). false keeps them from forward to backward: one all-gather per bucket (compiled: per weight) per micro-step fewer, at the memory of the whole gathered model."""
     collective_timeout_s: float = 900.0
     """Seconds a collective may wait for its peers before it fails (the process group's timeout; at most 1e8)."""
     watchdog_s: float = 600.0

@@ -1,15 +1,15 @@
 """Layouts that fit a device, for a run config whose peak memory does not.
 
 `layouts_that_fit` searches what a user can change without touching the model or the
-world size: activation checkpointing (none, selective, full), compile on or off, the
-micro-batch (halved down to 1), tp (doubled within a node) and pp (2, 4, 8 where they
+world size: activation checkpointing (none, selective, full), resharding after forward
+(on, where it is off), the micro-batch (halved down to 1), tp (doubled within a node) and pp (2, 4, 8 where they
 divide the layers), and returns the layouts whose peak fits, cheapest first, each as the
 exact flags to add to the command line.
 
 "Cheapest" is a rough step-time cost of each change, summed (an ordering, not a
 prediction): see `COST`. The search plans each candidate (`step_memory`), cheapest first,
 and skips a candidate when one that saves at least as much memory on every knob (same
-pp) was already over: memory does not grow with more recompute, eager steps (no gathered
+pp) was already over: memory does not grow with more recompute, resharding (no gathered
 weights kept), a smaller micro-batch or more tp.
 """
 
@@ -26,17 +26,18 @@ from .step_memory import step_memory
 
 # Step-time cost of a change, as a rough fraction of the step: selective checkpointing
 # recomputes norms and activation functions (a few %, Korthikanti et al. 2022); full re-runs
-# every layer's forward (+1/3 of the compute); eager gives up compile's fusion; halving the
+# every layer's forward (+1/3 of the compute); resharding gathers the weights once more per
+# micro-step (mostly hidden by prefetch); halving the
 # micro-batch or doubling tp makes smaller GEMMs and more collectives per token. pp adds
 # its bubble, (pp - 1) / (m + pp - 1) of the step for m micro-batches (1F1B), on top.
-COST = {"selective": 0.05, "full": 0.33, "eager": 0.15, "micro_batch_halved": 0.05, "tp_doubled": 0.10}
+COST = {"selective": 0.05, "full": 0.33, "reshard": 0.05, "micro_batch_halved": 0.05, "tp_doubled": 0.10}
 PP_SIZES = (2, 4, 8)
 
 
 @dataclass(frozen=True)
 class Candidate:
     checkpointing: str
-    compile: bool
+    reshard: bool  # parallel.reshard_after_forward
     micro_batch: int
     tp: int
     pp: int
@@ -45,7 +46,7 @@ class Candidate:
         """Does this layout keep at most `other`'s memory on every knob (same pp)?"""
         return (self.pp == other.pp and self.tp >= other.tp and self.micro_batch <= other.micro_batch
                 and CHECKPOINTING.index(self.checkpointing) >= CHECKPOINTING.index(other.checkpointing)
-                and self.compile <= other.compile)
+                and self.reshard >= other.reshard)
 
 
 @dataclass(frozen=True)
@@ -59,7 +60,7 @@ def layouts_that_fit(cfg, world: int, capacity: float, *, limit: int = 3) -> tup
     `capacity` bytes, cheapest first; and the lowest peak planned (None if no candidate
     could be planned)."""
     t, p = cfg.train, cfg.parallel
-    now = Candidate(t.activation_checkpointing, bool(t.compile), t.micro_batch, p.tp, p.pp)
+    now = Candidate(t.activation_checkpointing, p.reshard_after_forward, t.micro_batch, p.tp, p.pp)
     # Ties: the layout with fewer changes first.
     candidates = sorted((c for c in _candidates(cfg, world) if c != now),
                         key=lambda c: (_cost(cfg, world, c, now), sum(a != b for a, b in zip(
@@ -75,7 +76,7 @@ def layouts_that_fit(cfg, world: int, capacity: float, *, limit: int = 3) -> tup
 
     for c in candidates:
         # The most memory-saving layout of c's tp and pp first: if it is over, so is c.
-        plan(Candidate("full", False, 1, c.tp, c.pp))
+        plan(Candidate("full", True, 1, c.tp, c.pp))
         if any(o.saves_at_least(c) for o in over):
             continue
         peak = plan(c)
@@ -102,8 +103,8 @@ def search_space(cfg, world: int) -> str:
     def values(knob: str) -> str:
         return "/".join(map(str, sorted({getattr(c, knob) for c in tried}, reverse=knob == "micro_batch")))
 
-    compiles = "compile on/off" if len({c.compile for c in tried}) == 2 else "eager"
-    return (f"activation checkpointing none/selective/full, {compiles}, micro_batch {values('micro_batch')}, "
+    reshard = ", resharding on/off" if len({c.reshard for c in tried}) == 2 else ""
+    return (f"activation checkpointing none/selective/full{reshard}, micro_batch {values('micro_batch')}, "
             f"tp {values('tp')}, pp {values('pp')}")
 
 
@@ -113,14 +114,14 @@ def _candidates(cfg, world: int) -> list[Candidate]:
     gpus_per_node = min(p.nproc_per_node, world)
     tps = [p.tp] if p.tp == -1 else [p.tp << k for k in range(4) if (p.tp << k) <= max(p.tp, gpus_per_node)]
     pps = [p.pp] + [n for n in PP_SIZES if n > p.pp and cfg.model.n_layers % n == 0]
-    compiles = sorted({bool(t.compile), False}, reverse=True)
-    return [Candidate(ac, comp, mb, tp, pp) for ac in CHECKPOINTING for comp in compiles for mb in micro
+    reshards = sorted({p.reshard_after_forward, True})
+    return [Candidate(ac, r, mb, tp, pp) for ac in CHECKPOINTING for r in reshards for mb in micro
             for tp in tps for pp in pps]
 
 
 def _cost(cfg, world: int, c: Candidate, now: Candidate) -> float:
     cost = COST.get(c.checkpointing, 0.0) - COST.get(now.checkpointing, 0.0)
-    cost += COST["eager"] * (now.compile and not c.compile)
+    cost += COST["reshard"] * (c.reshard and not now.reshard)
     cost += COST["micro_batch_halved"] * math.log2(now.micro_batch / c.micro_batch)
     cost += COST["tp_doubled"] * math.log2(c.tp / now.tp)  # tp -1 stays -1: log2(1)
     return cost + _bubble(cfg, world, c) - _bubble(cfg, world, now)
@@ -140,9 +141,9 @@ def _apply(cfg, c: Candidate):
     p = cfg.parallel
     fill = p.dp == -1 or p.fsdp == -1 or p.tp == -1
     parallel = dataclasses.replace(p, tp=c.tp, pp=c.pp, sp=p.sp or c.tp != p.tp,  # more tp: with sp, as Megatron
-                                   fsdp=p.fsdp if fill or (c.tp, c.pp) == (p.tp, p.pp) else -1)
-    train = dataclasses.replace(cfg.train, activation_checkpointing=c.checkpointing, compile=c.compile,
-                                micro_batch=c.micro_batch)
+                                   fsdp=p.fsdp if fill or (c.tp, c.pp) == (p.tp, p.pp) else -1,
+                                   reshard_after_forward=c.reshard)
+    train = dataclasses.replace(cfg.train, activation_checkpointing=c.checkpointing, micro_batch=c.micro_batch)
     return dataclasses.replace(cfg, parallel=parallel, train=train)
 
 
@@ -162,8 +163,8 @@ def _flags(cfg, c: Candidate, now: Candidate) -> str:
     flags = []
     if c.checkpointing != now.checkpointing:
         flags.append(f"--train.activation_checkpointing {c.checkpointing}")
-    if c.compile != now.compile:
-        flags.append(f"--train.compile {str(c.compile).lower()}")
+    if c.reshard != now.reshard:
+        flags.append(f"--parallel.reshard_after_forward {str(c.reshard).lower()}")
     if c.micro_batch != now.micro_batch:
         flags.append(f"--train.micro_batch {c.micro_batch}")
     if c.tp != now.tp:

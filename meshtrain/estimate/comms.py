@@ -17,6 +17,7 @@ and equal placements nothing, S(i)->S(j) all-to-all):
 |---|---|---|
 | parameter lookup, bucket="param" (`_UseParam`; with buckets too: expert weights, strided or nested shards, a bucket this rank does not hold whole) | stored -> compute placements (all-gather over fsdp), compute dtype | gradient, in the parameter dtype, redistributed to the stored dims first (reduce-scatter), then to the replicated ones (all-reduce of the shard) |
 | the same, eager with reshard_after_forward | | the gather again for every tensor autograd saved of it (`saves` below) |
+| the same, compiled with reshard_after_forward | | the gather again once, where backward first needs it, for a lookup autograd saved (the gather is recomputed, not kept) |
 | parameter lookup, bucket="block" or MB (`_BoundParams`, `BucketGather`; buckets of parallel/buckets.py `plan_buckets`) | the first lookup of a bucket, unless it is the bucket gathered last, gathers all of it: one all-gather per gather set (members with the same gathered mesh dims and compute dtype), over those dims as one group, of the shards padded to the largest rank's in one buffer (ways x padded shards x c bytes); and issues the next `prefetch` buckets' gathers (taken by their first lookup). A `reused` table is kept from its first lookup | per gather of a bucket with a trainable member used: one reduce-scatter per gather set (parameter dtype), then one all-reduce of what is still partial (dp replicas; tp, for weights used whole under sequence parallelism), one per distinct set of mesh dims, over them as one group; a member without gradient counts as Partial over the data dims |
 | the same, eager with reshard_after_forward | | the bucket gathered again (every set) once per run of saved uses of its gathered members, in the order autograd saved them |
 | `constrain(x)` | source -> target placements | incoming gradient -> source, its Partials taken as Replicate |
@@ -125,7 +126,7 @@ def step_collectives(plan: Plan, model: ModelDef, *, micro_batch_rows: int, seq_
 
     def walk():
         return _Walker(plan, micro_batch_rows, seq_len, c, eager=not compiled and reshard_after_forward,
-                       defer=bucketed)
+                       defer=bucketed, recompute=compiled and reshard_after_forward)
 
     parts, rest, events = _walk_model(model, kinds, walk, embedding, head)
     if bucketed:  # the parameters' traffic: every lookup of one forward, over the buckets

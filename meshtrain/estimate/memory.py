@@ -86,8 +86,10 @@ CUDA runs for fp32 GQA (no fused kernel takes fp32 + GQA there).
 Weights kept for backward (`saved_weights`, part of activations): matmuls and norm
 scales save the weight they multiply by. Parameters that are not gathered are saved as
 themselves in fp32 (no new memory) but as a new bf16 copy under bf16. Gathered (fsdp)
-weights are re-gathered in backward by eager steps (ZeRO-3): nothing kept; compiled
-steps keep every gathered weight from forward to backward (`gathered_weights`).
+weights are gathered again in backward (ZeRO-3, parallel.reshard_after_forward, eager
+and compiled): nothing kept. Without resharding every gathered weight autograd saves is
+kept from forward to backward (`gathered_weights`), except a block's under full or
+selective checkpointing, whose recompute gathers again.
 
 Activation checkpointing (train.activation_checkpointing; the runtime's policies are
 models/policy.py):
@@ -219,7 +221,7 @@ def _moe_saved(plan: Plan, m, B: int, S: int, D: int, c: int, checkpointing: str
 
 
 def per_rank_memory(plan: Plan, model, *, micro_batch: int, seq_len: int, precision: str = "fp32",
-                    activation_checkpointing: str = "none", compiled: bool = False,
+                    activation_checkpointing: str = "none", reshard_after_forward: bool = True,
                     device: str = "cpu", attention: str | None = None, names=None, layers: int | None = None,
                     embedding: bool = True, head: bool = True, in_flight: int = 1) -> dict:
     """Bytes on the most loaded rank for one training step (see the module docstring for
@@ -317,7 +319,9 @@ def per_rank_memory(plan: Plan, model, *, micro_batch: int, seq_len: int, precis
         if not new_copy or not family.costs.weight_saved(cfg, name):
             continue
         if gathered:
-            gathered_weights += n * width if compiled else 0
+            kept = not reshard_after_forward and (activation_checkpointing == "none"
+                                                  or not name.startswith("layers."))
+            gathered_weights += n * width if kept else 0
         else:
             saved_weights += n * width
 

@@ -129,8 +129,8 @@ def pipeline_estimate(plan: Plan, model, *, pp_schedule: str, virtual: int, layo
         names = [n for st in mine for n in st.params + st.shared]
         first, has_head = any(st.has_embedding for st in mine), any(st.has_head for st in mine)
         memory = per_rank_memory(sub, model, micro_batch=micro_batch, seq_len=seq_len, precision=precision,
-                                 activation_checkpointing=activation_checkpointing, compiled=compiled,
-                                 device=device, names=names,
+                                 activation_checkpointing=activation_checkpointing,
+                                 reshard_after_forward=reshard_after_forward, device=device, names=names,
                                  layers=list(range(*max(mine, key=lambda st: st.n_layers).layers)),
                                  embedding=first, head=has_head, in_flight=max(1, timing.peak_in_flight[r]))
         # The last stage reduces each micro-step's loss over the token-splitting dims (the

@@ -31,13 +31,17 @@ class _Walker:
     """Accumulates (phase, op, axis) -> [count, bytes] while a family table walks the model.
 
     `eager`: gathered weights are dropped after forward and gathered again in backward
-    where autograd saved them (an eager step with reshard_after_forward). Every parameter
+    where autograd saved them (an eager step with reshard_after_forward). `recompute`: a
+    compiled step's, gathered again once per lookup whose weight backward needs (the
+    gather under a recomputing checkpoint, parallel/context.py). Every parameter
     lookup is also kept in `events`, in order; `defer` leaves their traffic out of `out`,
     for `bucket_traffic` to replay them over the plan's buckets."""
 
-    def __init__(self, plan: Plan, B: int, S: int, c: int, eager: bool, defer: bool = False):
+    def __init__(self, plan: Plan, B: int, S: int, c: int, eager: bool, defer: bool = False,
+                 recompute: bool = False):
         self.plan, self.mesh = plan, plan.mesh
         self.B, self.S, self.c, self.eager, self.defer = B, S, c, eager, defer
+        self.recompute = recompute
         self.out: dict[tuple, list[int]] = defaultdict(lambda: [0, 0])
         self._acts: dict[tuple, tuple] = {}
         self.events: list[tuple] = []  # ("use" | "save", name, acts_on, saves, grad)
@@ -160,10 +164,12 @@ class _Walker:
         return spec.dtype.itemsize if keeps_fp32(name) else self.c or spec.dtype.itemsize
 
     def regather(self, name, n=1):
-        """Eager: `n` saved uses of the gathered `name` gathered again in backward."""
+        """`n` saved uses of the gathered `name`: gathered again in backward n times
+        (eager) or once (compiled, recomputed)."""
         pp = self.plan.params[name]
         stored, compute = self.stored(name), self.compute(name)
-        if self.eager and stored != compute:
+        n = min(n, 1) if self.recompute else n if self.eager else 0
+        if n and stored != compute:
             self.redistribute("bwd", pp.spec.shape, stored, compute, self._dtype_bytes(name), n=n, mesh=pp.mesh)
 
     def grad_of(self, name, acts_on, grad=None) -> tuple:

@@ -14,6 +14,7 @@ then one all-reduce of the shards over the replica dims (dp: HSDP, or plain dp).
 
 from __future__ import annotations
 
+import collections
 import math
 from dataclasses import dataclass
 
@@ -225,6 +226,22 @@ class Groups:
         return math.prod([self.mesh.size(i) for i in dims])
 
 
+class InFlight:
+    """Gradient reductions issued and not yet waited on, at most `limit` of them (the
+    oldest is waited when one more is issued): each one's buffers (the packed fp32
+    gradients; on gloo also a full-size copy) are freed as backward goes, not held to the
+    optimizer for every bucket at once."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self._issued: collections.deque = collections.deque()
+
+    def add(self, result: torch.Tensor) -> None:
+        self._issued.append(result)
+        while len(self._issued) > self.limit:
+            funcol.wait_tensor(self._issued.popleft())
+
+
 @dataclass(frozen=True)
 class _Set:
     """Members of a bucket gathered together: the same mesh dims and compute dtype."""
@@ -240,8 +257,8 @@ class _Set:
 class BucketRun:
     """A bucket on a live mesh: its gather sets, dtypes and placements."""
 
-    def __init__(self, bucket: Bucket, plan: Plan, mesh, groups: Groups, policy):
-        self.bucket, self.mesh, self.groups = bucket, mesh, groups
+    def __init__(self, bucket: Bucket, plan: Plan, mesh, groups: Groups, policy, inflight: InFlight):
+        self.bucket, self.mesh, self.groups, self.inflight = bucket, mesh, groups, inflight
         self.hold = False  # set by the step: leave the last all-reduces to a later micro-step
         self._held = False  # .grad holds partial sums that the next reduction must add in
         shape = tuple(mesh.shape)
@@ -323,6 +340,7 @@ class BucketRun:
         flat = torch.cat([g.reshape(-1) for g in items.values()])
         for group in ([dims] if self.groups.has(dims) else [(i,) for i in dims]):
             flat = funcol.all_reduce(flat, "sum", self.groups.name(group))
+        self.inflight.add(flat)
         off = 0
         for j, g in items.items():
             items[j] = flat[off:off + g.numel()].view(g.shape)
@@ -359,6 +377,7 @@ class BucketRun:
                 split = g.reshape(*padded[:m.dim], ways, padded[m.dim], *padded[m.dim + 1:]).movedim(m.dim, 0)
                 buf[:, off:off + self.numels[j]].view(ways, *padded).copy_(split)
             mine = funcol.reduce_scatter_single(buf.view(-1), "sum", 0, self.groups.name(s.gather))
+            self.inflight.add(mine)
             for j, off in zip(s.members, s.offsets):
                 m, padded = members[j], self.padded[j]
                 out[j] = mine[off:off + self.numels[j]].view(padded).narrow(m.dim, 0, shards[j].shape[m.dim])

@@ -8,10 +8,10 @@ gathered where they are used (SimpleFSDP), a bucket at a time in eager steps
 (parallel/buckets.py: one all-gather per block, the next one issued ahead; backward
 reduce-scatters the bucket's gradients in fp32 whatever the compute dtype) and one
 parameter at a time in compiled steps (DTensor's redistribute both ways). Gathered
-parameters are not kept for backward in eager mode (ZeRO-3, reshard_after_forward):
+parameters are not kept for backward (ZeRO-3, reshard_after_forward): in eager steps
 saved-tensor hooks keep a reference to the shard and gather again (the whole bucket,
-once) when backward needs the value. Compiled steps keep them (the hooks cannot be
-traced), as FSDP2's reshard_after_forward=False does.
+once) when backward needs the value; in compiled steps each gather sits under a
+checkpoint that recomputes it (the hooks cannot be traced).
 Attention and the vocab-parallel loss run on local shards with explicit collectives.
 A sequence split over cp is held in zigzag order (rank r: chunks r and 2cp-1-r of 2cp),
 so causal attention costs every cp rank the same; position-wise ops never notice the
@@ -32,13 +32,15 @@ from torch._prims_common import make_contiguous_strides_for
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
 from ..errors import ConfigError
 from ..models.context import MoeRecords, _recomputing, causal_attention
 from ..models.fp8 import fp8_linear
 from ..models.losses import cross_entropy_sum
 from ..models.moe import balance_loss, route, routed_experts, sequence_stats, z_loss
 from ..models.policy import Policy
-from .buckets import BucketGather, BucketRun, Groups, group_dims, plan_buckets
+from .buckets import BucketGather, BucketRun, Groups, InFlight, group_dims, plan_buckets
 from .cp_attention import context_parallel_attention, zigzag_order
 from .expert_parallel import AllToAllExchange, CopyToTensorParallel
 from .plan import Plan
@@ -65,9 +67,19 @@ def _gather(p: DTensor, placements, dtype) -> DTensor:
     return x.redistribute(p.device_mesh, placements)
 
 
+def _to_stored(grad: DTensor, placements, dtype) -> DTensor:
+    """A gathered weight's gradient on its way back to the stored layout: in the
+    parameter's dtype, so reductions are fp32, and reduce-scattered over the sharded axes
+    first, so that what is left to all-reduce over the replicated ones (HSDP) is a shard,
+    not the full gradient."""
+    grad = grad.to(dtype)
+    sharded_first = tuple(p if not p.is_replicate() else g for p, g in zip(placements, grad.placements))
+    return grad.redistribute(grad.device_mesh, sharded_first)
+
+
 class _UseParam(torch.autograd.Function):
     """Gather a stored parameter to its compute layout (optionally cast); the gradient
-    goes back to the stored layout in the parameter's dtype, so reductions are fp32."""
+    goes back to the stored layout (_to_stored, then the replicated axes)."""
 
     @staticmethod
     def forward(ctx, p: DTensor, placements, dtype):
@@ -76,12 +88,37 @@ class _UseParam(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: DTensor):
-        grad = grad.to(ctx.dtype)
-        # Reduce-scatter over the sharded axes first, then all-reduce only the shard over
-        # the replicated ones (HSDP), instead of all-reducing the full gradient.
-        sharded_first = tuple(p if not p.is_replicate() else g for p, g in zip(ctx.placements, grad.placements))
-        grad = grad.redistribute(grad.device_mesh, sharded_first)
+        grad = _to_stored(grad, ctx.placements, ctx.dtype)
         return grad.redistribute(grad.device_mesh, ctx.placements), None, None
+
+
+class _ReduceToStored(torch.autograd.Function):
+    """Identity on a gathered weight whose gather autograd differentiates itself (a
+    recomputed gather): its gradient leaves through _to_stored, and the gather's own
+    backward does the rest."""
+
+    @staticmethod
+    def forward(ctx, x: DTensor, placements, dtype):
+        ctx.placements, ctx.dtype = placements, dtype
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: DTensor):
+        return _to_stored(grad, ctx.placements, ctx.dtype), None, None
+
+
+def _recompute(ctx, op, *args, **kwargs):
+    return CheckpointPolicy.MUST_RECOMPUTE
+
+
+def _gathered_again_in_backward(p: DTensor, placements, dtype) -> DTensor:
+    """ZeRO-3 in a traced step: the gather (and cast) under a checkpoint whose policy
+    recomputes every op, so the compiled backward gathers the weight again where it needs
+    it instead of keeping it from forward (SimpleFSDP's approach). Saved-tensor hooks,
+    which do this in eager steps, cannot be traced."""
+    gathered = checkpoint(_gather, p, placements, dtype, use_reentrant=False,
+                          context_fn=partial(create_selective_checkpoint_contexts, _recompute))
+    return _ReduceToStored.apply(gathered, p.placements, p.dtype)
 
 
 class _Regather:
@@ -191,11 +228,15 @@ class _BoundParams(Mapping):
         placements = context.plan.params[name].compute_placements()
         shard = self._params[name]
         dtype = context.policy.param_dtype(name)
+        gathered_here = placements != tuple(shard.placements)
+        if torch.compiler.is_compiling():
+            # A block checkpointed whole or selectively gathers again in its recompute.
+            if gathered_here and context.reshard and context.policy.checkpointing == "none":
+                return _gathered_again_in_backward(shard, placements, dtype)
+            return _UseParam.apply(shard, placements, dtype)
         gathered = _UseParam.apply(shard, placements, dtype)
-        if placements == tuple(shard.placements) or not context.reshard or torch.compiler.is_compiling():
-            # Nothing was gathered; or it is kept for backward by choice; or saved-tensor
-            # hooks cannot be traced, and compiled steps keep gathered weights.
-            return gathered
+        if not gathered_here or not context.reshard:
+            return gathered  # nothing was gathered, or it is kept for backward by choice
         local = gathered._local_tensor
         # A weak reference: once the gathered tensor dies its storage may be reused.
         context._gathered[local.untyped_storage().data_ptr()] = (weakref.ref(local),
@@ -234,7 +275,8 @@ class ShardedContext:
         self.prefetch, self.reshard = prefetch, reshard_after_forward
         buckets, _ = plan_buckets(plan, bucket)
         self._groups = Groups(device_mesh, group_dims(buckets, plan))
-        self._runs = [BucketRun(b, plan, device_mesh, self._groups, self.policy) for b in buckets]
+        inflight = InFlight(prefetch)  # gradient reductions in flight, as many as gathers ahead
+        self._runs = [BucketRun(b, plan, device_mesh, self._groups, self.policy, inflight) for b in buckets]
         self._bucket_of = {n: b.index for b in buckets for n in b.names}
         self._gathered: dict[int, tuple] = {}  # storage of a gathered parameter -> how to fetch it again
         self._regathered: dict[int, list] = {}  # backward: buckets gathered again (the current, the next)

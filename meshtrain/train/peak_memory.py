@@ -26,13 +26,20 @@ from typing import Any, Callable
 from torch.profiler import ProfilerActivity, profile
 
 
-def peak_cpu_bytes(fn: Callable[..., Any], *args: Any) -> tuple[Any, int]:
+def peak_cpu_bytes(fn: Callable[..., Any], *args: Any, before: str | None = None) -> tuple[Any, int]:
     """(fn(*args), peak bytes live in torch's CPU allocator while fn ran, above the level
     when it started: the largest running total of the allocations fn made minus those it
-    freed)."""
+    freed). `before`: only until the first region of that name (torch.profiler's
+    record_function) starts, e.g. "optimizer" for a train step's forward and backward."""
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         result = fn(*args)
-    return result, peak_from_events(_allocation_events(prof))
+    events = _allocation_events(prof)
+    if before is not None:
+        start = min((n.start_time_ns for n in _nodes(prof) if n.name == before), default=None)
+        if start is None:
+            raise ValueError(f"no profiler region named {before!r} ran")
+        events = [e for e in events if e[0] < start]
+    return result, peak_from_events(events)
 
 
 def peak_from_events(events: list[tuple[int, int, int]]) -> int:
@@ -51,14 +58,19 @@ def peak_from_events(events: list[tuple[int, int, int]]) -> int:
     return peak
 
 
-def _allocation_events(prof: profile) -> list[tuple[int, int, int]]:
-    from torch._C._profiler import _EventType
-
-    out = []
+def _nodes(prof: profile):
     stack = list(prof.profiler.kineto_results.experimental_event_tree())
     while stack:
         node = stack.pop()
         stack.extend(node.children)
+        yield node
+
+
+def _allocation_events(prof: profile) -> list[tuple[int, int, int]]:
+    from torch._C._profiler import _EventType
+
+    out = []
+    for node in _nodes(prof):
         if node.tag == _EventType.Allocation:
             fields = node.extra_fields
             if fields.device.type == "cpu" and fields.alloc_size != 0:

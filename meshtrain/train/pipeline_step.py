@@ -252,7 +252,8 @@ def make_pipeline_step(model: ModelDef, stages: list[Stage], pipeline_schedule: 
             work.wait()
             g.copy_(g + other if pipe.rank == 0 else other + g)
         dist.all_reduce(loss, group=pipe.group)  # only the last stage's rank holds a non-zero loss
-        norm, lr, updated = apply_update(state, uncounted=tied, loss=float(loss))
+        with torch.profiler.record_function("optimizer"):  # a named region in profiles
+            norm, lr, updated = apply_update(state, uncounted=tied, loss=float(loss))
         metrics = {"loss": float(loss), "grad_norm": float(norm), "lr": lr, "skipped": not updated}
         if moe_layers:
             metrics.update(_moe_metrics(state, pipe, moe, moe_layers, updated))

@@ -114,7 +114,8 @@ def make_train_step(model: ModelDef, plan=None, device_mesh=None, *, optimizer: 
             torch.autograd.backward([_local(loss)] + ([] if extra is None else [_local(extra)]))
             total = _add(total, loss.detach())
         loss = float(ctx.reduce_sum(total))
-        norm, lr, updated = apply_update(state, loss=loss)
+        with torch.profiler.record_function("optimizer"):  # a named region in profiles
+            norm, lr, updated = apply_update(state, loss=loss)
         metrics = {"loss": loss, "grad_norm": float(norm), "lr": lr, "skipped": not updated}
         if terms.load:
             metrics["expert_imbalance"] = float(moe_step(state, *moe, full_value(terms.load[0]), updated).max())
@@ -287,7 +288,10 @@ def _loss_sum(model: ModelDef, ctx):
 
 
 def _compiled(fn, compile: bool | str):
-    return torch.compile(fn, fullgraph=True, backend="inductor" if compile is True else compile)
+    # Static shapes: another sequence length or batch recompiles. Dynamo would otherwise
+    # make the second length it sees symbolic, which the RoPE table's constant-folded
+    # builder cannot take (one process compiling two lengths failed).
+    return torch.compile(fn, fullgraph=True, dynamic=False, backend="inductor" if compile is True else compile)
 
 
 def _local(x: torch.Tensor) -> torch.Tensor:
