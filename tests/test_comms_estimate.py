@@ -147,6 +147,22 @@ def test_estimate_equals_recorded_step_with_buckets_in_mb(case):
                          precision=precision), rec)
 
 
+@pytest.mark.parametrize("layout,sp,world", [(dict(fsdp=2), False, 2), (dict(dp=2, fsdp=2), False, 4),
+                                             (dict(fsdp=2, tp=2), True, 4)], ids=["fsdp2", "hsdp", "fsdp2xtp2-sp"])
+def test_unsharded_accumulation_reduce_scatters_once_per_step(layout, sp, world):
+    """parallel.fsdp_accumulate unsharded, 3 micro-steps: one reduce-scatter per bucket per
+    step (L + 2) instead of per micro-step, a third of the bytes; the estimate follows."""
+    model, m = llama(False), 3
+    kw = dict(bucket="block", sp=sp, batch=4, seq=5, micro=m, world=world)
+    rec = totals(run_model_step(model, layout, fsdp_accumulate="unsharded", **kw))
+    assert_same(estimate(model, layout, fsdp_accumulate="unsharded", **kw), rec)
+    sharded = estimate(model, layout, **kw)
+    key = ("bwd", "reduce_scatter_sum", "fsdp")
+    assert rec[key][0] == CFG.n_layers + 2 and sharded[key][0] == m * (CFG.n_layers + 2)
+    assert rec[key][1] * m == sharded[key][1]
+    assert {k: v for k, v in rec.items() if k != key} == {k: v for k, v in sharded.items() if k != key}
+
+
 @pytest.mark.parametrize("traffic", [dict(reshard_after_forward=False), dict(prefetch=0), dict(prefetch=3)],
                          ids=["kept", "prefetch0", "prefetch3"])
 @pytest.mark.parametrize("bucket", ["block", 0.05])

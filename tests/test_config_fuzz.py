@@ -114,7 +114,7 @@ FLOAT_BAD = {
 CHOICES = {"model.arch": "llama", "parallel.cp_comm": "ring", "parallel.pp_schedule": "1f1b",
            "train.lr_schedule": "cosine", "train.precision": "bf16", "train.fp8_recipe": "rowwise",
            "train.activation_checkpointing": "full", "train.nonfinite": "skip", "model.moe.router": "sigmoid",
-           "model.moe.balance": "aux_free"}
+           "model.moe.balance": "aux_free", "parallel.fsdp_accumulate": "unsharded"}
 # Fields with hand-written cases below (structured or free-form values).
 SPECIAL = {"run_dir", "model.init_from", "model.rope_scaling", "model.moe", "model.moe.layers", "parallel.pp_layout",
            "parallel.bucket",

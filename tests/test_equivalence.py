@@ -114,8 +114,9 @@ COMPILED = {"tp2", "fsdp2_tp2_sp", "cp2_ring", "cp2_a2a"}
 TORCH_CHECKED = "fsdp2_tp2"
 
 
-def train_layouts(world: int, compile, names=None):
-    """Runs on every rank: each layout of this world size in turn (or those named)."""
+def train_layouts(world: int, compile, names=None, traffic=None):
+    """Runs on every rank: each layout of this world size in turn (or those named), with
+    make_train_step's parameter-traffic options `traffic`."""
     import torch.distributed as dist
 
     names = names or [n for n in LAYOUTS[world] if not compile or n in COMPILED]
@@ -131,7 +132,8 @@ def train_layouts(world: int, compile, names=None):
         initial = _whole(params)
         every_step = name == TORCH_CHECKED and not compile
         recorder = GradRecorder(range(1, STEPS + 1) if every_step else (1,))
-        step = make_train_step(model, plan, mesh, compile=compile, inspect_grads=recorder, **_optimizer())
+        step = make_train_step(model, plan, mesh, compile=compile, inspect_grads=recorder, **_optimizer(),
+                               **(traffic or {}))
         state = TrainState.create(params)
         metrics = [step(state, b) for b in batches(micro_steps=2)]
         moments = {k: _whole(v) for k, v in state.optimizer.items()} if every_step else None
@@ -204,6 +206,15 @@ def layout_runs(world: int, compile) -> list:
 def test_layouts_match_single_process(reference, world):
     for rank_result in layout_runs(world, False):  # every rank sees the same replicated numbers
         _check(reference, rank_result)
+
+
+@pytest.mark.slow
+def test_unsharded_accumulation_matches_single_process(reference):
+    """parallel.fsdp_accumulate unsharded: the first micro-step's gradients held whole and
+    reduce-scattered with the second's (HSDP's dp all-reduce once too; uneven shards)."""
+    results = run_ranks(train_layouts, 4, 4, False, ["dp2_fsdp2", "fsdp2_tp2_sp", "fsdp4_uneven"],
+                        {"fsdp_accumulate": "unsharded"})
+    _check(reference, results[0])
 
 
 @pytest.mark.slow

@@ -121,6 +121,8 @@ class RunConfig:
             _validate_context_parallel(self)
         if p.ep > 1:
             _validate_experts(self)
+        if p.fsdp_accumulate == "unsharded":
+            _validate_unsharded_accumulation(self)
         if self.checkpoint.export:  # what Hugging Face cannot express fails now, not after training
             from ..interop.hf import to_hf_config
 
@@ -250,6 +252,16 @@ def _validate_experts(cfg: "RunConfig") -> None:
     if cfg.train.compile:
         raise ConfigError(f"parallel.ep={p.ep} with train.compile true: the all-to-all's split sizes depend on "
                           "the routing, so expert-parallel steps run eager; set train.compile false")
+
+
+def _validate_unsharded_accumulation(cfg: "RunConfig") -> None:
+    p = cfg.parallel
+    for bad, why in ((cfg.train.compile, "train.compile true (compiled steps reduce one parameter at a time)"),
+                     (p.bucket == "param", "parallel.bucket param (the per-parameter reference path)"),
+                     (p.pp > 1, "parallel.pp > 1 (a pipeline reduces every micro-batch)")):
+        if bad:
+            raise ConfigError(f"parallel.fsdp_accumulate=unsharded does not work with {why}: set "
+                              "parallel.fsdp_accumulate sharded")
 
 
 def _validate_context_parallel(cfg: "RunConfig") -> None:

@@ -121,6 +121,8 @@ class ParallelConfig:
     """Buckets whose all-gather is issued ahead of use: 1 starts block i+1's gather before block i computes (and, in eager backward, block i-1's before block i); 0 gathers each where it is used. Each one in flight holds one more block's gathered weights. Also the most gradient reductions left in flight (eager), each holding one block's packed gradients."""
     reshard_after_forward: bool = True
     """ZeRO-3: drop gathered weights after each block's forward and gather them again in backward (eager: a bucket at a time; compiled: each weight's gather recomputed where backward needs it, docs/parallelism.md). false keeps them from forward to backward: one all-gather per bucket (compiled: per weight) per micro-step fewer, at the memory of the whole gathered model."""
+    fsdp_accumulate: str = "sharded"
+    """How fsdp gradients add up over a step's micro-steps. sharded: each micro-step's are reduce-scattered (FSDP2's default; only shards are held). unsharded: each block's full fp32 gradients accumulate locally and are reduce-scattered once, on the last micro-step: one reduce-scatter per bucket per step instead of per micro-step, for the memory of the whole model's unsharded gradients between micro-steps. Eager steps with buckets (not train.compile, parallel.bucket param or parallel.pp)."""
     collective_timeout_s: float = 900.0
     """Seconds a collective may wait for its peers before it fails (the process group's timeout; at most 1e8)."""
     watchdog_s: float = 600.0

@@ -104,13 +104,14 @@ def step_collectives(plan: Plan, model: ModelDef, *, micro_batch_rows: int, seq_
                      precision: str = "fp32", compiled: bool = False, layers=None,
                      embedding: bool = True, head: bool = True, bucket: str | float = "block",
                      prefetch: int = 1, reshard_after_forward: bool = True, names=None,
-                     loss_once: bool = True) -> list[dict]:
+                     loss_once: bool = True, fsdp_accumulate: str = "sharded") -> list[dict]:
     """The collectives of one optimizer step: dicts {axis, op, phase, count, bytes}, one per
     (axis, op, phase); bytes are the total per rank over the step. `micro_batch_rows` is
     the sequences of one micro-step over all data-parallel ranks (micro_batch x dp x fsdp).
     `bucket`, `prefetch`, `reshard_after_forward`: the step's parameter traffic, as
     make_train_step takes them (parallel.bucket, ...; "param": one collective per
-    parameter). A pipeline rank (plan: the stage plan without pp) runs `layers` layers (a
+    parameter); `fsdp_accumulate` "unsharded": a plain bucketed step reduce-scatters once
+    per step. A pipeline rank (plan: the stage plan without pp) runs `layers` layers (a
     count, or their indices) and the embedding and head only where it holds them, and
     holds `names` (default: those); its point-to-point traffic is counted by
     meshtrain/estimate/pipeline.py, and its loss is reduced in every micro-step
@@ -135,7 +136,8 @@ def step_collectives(plan: Plan, model: ModelDef, *, micro_batch_rows: int, seq_
         # A plain step reduces what is left partial after the reduce-scatters once per
         # step (held over micro-steps); a pipeline rank on every micro-step.
         per_step = walk() if loss_once else None
-        bucket_traffic(params, events, unit, held, Policy.of(precision), prefetch, per_step)
+        bucket_traffic(params, events, unit, held, Policy.of(precision), prefetch, per_step,
+                       unsharded=fsdp_accumulate == "unsharded")
         parts.append((params, 1))
     total: dict[tuple, list[int]] = defaultdict(lambda: [0, 0])
     if bucketed and per_step is not None:

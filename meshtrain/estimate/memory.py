@@ -101,7 +101,9 @@ models/policy.py):
              RoPE, activation functions and products. With the math kernel the
              (S x S) probabilities are recomputed too (Korthikanti et al. 2022).
 
-Peak = params + grads + optimizer + activations + recompute + the largest transient:
+Peak = params + grads + optimizer + activations + recompute (+ `unsharded_grads`: the
+whole fp32 gradients of the gathered parameters, held between micro-steps under
+parallel.fsdp_accumulate unsharded) + the largest transient:
 one layer's gathered weights in the compute dtype (fsdp gathers a layer's weights at a
 time; under bf16 a non-gathered weight is cast per use) or the loss's (the local logits
 slice and its gradient in c bytes, and one fp32 chunk of rows). Grads are counted as resident for the whole
@@ -222,7 +224,7 @@ def _moe_saved(plan: Plan, m, B: int, S: int, D: int, c: int, checkpointing: str
 
 def per_rank_memory(plan: Plan, model, *, micro_batch: int, seq_len: int, precision: str = "fp32",
                     activation_checkpointing: str = "none", reshard_after_forward: bool = True,
-                    device: str = "cpu", attention: str | None = None, names=None, layers: int | None = None,
+                    fsdp_accumulate: str = "sharded", device: str = "cpu", attention: str | None = None, names=None, layers: int | None = None,
                     embedding: bool = True, head: bool = True, in_flight: int = 1) -> dict:
     """Bytes on the most loaded rank for one training step (see the module docstring for
     what is counted). micro_batch: sequences per data-parallel rank per micro-step.
@@ -331,17 +333,22 @@ def per_rank_memory(plan: Plan, model, *, micro_batch: int, seq_len: int, precis
     activations = in_flight * (layers_bytes + once + loss) + saved_weights + gathered_weights
     params = sum(p.bytes_per_rank for n, p in plan.params.items() if n in names)
     grads = sum(math.prod(p.local_shape) * FP32 for n, p in plan.params.items() if n in names)
+    # parallel.fsdp_accumulate unsharded (with micro-steps): every gathered parameter's
+    # whole fp32 gradient is held from the first micro-step to the reduce-scatter.
+    unsharded_grads = sum(_compute_numel(plan, n) * FP32 for n in plan.params
+                          if n in names and _is_gathered(plan, n)) if fsdp_accumulate == "unsharded" else 0
     optimizer = 2 * grads
     rows = min(tokens, CHUNK_ROWS)
     loss_logits = 2 * c * logits + FP32 * logits // tokens * rows if head else 0
     transient = max(max(layer_weights.values(), default=0), loss_logits)
-    peak = params + grads + optimizer + activations + recompute + transient
+    peak = params + grads + optimizer + activations + recompute + transient + unsharded_grads
     return {
         "params": params, "grads": grads, "optimizer": optimizer, "activations": activations,
         "peak": peak,
         "activations_per_layer": activations_per_layer, "activations_layers": in_flight * layers_bytes,
         "activations_once": once, "loss_saved": loss, "saved_weights": saved_weights,
         "gathered_weights": gathered_weights, "recompute": recompute, "transient": transient,
+        "unsharded_grads": unsharded_grads,
         "transient_layer_weights": max(layer_weights.values(), default=0), "logits": loss_logits,
         "attention_kernel": attention,
         **({"activations_per_moe_layer": moe_layer} if moe_layer is not None else {}),

@@ -277,7 +277,7 @@ class _Walker:
 
 
 def bucket_traffic(w: _Walker, events, unit, names, policy: Policy, prefetch: int = 1,
-                   step: _Walker | None = None) -> list[tuple[int, dict]]:
+                   step: _Walker | None = None, unsharded: bool = False) -> list[tuple[int, dict]]:
     """One micro-step's parameter traffic, into `w.out`, as a step with buckets
     (parallel/buckets.py, `unit` block or a size in MB) issues it. `events` are one
     forward's parameter lookups in order (`_Walker.events` of every block the rank runs,
@@ -298,7 +298,8 @@ def bucket_traffic(w: _Walker, events, unit, names, policy: Policy, prefetch: in
       used whole) per distinct set of dims, over those dims as one group where the step
       made one, else dim by dim. Members not looked up (or not trainable) count as
       Partial over the data dims. Those all-reduces go into `step` when given: a plain
-      step holds them back on every micro-step but the last and issues them once.
+      step holds them back on every micro-step but the last and issues them once; with
+      `unsharded` (parallel.fsdp_accumulate) the reduce-scatters too.
 
     Returns the eager backward's gathers again, in the order backward issues them:
     (bucket index, {(phase, op, axis): [count, bytes]}) each."""
@@ -331,7 +332,8 @@ def bucket_traffic(w: _Walker, events, unit, names, policy: Policy, prefetch: in
         bucket = buckets[b]
         for g, _, js, numel in sets_of(b):
             itemsize = plan.params[bucket.members[js[0]].name].spec.dtype.itemsize
-            w.add_group("bwd", "reduce_scatter_sum", g, ways(g) * numel * itemsize)
+            (step if unsharded and step is not None else w).add_group("bwd", "reduce_scatter_sum", g,
+                                                                        ways(g) * numel * itemsize)
         gathered, partial = in_sets(b), defaultdict(int)
         for j, m in enumerate(bucket.members):
             spec, compute = plan.params[m.name].spec, w.compute(m.name)

@@ -257,10 +257,15 @@ class _Set:
 class BucketRun:
     """A bucket on a live mesh: its gather sets, dtypes and placements."""
 
-    def __init__(self, bucket: Bucket, plan: Plan, mesh, groups: Groups, policy, inflight: InFlight):
+    def __init__(self, bucket: Bucket, plan: Plan, mesh, groups: Groups, policy, inflight: InFlight,
+                 unsharded: bool = False):
         self.bucket, self.mesh, self.groups, self.inflight = bucket, mesh, groups, inflight
         self.hold = False  # set by the step: leave the last all-reduces to a later micro-step
         self._held = False  # .grad holds partial sums that the next reduction must add in
+        # parallel.fsdp_accumulate unsharded: while `hold`, the reduce-scatters wait too; the
+        # packed gradients of each gather set add up here until the last micro-step.
+        self.unsharded = unsharded
+        self._packed: dict[int, torch.Tensor] = {}
         shape = tuple(mesh.shape)
         self.mesh_shape = shape
         self.param_dtypes, self.dtypes, self.compute, self.global_shapes = [], [], [], []
@@ -351,7 +356,9 @@ class BucketRun:
         gathered weights: the collectives of the module docstring. With `hold` set (a
         micro-step before the step's last), the all-reduces after the reduce-scatter are
         left out and the partial sums accumulate in the parameters' .grad; the last
-        micro-step adds them in and reduces once (DDP's no_sync)."""
+        micro-step adds them in and reduces once (DDP's no_sync). With `unsharded` too, the
+        reduce-scatters wait as well: the packed gradients add up here (None for those
+        shards) and the last micro-step reduce-scatters their sum."""
         members = self.bucket.members
         locals_, places = [], []
         for j, (g, shard) in enumerate(zip(grads, shards)):
@@ -359,7 +366,8 @@ class BucketRun:
             locals_.append(local)
             places.append(placements)
         out = list(locals_)
-        for s in self.sets:  # one reduce-scatter per gather set
+        accumulate = self.hold and self.unsharded
+        for k, s in enumerate(self.sets):  # one reduce-scatter per gather set
             ways = s.ways
             buf = torch.empty(ways, s.numel, dtype=self.param_dtypes[s.members[0]], device=shards[0].device)
             for j, off in zip(s.members, s.offsets):
@@ -376,6 +384,13 @@ class BucketRun:
                     g = torch.cat([g, g.new_zeros(pad)], m.dim)
                 split = g.reshape(*padded[:m.dim], ways, padded[m.dim], *padded[m.dim + 1:]).movedim(m.dim, 0)
                 buf[:, off:off + self.numels[j]].view(ways, *padded).copy_(split)
+            if k in self._packed:  # what earlier micro-steps accumulated unsharded
+                buf += self._packed.pop(k)
+            if accumulate:
+                self._packed[k] = buf
+                for j in s.members:
+                    out[j] = None  # nothing reaches the shard's .grad before the last micro-step
+                continue
             mine = funcol.reduce_scatter_single(buf.view(-1), "sum", 0, self.groups.name(s.gather))
             self.inflight.add(mine)
             for j, off in zip(s.members, s.offsets):
@@ -394,7 +409,7 @@ class BucketRun:
                 by_dims.setdefault(dims, {})[j] = out[j]
         if self.hold:  # a micro-step before the last: the partial sums accumulate locally
             self._held = True
-            return [g.contiguous() for g in out]
+            return [None if g is None else g.contiguous() for g in out]
         for dims, items in by_dims.items():
             for j in items:  # what earlier micro-steps held back joins this one's reduction
                 held = leaves[j].grad if self._held else None
@@ -439,6 +454,7 @@ class BucketGather(torch.autograd.Function):
         run = ctx.run
         shards = [leaf._local_tensor for leaf in ctx.leaves]
         local = run.reduce(grads, shards, ctx.leaves)
-        out = [DTensor.from_local(g, run.mesh, placements, run_check=False, shape=shape, stride=stride)
+        out = [None if g is None else
+               DTensor.from_local(g, run.mesh, placements, run_check=False, shape=shape, stride=stride)
                for g, (placements, shape, stride) in zip(local, ctx.shards)]
         return (None, *([None] * len(run.sets)), *out)

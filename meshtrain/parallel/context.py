@@ -270,13 +270,16 @@ class ShardedContext:
     start_pos = 0  # training only: sequences start at position 0
 
     def __init__(self, plan: Plan, device_mesh: DeviceMesh, policy: Policy | torch.dtype | None = None, *,
-                 bucket: str | float = "block", prefetch: int = 1, reshard_after_forward: bool = True):
+                 bucket: str | float = "block", prefetch: int = 1, reshard_after_forward: bool = True,
+                 fsdp_accumulate: str = "sharded"):
         self.plan, self.mesh, self.policy = plan, device_mesh, Policy.coerce(policy)
         self.prefetch, self.reshard = prefetch, reshard_after_forward
         buckets, _ = plan_buckets(plan, bucket)
         self._groups = Groups(device_mesh, group_dims(buckets, plan))
         inflight = InFlight(prefetch)  # gradient reductions in flight, as many as gathers ahead
-        self._runs = [BucketRun(b, plan, device_mesh, self._groups, self.policy, inflight) for b in buckets]
+        unsharded = fsdp_accumulate == "unsharded"
+        self._runs = [BucketRun(b, plan, device_mesh, self._groups, self.policy, inflight, unsharded)
+                      for b in buckets]
         self._bucket_of = {n: b.index for b in buckets for n in b.names}
         self._gathered: dict[int, tuple] = {}  # storage of a gathered parameter -> how to fetch it again
         self._regathered: dict[int, list] = {}  # backward: buckets gathered again (the current, the next)

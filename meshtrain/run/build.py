@@ -86,9 +86,11 @@ def _pipelined(cfg: RunConfig, model, plan, device, accumulation: int, micro_row
 
 
 def traffic_options(cfg: RunConfig) -> dict:
-    """How a sharded step moves parameters (parallel.bucket, prefetch, reshard_after_forward)."""
+    """How a sharded step moves parameters (parallel.bucket, prefetch, reshard_after_forward,
+    fsdp_accumulate)."""
     p = cfg.parallel
-    return dict(bucket=p.bucket, prefetch=p.prefetch, reshard_after_forward=p.reshard_after_forward)
+    return dict(bucket=p.bucket, prefetch=p.prefetch, reshard_after_forward=p.reshard_after_forward,
+                fsdp_accumulate=p.fsdp_accumulate)
 
 
 def step_options(cfg: RunConfig) -> dict:

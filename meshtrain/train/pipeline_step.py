@@ -206,8 +206,8 @@ def make_pipeline_step(model: ModelDef, stages: list[Stage], pipeline_schedule: 
                        precision: str = "fp32", grad_clip: float | None = 1.0, fp8_recipe: str = "tensorwise",
                        activation_checkpointing: str = "none",
                        record_timings: bool = False, inspect_grads: InspectGrads | None = None,
-                       bucket: str | float = "block", prefetch: int = 1, reshard_after_forward: bool = True
-                       ) -> Callable[[TrainState, dict], dict]:
+                       bucket: str | float = "block", prefetch: int = 1, reshard_after_forward: bool = True,
+                       fsdp_accumulate: str = "sharded") -> Callable[[TrainState, dict], dict]:
     """`step(state, batch) -> metrics` for this rank; `plan` and `device_mesh` are the whole
     layout's, pp included. record_timings: metrics["timings"] lists (kind, stage, seconds)
     of this rank's compute actions, then ("update", -1, seconds) for the gradient
@@ -216,7 +216,11 @@ def make_pipeline_step(model: ModelDef, stages: list[Stage], pipeline_schedule: 
     (micro_steps, batch, seq) tensors on every rank). `inspect_grads` sees this rank's
     gradients before clipping, a tied table's copies already summed (see make_update).
     bucket, prefetch, reshard_after_forward: the stages' parameter traffic, as for
-    make_train_step."""
+    make_train_step; fsdp_accumulate must be "sharded" (each micro-batch is reduced as
+    its backward ends)."""
+    if fsdp_accumulate != "sharded":
+        raise ConfigError(f"fsdp_accumulate={fsdp_accumulate!r}: a pipeline step reduces every micro-batch; use "
+                          "sharded")
     if any(a.kind == BI for rank in pipeline_schedule.ranks for a in rank):
         check_checkpointing("zb", activation_checkpointing)
     pipe = _Pipe(model, stages, pipeline_schedule.pp, plan, device_mesh,

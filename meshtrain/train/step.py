@@ -47,7 +47,7 @@ def make_train_step(model: ModelDef, plan=None, device_mesh=None, *, optimizer: 
                     compile: bool | str = False, fp8_recipe: str = "tensorwise",
                     activation_checkpointing: str = "none", policy: Policy | None = None,
                     inspect_grads: InspectGrads | None = None, bucket: str | float = "block", prefetch: int = 1,
-                    reshard_after_forward: bool = True,
+                    reshard_after_forward: bool = True, fsdp_accumulate: str = "sharded",
                     schedule: LRSchedule | None = None) -> Callable[[TrainState, dict], dict]:
     """Build `step(state, batch) -> metrics`.
 
@@ -69,16 +69,23 @@ def make_train_step(model: ModelDef, plan=None, device_mesh=None, *, optimizer: 
     clipped: see make_update.
     With a plan: `bucket` (block, param or a size in MB), `prefetch` (buckets gathered
     ahead of use) and `reshard_after_forward` (gather again in backward instead of keeping
-    the gathered weights) shape the parameter traffic: see parallel.buckets. The loss
-    is reduced once per step.
+    the gathered weights) shape the parameter traffic: see parallel.buckets.
+    `fsdp_accumulate` "unsharded" (eager, with buckets) adds each micro-step's full
+    gradients up locally and reduce-scatters once per step instead of every micro-step.
+    The loss is reduced once per step.
     """
     if compile and plan is not None:
         check_compile_with_cp(plan.mesh)
     policy = policy or Policy.of(precision, fp8_recipe, activation_checkpointing)
     if compile:
         check_compile_with_checkpointing(getattr(model.cfg, "moe", None) is not None, policy.checkpointing)
+    if fsdp_accumulate not in ("sharded", "unsharded"):
+        raise ConfigError(f"fsdp_accumulate={fsdp_accumulate!r}: choose sharded or unsharded")
+    if fsdp_accumulate == "unsharded" and (compile or bucket == "param"):
+        raise ConfigError("fsdp_accumulate='unsharded' needs an eager step with buckets (compile False, bucket "
+                          "not 'param'); use 'sharded'")
     ctx = _context(plan, device_mesh, policy, bucket=bucket, prefetch=prefetch,
-                   reshard_after_forward=reshard_after_forward)
+                   reshard_after_forward=reshard_after_forward, fsdp_accumulate=fsdp_accumulate)
     if schedule is not None:  # the name before 2026-11: "schedule" now means the pipeline's only
         warnings.warn("make_train_step(schedule=...) is now lr_schedule=...", FutureWarning, stacklevel=2)
         lr_schedule = lr_schedule or schedule
