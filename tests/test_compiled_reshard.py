@@ -14,8 +14,9 @@ again where it needs it instead of keeping it from forward.
 from __future__ import annotations
 
 import functools
-import math
+import sys
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
@@ -27,12 +28,12 @@ from meshtrain import AdamW, MeshSpec, Rules, TrainState, build, init_params, ma
 from meshtrain.estimate.comms import step_collectives
 from meshtrain.models import llama
 from meshtrain.testing import run_ranks
-from meshtrain.train.peak_memory import peak_cpu_bytes
 
 SMALL = llama.LlamaConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=64, max_seq_len=16)
-# Weights large against the activations of one short sequence per rank, so the gathered
-# weights decide the peak.
-WIDE = llama.LlamaConfig(dim=256, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=680, vocab_size=256, max_seq_len=16)
+# bench/reshard_cpu.py's model: weights large against the activations of one short
+# sequence per rank, so the gathered weights decide the peak.
+DIM, LAYERS = 256, 4
+ROOT = Path(__file__).resolve().parents[1]
 OPS = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter_sum"}
 
 
@@ -87,28 +88,12 @@ def test_compiled_backward_gathers_again_what_the_plan_says(tied):
 
 
 def _peaks(world: int) -> dict:
-    """On every rank: forward-and-backward peak bytes and the metrics of three steps of the
-    eager step and the compiled (aot_eager) step with and without resharding."""
-    torch.set_num_threads(1)
-    model = build("llama", WIDE)
-    plan = make_plan(model.specs, Rules.default(), MeshSpec(fsdp=world), world=world)
-    mesh = plan.mesh.build()
-    batch = _batch(WIDE, world, 16)  # one sequence per rank
-    out = {}
-    for name, compile, reshard in (("eager", False, True), ("compiled", "aot_eager", True),
-                                   ("compiled_keep", "aot_eager", False)):
-        step = make_train_step(model, plan, mesh, optimizer=AdamW(lr=1e-3), compile=compile,
-                               reshard_after_forward=reshard)
-        state = TrainState.create(init_params(plan, mesh, seed=0))
-        metrics = [step(state, batch) for _ in range(2)]
-        last, peak = peak_cpu_bytes(step, state, batch, before="optimizer")
-        metrics.append(last)
-        out[name] = {"peak": peak, "loss": [m["loss"] for m in metrics],
-                     "grad_norm": [m["grad_norm"] for m in metrics]}
-    # What a rank holds gathered when it keeps every block's weights, less its shards.
-    blocks = [p for n, p in plan.params.items() if n.startswith("layers.")]
-    out["gathered_blocks"] = sum(4 * math.prod(p.spec.shape) * (world - 1) // world for p in blocks)
-    return out
+    """On every rank: bench/reshard_cpu.py's measurement (eager and compiled, aot_eager,
+    with and without resharding: peaks, losses, gradient norms; the gathered block bytes)."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import reshard_cpu
+
+    return reshard_cpu.rank_main(world, DIM, LAYERS, 16)  # one 16-token sequence per rank
 
 
 @pytest.mark.slow
@@ -116,13 +101,13 @@ def _peaks(world: int) -> dict:
 def test_compiled_step_reshards_within_ten_percent_of_the_eager_peak(world):
     results = run_ranks(_peaks, world, world)
     for r in results:
-        for name in ("compiled", "compiled_keep"):
+        for name in ("compiled", "compiled-keep"):
             for key in ("loss", "grad_norm"):
                 assert r[name][key] == pytest.approx(r["eager"][key], rel=1e-5), (name, key, r)
-    peak = {name: max(r[name]["peak"] for r in results) for name in ("eager", "compiled", "compiled_keep")}
+    peak = {name: max(r[name]["peak"] for r in results) for name in ("eager", "compiled", "compiled-keep")}
     blocks = results[0]["gathered_blocks"]
     assert peak["compiled"] <= 1.10 * peak["eager"], peak
     # Without resharding the compiled step keeps every block's gathered weights to
     # backward; with it, about one block's at a time. (Measured: 0.70 and 0.68 of all
     # blocks' at fsdp 2 and 4; the bound leaves room for gloo's timing of its frees.)
-    assert peak["compiled_keep"] - peak["compiled"] > blocks / WIDE.n_layers, (peak, blocks)
+    assert peak["compiled-keep"] - peak["compiled"] > blocks / LAYERS, (peak, blocks)

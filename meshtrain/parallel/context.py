@@ -31,7 +31,6 @@ import torch.distributed._functional_collectives as funcol
 from torch._prims_common import make_contiguous_strides_for
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
-
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from ..errors import ConfigError
@@ -228,15 +227,14 @@ class _BoundParams(Mapping):
         placements = context.plan.params[name].compute_placements()
         shard = self._params[name]
         dtype = context.policy.param_dtype(name)
-        gathered_here = placements != tuple(shard.placements)
-        if torch.compiler.is_compiling():
-            # A block checkpointed whole or selectively gathers again in its recompute.
-            if gathered_here and context.reshard and context.policy.checkpointing == "none":
-                return _gathered_again_in_backward(shard, placements, dtype)
-            return _UseParam.apply(shard, placements, dtype)
+        reshard = context.reshard and placements != tuple(shard.placements)
+        traced = torch.compiler.is_compiling()
+        # (Traced, a block checkpointed whole or selectively gathers again in its recompute.)
+        if traced and reshard and context.policy.checkpointing == "none":
+            return _gathered_again_in_backward(shard, placements, dtype)
         gathered = _UseParam.apply(shard, placements, dtype)
-        if not gathered_here or not context.reshard:
-            return gathered  # nothing was gathered, or it is kept for backward by choice
+        if traced or not reshard:
+            return gathered  # nothing was gathered, or it is kept for backward (by choice, or traced)
         local = gathered._local_tensor
         # A weak reference: once the gathered tensor dies its storage may be reused.
         context._gathered[local.untyped_storage().data_ptr()] = (weakref.ref(local),
