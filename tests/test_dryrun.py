@@ -153,9 +153,9 @@ def test_plan_counts_the_collectives_of_the_configured_bucket(bucket):
                                                micro_steps=m, bucket=bucket)
     b = run.to_dict()["buckets"]
     if bucket == "block":
-        assert b == {"unit": "block", "count": L + 2, "largest_bytes": block, "in_use": True}
+        assert b == {"unit": "block", "count": L + 2, "largest_bytes": block}
     elif bucket == "param":
-        assert b == {"unit": "param", "count": 0, "largest_bytes": 0, "in_use": True}
+        assert b == {"unit": "param", "count": 0, "largest_bytes": 0}
     else:  # 2 MB: a block (2.9 MB) is cut in two; no bucket over 2 MB (no parameter is)
         assert b["unit"] == 2.0 and L + 2 < b["count"] < 9 * L + 3 and 0 < b["largest_bytes"] <= 2 * 2**20
         assert rows[("fsdp", "all_gather", "forward")][0] == m * b["count"]
@@ -170,18 +170,23 @@ def test_plan_json_reports_the_bucket_through_the_cli(tmp_path):
                    "param", "--json", str(out))
     assert proc.returncode == 0, proc.stderr
     plan = json.loads(out.read_text())
-    assert plan["buckets"] == {"unit": "param", "count": 0, "largest_bytes": 0, "in_use": True}
+    assert plan["buckets"] == {"unit": "param", "count": 0, "largest_bytes": 0}
     assert {(c["axis"], c["op"], c["phase"]): c["count"] for c in plan["collectives"]}[
         ("fsdp", "all_gather", "forward")] == 2 * (9 * 4 + 3)
     assert "parallel.bucket param" in proc.stdout
 
 
-def test_plan_says_a_compiled_step_does_not_bucket():
-    """llama3-8b compiles: its plan counts one collective per parameter and says why."""
+def test_a_compiled_plan_buckets_as_an_eager_one():
+    """llama3-8b compiles: one all-gather per bucket (32 blocks, the embedding, the final
+    norm and head) per micro-step forward and one reduce-scatter backward, as eager."""
     run = dry_run(preset("llama3-8b"), 64)
-    assert run.to_dict()["buckets"]["in_use"] is False
-    text = run.render(width=200)
-    assert "compiled steps do not bucket yet" in text
-    rows = {(c["axis"], c["op"], c["phase"]): c["count"] for c in run.collectives}
-    # One per parameter and micro-step: 9 per block x 32 blocks, tok_emb, norm, output.
-    assert rows[("fsdp", "all_gather", "forward")] % (9 * 32 + 3) == 0
+    assert run.to_dict()["buckets"] == {"unit": "block", "count": 34, "largest_bytes": run.buckets["largest_bytes"]}
+    assert "parallel.bucket block, 34 buckets" in run.render(width=200)
+    cfg = preset("llama3-8b")
+    mesh = cfg.plan(world=64).mesh
+    m = cfg.accumulation_steps(mesh.dp * mesh.fsdp)
+    rows = {(c["axis"], c["op"], c["phase"]): c["count"] for c in run.collectives if c["axis"] == "fsdp"}
+    assert rows[("fsdp", "all_gather", "forward")] == 34 * m
+    assert rows[("fsdp", "reduce_scatter_sum", "backward")] == 34 * m
+
+

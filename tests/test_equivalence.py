@@ -105,10 +105,11 @@ def single_process(micro_steps: int = 1, compile=False, grad_steps=(1,)) -> Run:
                {k: _whole(v) for k, v in state.optimizer.items()})
 
 
-# The layouts the compiled runs cover: each graph shape once (fsdp2 and tp2_sp run under
-# inductor below; fsdp2_tp2_sp holds the gathers, the tp collectives and sp together; dp's
-# only collectives, the gradient all-reduces, are fsdp2's reductions without the gathers).
-COMPILED = {"tp2", "fsdp2_tp2_sp", "cp2_ring", "cp2_a2a"}
+# The layouts the compiled runs cover: each graph shape once (fsdp2 and tp2_sp also run
+# under inductor below): the traced bucket gathers plain (fsdp2), with a replica
+# all-reduce (dp2 alone; dp2_fsdp2, HSDP), padded (fsdp4_uneven) and with the tp
+# all-reduce of norms under sp (fsdp2_tp2_sp); tp and cp without buckets.
+COMPILED = {"dp2", "fsdp2", "tp2", "cp2_ring", "cp2_a2a", "dp2_fsdp2", "fsdp2_tp2_sp", "fsdp4_uneven"}
 # The sharded layout whose every step's gradients (and final Adam moments) are kept, for
 # the check of the clipped update against torch (test_clipped_update_equals_torch_sharded).
 TORCH_CHECKED = "fsdp2_tp2"

@@ -2,9 +2,9 @@
 parameter all-gather is issued before block i's matmuls and waited on after them in
 forward, and backward's re-gathers run one block ahead the other way; with prefetch 0
 every gather is waited on before any matmul runs. The step is recorded op by op (issue =
-the collective's dispatch, wait = `wait_tensor` on its result). Compiled steps keep one
-collective per parameter for now (parallel/buckets.py, BucketGather), so there is no
-compiled order to check yet."""
+the collective's dispatch, wait = `wait_tensor` on its result). Compiled steps gather a
+bucket at its first use and issue nothing ahead yet (docs/parallelism.md, section 3), so
+there is no compiled order to check."""
 
 from __future__ import annotations
 

@@ -20,6 +20,7 @@ and equal placements nothing, S(i)->S(j) all-to-all):
 | the same, compiled with reshard_after_forward | | the gather again once, where backward first needs it, for a lookup autograd saved (the gather is recomputed, not kept) |
 | parameter lookup, bucket="block" or MB (`_BoundParams`, `BucketGather`; buckets of parallel/buckets.py `plan_buckets`) | the first lookup of a bucket, unless it is the bucket gathered last, gathers all of it: one all-gather per gather set (members with the same gathered mesh dims and compute dtype), over those dims as one group, of the shards padded to the largest rank's in one buffer (ways x padded shards x c bytes); and issues the next `prefetch` buckets' gathers (taken by their first lookup). A `reused` table is kept from its first lookup | per gather of a bucket with a trainable member used: one reduce-scatter per gather set (parameter dtype), then one all-reduce of what is still partial (dp replicas; tp, for weights used whole under sequence parallelism), one per distinct set of mesh dims, over them as one group; a member without gradient counts as Partial over the data dims |
 | the same, eager with reshard_after_forward | | the bucket gathered again (every set) once per run of saved uses of its gathered members, in the order autograd saved them |
+| the same, compiled (`traced_gather`) | the same gathers, none issued ahead | the same reductions, the all-reduces on every micro-step; with reshard_after_forward each bucket with a saved gathered member gathered again once (recomputed) |
 | `constrain(x)` | source -> target placements | incoming gradient -> source, its Partials taken as Replicate |
 | `embedding` (vocab split) | output Partial over the table's vocab dims | none (the table gradient is Partial over token-sharding dims) |
 | `attention` (sequence split over cp) | allgather: one all-gather of K/V; a2a: two all-to-alls; ring: cp-1 sends (and receives) of a K/V block | allgather: one fp32 reduce-scatter of dK/dV; a2a: two all-to-alls; ring: cp-1 K/V blocks and cp fp32 dK/dV blocks sent |
@@ -37,8 +38,7 @@ weight splits dim 0. Assumptions: the batch is given as full tensors (counting t
 and the logged loss need no collective); activations and their gradients move in the
 compute dtype; uneven shards are padded to a multiple of the group (as DTensor does);
 when one redistribute changes several mesh dims, the all-gathers go first, innermost
-mesh dim first, and the rest follow in mesh order (as DTensor does); compiled
-steps issue what eager steps do, minus the backward re-gathers (not counted by a test).
+mesh dim first, and the rest follow in mesh order (as DTensor does).
 
 Bytes are per rank, as tests/test_collectives.py records them: all_gather the gathered
 output, reduce_scatter the input, all_reduce the tensor, all_to_all_single the input
@@ -123,7 +123,7 @@ def step_collectives(plan: Plan, model: ModelDef, *, micro_batch_rows: int, seq_
     unit = check_bucket(bucket)
     c = _check_batch(plan, micro_batch_rows, precision)
     kinds = _block_kinds(model, layers)
-    bucketed = unit != "param" and not compiled  # compiled steps keep one collective per parameter
+    bucketed = unit != "param"
 
     def walk():
         return _Walker(plan, micro_batch_rows, seq_len, c, eager=not compiled and reshard_after_forward,
@@ -133,10 +133,11 @@ def step_collectives(plan: Plan, model: ModelDef, *, micro_batch_rows: int, seq_
     if bucketed:  # the parameters' traffic: every lookup of one forward, over the buckets
         params = walk()
         held = set(names) if names is not None else _held(plan, model, kinds, embedding, head)
-        # A plain step reduces what is left partial after the reduce-scatters once per
-        # step (held over micro-steps); a pipeline rank on every micro-step.
-        per_step = walk() if loss_once else None
-        bucket_traffic(params, events, unit, held, Policy.of(precision), prefetch, per_step,
+        # A plain eager step reduces what is left partial after the reduce-scatters once
+        # per step (held over micro-steps); a pipeline rank and a compiled step on every
+        # micro-step. A compiled step gathers each bucket where it is first looked up.
+        per_step = walk() if loss_once and not compiled else None
+        bucket_traffic(params, events, unit, held, Policy.of(precision), 0 if compiled else prefetch, per_step,
                        unsharded=fsdp_accumulate == "unsharded")
         parts.append((params, 1))
     total: dict[tuple, list[int]] = defaultdict(lambda: [0, 0])

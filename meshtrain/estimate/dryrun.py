@@ -149,7 +149,7 @@ def dry_run(cfg, world: int | None = None, gpu: str | None = None, *, suggest: b
     total, active = _param_counts(model)
     run = DryRun(world, gpus_per_node, plan, memory, collectives, axis_nodes, gpu, pipeline=pipeline,
                  expert_exchange=experts, model=_describe(cfg.model), setup=_setup(t), total_params=total,
-                 active_params=active, buckets=bucket_summary(plan, p.bucket, bool(t.compile) and plan.mesh.pp == 1))
+                 active_params=active, buckets=bucket_summary(plan, p.bucket))
     for axis in ("tp", "cp"):
         if axis_nodes.get(axis, 1) > 1:
             run.warnings.append(f"parallel.{axis}={plan.mesh.size(axis)} spans {axis_nodes[axis]} nodes: its "
@@ -162,17 +162,15 @@ def dry_run(cfg, world: int | None = None, gpu: str | None = None, *, suggest: b
     return run
 
 
-def bucket_summary(plan: Plan, bucket, compiled: bool = False) -> dict:
+def bucket_summary(plan: Plan, bucket) -> dict:
     """parallel.bucket's buckets over the whole model (under pp, the stage mesh's: each pp
     rank holds some of them): the unit, how many, and the largest one's bytes (its
     members' compute-local elements in the parameters' dtype: what a size in MB bounds).
-    With bucket param, none. `in_use`: False for a compiled step, which keeps one
-    collective per parameter (parallel/buckets.py)."""
+    With bucket param, none."""
     unit = check_bucket(bucket)
     sub = without_pp(plan) if plan.mesh.pp > 1 else plan
     buckets, _ = plan_buckets(sub, unit)
-    return {"unit": unit, "count": len(buckets), "largest_bytes": max((b.nbytes(sub) for b in buckets), default=0),
-            "in_use": not compiled}
+    return {"unit": unit, "count": len(buckets), "largest_bytes": max((b.nbytes(sub) for b in buckets), default=0)}
 
 
 def _param_counts(model) -> tuple[int, int | None]:

@@ -125,9 +125,6 @@ def _buckets_line(b: dict) -> str:
     unit = f"{b['unit']:g} MB" if isinstance(b["unit"], float) else b["unit"]
     if not b["count"]:
         return f"parameter traffic: parallel.bucket {unit}, one collective per parameter"
-    if not b.get("in_use", True):
-        return (f"parameter traffic: one collective per parameter (train.compile: compiled steps do not bucket "
-                f"yet; parallel.bucket {unit} would make {b['count']:,} buckets in an eager step)")
     return (f"parameter traffic: parallel.bucket {unit}, {b['count']:,} buckets (each gathered and reduced by one "
             f"collective per mesh group), the largest {human_bytes(b['largest_bytes'])}")
 

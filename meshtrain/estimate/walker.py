@@ -392,6 +392,9 @@ def bucket_traffic(w: _Walker, events, unit, names, policy: Policy, prefetch: in
                 gather(b, "bwd", one)
                 gather(b, "bwd")
                 regathers.append((b, dict(one.out)))
+    elif w.recompute:  # compiled: each bucket autograd saved is gathered again once, recomputed
+        for b in reversed(dict.fromkeys(saved)):
+            gather(b, "bwd")
     for b, grads in calls:
         if grads:
             reduce(b, grads)

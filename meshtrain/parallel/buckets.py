@@ -4,7 +4,8 @@ collective per parameter (FSDP2's and Megatron's unit of communication).
 
 `plan_buckets` is pure data (which parameters share a bucket, which mesh dims each one
 gathers over), so `meshtrain plan` can count the calls without a process group.
-`BucketGather` is the runtime: forward packs the shards into one buffer and all-gathers
+`BucketGather` is the eager runtime (`traced_gather` the compiled one, with the same
+collectives): forward packs the shards into one buffer and all-gathers
 it (or takes a gather issued earlier, the prefetch) and copies each weight out; backward
 packs the gradients the same way and issues, per bucket, one all-reduce per other mesh
 dim where gradients are partial (the tp all-reduce of sequence-parallel norm weights),
@@ -423,6 +424,100 @@ class BucketRun:
         return [g.contiguous() for g in out]
 
 
+class _GatherFlat(torch.autograd.Function):
+    """A traced step's gather of one packed buffer: forward casts this rank's shards to
+    the compute dtype and all-gathers them; backward reduce-scatters the gradient in the
+    shards' dtype (fp32 reductions whatever the compute dtype). Plain tensors only: a
+    traced custom Function sees its gradients' metadata, which DTensor placements are not
+    (see BucketGather)."""
+
+    @staticmethod
+    def forward(ctx, flat: torch.Tensor, dtype, group: str, ways: int):
+        ctx.dtype, ctx.group = flat.dtype, group
+        return funcol.wait_tensor(funcol.all_gather_tensor(flat.to(dtype), 0, group))
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        mine = funcol.reduce_scatter_tensor(grad.to(ctx.dtype).contiguous(), "sum", 0, ctx.group)
+        return funcol.wait_tensor(mine), None, None, None
+
+
+class _SumInBackward(torch.autograd.Function):
+    """Identity on several tensors; backward all-reduces their gradients together, one
+    collective per group in `groups` (the mesh dims where they are still partial sums)."""
+
+    @staticmethod
+    def forward(ctx, groups: tuple[str, ...], *xs):
+        ctx.groups = groups
+        return tuple(x.view_as(x) for x in xs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        for group in ctx.groups:
+            flat = funcol.wait_tensor(funcol.all_reduce(flat, "sum", group))
+        out, off = [], 0
+        for g in grads:
+            out.append(flat[off:off + g.numel()].view(g.shape))
+            off += g.numel()
+        return (None, *out)
+
+
+def _grad_layouts(run: "BucketRun", seq_dims: set[int]) -> list[tuple]:
+    """The layout each gathered weight's gradient is taken in: Partial over the dims that
+    split the tokens (the data dims, and the sequence dims for a weight used whole)."""
+    return [tuple(Partial() if q.is_replicate() and run.mesh_shape[i] > 1 and (i in run.data or i in seq_dims)
+                  else q for i, q in enumerate(compute))
+            for compute in run.compute]
+
+
+def traced_gather(run: "BucketRun", seq_dims: set[int], *shards: DTensor) -> tuple[DTensor, ...]:
+    """A bucket's gather written as differentiable ops on local tensors, for traced steps:
+    one all-gather per gather set forward, one reduce-scatter per set backward, then one
+    all-reduce per set of mesh dims where gradients are still partial (replica dims, and
+    tp where a norm meets sequence-parallel activations: `seq_dims`) — the collectives
+    of BucketRun.reduce, known from the plan instead of read from the gradients. The
+    gathered weights declare the gradient layout they take (`_grad_layouts`), so
+    DTensor turns whatever backward brings into that layout first."""
+    locals_ = [s.to_local() for s in shards]
+    layouts = _grad_layouts(run, seq_dims)
+    gathered = {j: s.gather for s in run.sets for j in s.members}
+    partial: dict[tuple, list[int]] = {}
+    for j, layout in enumerate(layouts):
+        dims = tuple(i for i, q in enumerate(layout) if q.is_partial() and i not in gathered.get(j, ()))
+        if dims:
+            partial.setdefault(dims, []).append(j)
+    for dims, js in partial.items():
+        groups = [dims] if run.groups.has(dims) else [(i,) for i in dims]
+        summed = _SumInBackward.apply(tuple(run.groups.name(g) for g in groups), *[locals_[j] for j in js])
+        for j, t in zip(js, summed):
+            locals_[j] = t
+    out = {j: t.to(run.dtypes[j]) for j, t in enumerate(locals_) if j not in gathered}
+    for s in run.sets:
+        pieces = []
+        for j in s.members:
+            m, padded = run.bucket.members[j], run.padded[j]
+            t = locals_[j]
+            missing = padded[m.dim] - t.shape[m.dim]
+            if missing:
+                pad = list(t.shape)
+                pad[m.dim] = missing
+                t = torch.cat([t, t.new_zeros(pad)], m.dim)
+            pieces.append(t.reshape(-1))
+        full = _GatherFlat.apply(torch.cat(pieces), s.dtype, run.groups.name(s.gather), s.ways).view(s.ways, s.numel)
+        # split, not slices: backward concatenates the pieces' gradients into one buffer
+        # (a slice's backward would fill a whole-bucket buffer of zeros for each member).
+        for j, piece in zip(s.members, full.split([run.numels[j] for j in s.members], dim=1)):
+            m, padded = run.bucket.members[j], run.padded[j]
+            piece = piece.reshape(s.ways, *padded).movedim(0, m.dim)
+            merged = piece.reshape(*padded[:m.dim], s.ways * padded[m.dim], *padded[m.dim + 1:])
+            out[j] = merged.narrow(m.dim, 0, m.shape[m.dim])
+    return tuple(DTensor.from_local(out[j], run.mesh, run.compute[j], run_check=False, shape=run.global_shapes[j],
+                                    stride=make_contiguous_strides_for(run.global_shapes[j]),
+                                    grad_placements=layouts[j])
+                 for j in range(len(shards)))
+
+
 class BucketGather(torch.autograd.Function):
     """(run, pending gathers or None per gather set, *shards) -> gathered weights as
     DTensors in their compute layout; backward: `BucketRun.reduce`, the gradients back as
@@ -431,7 +526,7 @@ class BucketGather(torch.autograd.Function):
     Eager only: backward reads each gradient's placements (Partial where it is a sum
     still to reduce), and a traced step hands a custom Function's backward its outputs'
     placements instead of the gradients' (torch 2.13: the norm came out halved at fsdp
-    2), so compiled steps keep one collective per parameter (ShardedContext)."""
+    2); traced steps use `traced_gather`."""
 
     @staticmethod
     def forward(ctx, run: BucketRun, *args):

@@ -4,14 +4,14 @@ Activations are DTensors; `constrain` redistributes them to the layout the plan 
 their logical axes, so DTensor emits exactly the collective a layout change needs
 (Partial -> Replicate is the tensor-parallel all-reduce, Partial -> Shard(seq) the
 sequence-parallel reduce-scatter, Shard(seq) -> Replicate its all-gather). Parameters are
-gathered where they are used (SimpleFSDP), a bucket at a time in eager steps
-(parallel/buckets.py: one all-gather per block, the next one issued ahead; backward
-reduce-scatters the bucket's gradients in fp32 whatever the compute dtype) and one
-parameter at a time in compiled steps (DTensor's redistribute both ways). Gathered
-parameters are not kept for backward (ZeRO-3, reshard_after_forward): in eager steps
-saved-tensor hooks keep a reference to the shard and gather again (the whole bucket,
-once) when backward needs the value; in compiled steps each gather sits under a
-checkpoint that recomputes it (the hooks cannot be traced).
+gathered where they are used (SimpleFSDP), a bucket at a time (parallel/buckets.py: one
+all-gather per block, in eager steps the next one issued ahead; backward reduce-scatters
+the bucket's gradients in fp32 whatever the compute dtype); what no bucket holds, one
+parameter at a time (DTensor's redistribute both ways). Gathered parameters are not kept
+for backward (ZeRO-3, reshard_after_forward): in eager steps saved-tensor hooks keep a
+reference to the shard and gather again (the whole bucket, once) when backward needs the
+value; in compiled steps each gather sits under a checkpoint that recomputes it (the
+hooks cannot be traced).
 Attention and the vocab-parallel loss run on local shards with explicit collectives.
 A sequence split over cp is held in zigzag order (rank r: chunks r and 2cp-1-r of 2cp),
 so causal attention costs every cp rank the same; position-wise ops never notice the
@@ -39,7 +39,7 @@ from ..models.fp8 import fp8_linear
 from ..models.losses import cross_entropy_sum
 from ..models.moe import balance_loss, route, routed_experts, sequence_stats, z_loss
 from ..models.policy import Policy
-from .buckets import BucketGather, BucketRun, Groups, InFlight, group_dims, plan_buckets
+from .buckets import BucketGather, BucketRun, Groups, InFlight, group_dims, plan_buckets, traced_gather
 from .cp_attention import context_parallel_attention, zigzag_order
 from .expert_parallel import AllToAllExchange, CopyToTensorParallel
 from .plan import Plan
@@ -110,14 +110,18 @@ def _recompute(ctx, op, *args, **kwargs):
     return CheckpointPolicy.MUST_RECOMPUTE
 
 
-def _gathered_again_in_backward(p: DTensor, placements, dtype) -> DTensor:
-    """ZeRO-3 in a traced step: the gather (and cast) under a checkpoint whose policy
-    recomputes every op, so the compiled backward gathers the weight again where it needs
-    it instead of keeping it from forward (SimpleFSDP's approach). Saved-tensor hooks,
+def _recomputed(fn, *args):
+    """fn(*args) under a checkpoint whose policy recomputes every op: ZeRO-3 in a traced
+    step, where the compiled backward then gathers a weight again where it needs it
+    instead of keeping it from forward (SimpleFSDP's approach). Saved-tensor hooks,
     which do this in eager steps, cannot be traced."""
-    gathered = checkpoint(_gather, p, placements, dtype, use_reentrant=False,
-                          context_fn=partial(create_selective_checkpoint_contexts, _recompute))
-    return _ReduceToStored.apply(gathered, p.placements, p.dtype)
+    return checkpoint(fn, *args, use_reentrant=False,
+                      context_fn=partial(create_selective_checkpoint_contexts, _recompute))
+
+
+def _gathered_again_in_backward(p: DTensor, placements, dtype) -> DTensor:
+    """One parameter's gather (and cast), recomputed in backward."""
+    return _ReduceToStored.apply(_recomputed(_gather, p, placements, dtype), p.placements, p.dtype)
 
 
 class _Regather:
@@ -188,15 +192,20 @@ class _BoundParams(Mapping):
         self._pending: dict[int, tuple] = {}  # prefetched gathers by bucket
         self._complete = {r.bucket.index for r in context._runs if all(n in params for n in r.bucket.names)}
         self._saved = _Kept()  # the buckets backward gathers again
+        # Traced: gathers under a recomputing checkpoint, so backward gathers again.
+        self._recompute = context.reshard and context.policy.checkpointing == "none"
 
     def __getitem__(self, name: str) -> DTensor:
         if name in self._kept:
             return self._kept[name]
         b = self._context._bucket_of.get(name)
-        if b in self._complete and not torch.compiler.is_compiling():  # see BucketGather
+        if b in self._complete:
             if b not in self._live:
-                with _outside_selective_checkpoint():
-                    self._live = {b: self._gather_bucket(b)}
+                if torch.compiler.is_compiling():
+                    self._live = {b: self._gather_bucket_traced(b)}
+                else:
+                    with _outside_selective_checkpoint():
+                        self._live = {b: self._gather_bucket(b)}
             gathered = self._live[b][name]
         else:
             gathered = self._gather(name)
@@ -220,6 +229,18 @@ class _BoundParams(Mapping):
             for nb in range(b + 1, b + 1 + context.prefetch):
                 if nb in self._complete and nb not in self._pending:
                     self._pending[nb] = context._issue_bucket(nb, self._params)
+        return dict(zip(run.bucket.names, outs))
+
+    def _gather_bucket_traced(self, b: int) -> dict[str, DTensor]:
+        """Bucket b in a traced step (parallel/buckets.py `traced_gather`), at its first
+        use: nothing is issued ahead (a traced functional collective is waited where it
+        is issued, and a gather issued outside the recomputing checkpoint would be kept
+        for backward)."""
+        context = self._context
+        run = context._runs[b]
+        shards = [self._params[n] for n in run.bucket.names]
+        gather = partial(traced_gather, run, context._seq_dims)
+        outs = _recomputed(gather, *shards) if self._recompute else gather(*shards)
         return dict(zip(run.bucket.names, outs))
 
     def _gather(self, name: str) -> DTensor:
@@ -246,6 +267,10 @@ class _BoundParams(Mapping):
 
     def __len__(self) -> int:
         return len(self._params)
+
+
+def _with_own_view(fn, *args):
+    return fn(*(_BoundParams(a._context, a._params) if isinstance(a, _BoundParams) else a for a in args))
 
 
 @contextlib.contextmanager
@@ -283,6 +308,9 @@ class ShardedContext:
         self._regathered: dict[int, list] = {}  # backward: buckets gathered again (the current, the next)
         self._pending_bwd: dict[int, tuple] = {}
         self._cp_dim = plan.mesh.axes.index("cp") if "cp" in plan.mesh.axes else None
+        # Mesh dims that split the sequence: a weight used whole there gets partial gradients.
+        self._seq_dims = {plan.mesh.axes.index(a) for axis in ("seq", "seq_sp") for a in plan.rules.lookup(axis)
+                          if a in plan.mesh.axes}
         self._moe = MoeRecords()
 
     def bind(self, params):
@@ -451,6 +479,11 @@ class ShardedContext:
                                   stride=make_contiguous_strides_for(shape))
 
     def remat(self, fn, *args):
+        if torch.compiler.is_compiling() and self.policy.checkpointing != "none":
+            # Dynamo refuses a checkpointed region that mutates state from outside it, as
+            # gathering a bucket into the forward's view of the parameters does: the
+            # block gathers into a view of its own, made inside the region.
+            return self.policy.remat(partial(_with_own_view, fn), *args)
         return self.policy.remat(fn, *args)
 
     def attention(self, q: DTensor, k: DTensor, v: DTensor) -> DTensor:
