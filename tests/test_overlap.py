@@ -2,11 +2,12 @@
 parameter all-gather is issued before block i's matmuls and waited on after them in
 forward, and backward's re-gathers run one block ahead the other way; with prefetch 0
 every gather is waited on before any matmul runs. The step is recorded op by op (issue =
-the collective's dispatch, wait = `wait_tensor` on its result). Compiled steps gather a
-bucket at its first use and issue nothing ahead yet (docs/parallelism.md, section 3), so
-there is no compiled order to check."""
+the collective's dispatch, wait = `wait_tensor` on its result). Compiled steps are read
+from their graphs' order, which parallel/prefetch.py sets the same way."""
 
 from __future__ import annotations
+
+import re
 
 import pytest
 import torch
@@ -96,3 +97,81 @@ def test_eager_gathers_overlap_the_previous_block(prefetch):
         assert bwd[1:] == [True] * CFG.n_layers, bwd
     else:
         assert not any(bwd), bwd
+
+
+def _graph_events(gm) -> list:
+    """_Order's events read from a compiled graph's node order (the order it runs in)."""
+    events, ids = [], {}
+    for node in gm.graph.nodes:
+        name = getattr(node.target, "__name__", "").split(".")[0]
+        if name == "all_gather_into_tensor":
+            ids[node] = len(ids)
+            events.append(("issue", ids[node]))
+        elif name == "wait_tensor" and node.args[0] in ids:
+            events.append(("wait", ids[node.args[0]]))
+        elif name in MATMULS:
+            events.append(("mm", None))
+    return events
+
+
+@pytest.mark.parametrize("prefetch", [1, 0])
+def test_compiled_gathers_overlap_the_previous_block(prefetch, monkeypatch):
+    """The compiled step's graphs (aot_eager, as parallel/prefetch.py leaves them: its
+    compiler is recorded), in the order they run: the same overlap as eager with
+    prefetch 1, none without."""
+    import torch._dynamo.backends.debugging as debugging
+
+    graphs, nop = [], debugging.boxed_nop
+
+    def recording_nop(gm, inputs):
+        graphs.append(_graph_events(gm))
+        return nop(gm, inputs)
+
+    monkeypatch.setattr(debugging, "boxed_nop", recording_nop)
+    step, state, batch = _step(prefetch, compile="aot_eager")
+    try:
+        torch._dynamo.reset()
+        step(state, batch)
+    finally:
+        dist.destroy_process_group()
+    forward, backward = graphs[:2]  # the loss's graphs (the update's follow)
+    fwd, bwd = _overlapped(forward), _overlapped(backward)
+    assert len(fwd) == CFG.n_layers + 2 and len(bwd) == CFG.n_layers + 1, (fwd, bwd)
+    if prefetch:
+        assert fwd[2:] == [True] * CFG.n_layers, fwd
+        assert bwd[1:] == [True] * CFG.n_layers, bwd
+    else:
+        assert not any(fwd) and not any(bwd), (fwd, bwd)
+
+
+def _code_events(code: str) -> list:
+    """_Order's events read from inductor's generated code (its call order)."""
+    events, ids = [], {}
+    for line in code.splitlines():
+        gather = re.search(r"(buf\d+) = torch\.ops\._c10d_functional\.all_gather_into_tensor\.default\(", line)
+        wait = re.search(r"torch\.ops\._c10d_functional\.wait_tensor\.default\((buf\d+)\)", line)
+        if gather:
+            ids[gather.group(1)] = len(ids)
+            events.append(("issue", ids[gather.group(1)]))
+        elif wait and wait.group(1) in ids:
+            events.append(("wait", ids[wait.group(1)]))
+        elif "extern_kernels.mm(" in line:
+            events.append(("mm", None))
+    return events
+
+
+@pytest.mark.slow
+def test_inductor_keeps_the_prefetch_order():
+    """Inductor's generated forward code, prefetch 1: its scheduler keeps the order the
+    pass set (make_train_step turns off its peak-memory reordering, which would move each
+    gather back to its first use)."""
+    from torch._inductor.utils import run_and_get_code
+
+    step, state, batch = _step(1, compile=True)
+    try:
+        torch._dynamo.reset()
+        _, codes = run_and_get_code(step, state, batch)
+    finally:
+        dist.destroy_process_group()
+    fwd = _overlapped(_code_events(codes[0]))
+    assert len(fwd) == CFG.n_layers + 2 and fwd[2:] == [True] * CFG.n_layers, fwd

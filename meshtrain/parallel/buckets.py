@@ -434,12 +434,13 @@ class _GatherFlat(torch.autograd.Function):
     @staticmethod
     def forward(ctx, flat: torch.Tensor, dtype, group: str, ways: int):
         ctx.dtype, ctx.group = flat.dtype, group
-        return funcol.wait_tensor(funcol.all_gather_tensor(flat.to(dtype), 0, group))
+        # (Traced, a functional collective is waited where it is issued: parallel/prefetch.py
+        # moves the gathers ahead in the compiled graph.)
+        return funcol.all_gather_tensor(flat.to(dtype), 0, group)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        mine = funcol.reduce_scatter_tensor(grad.to(ctx.dtype).contiguous(), "sum", 0, ctx.group)
-        return funcol.wait_tensor(mine), None, None, None
+        return funcol.reduce_scatter_tensor(grad.to(ctx.dtype).contiguous(), "sum", 0, ctx.group), None, None, None
 
 
 class _SumInBackward(torch.autograd.Function):

@@ -233,9 +233,10 @@ class _BoundParams(Mapping):
 
     def _gather_bucket_traced(self, b: int) -> dict[str, DTensor]:
         """Bucket b in a traced step (parallel/buckets.py `traced_gather`), at its first
-        use: nothing is issued ahead (a traced functional collective is waited where it
-        is issued, and a gather issued outside the recomputing checkpoint would be kept
-        for backward)."""
+        use. Issuing the next one ahead is left to the compiled graph
+        (parallel/prefetch.py): a traced functional collective is waited where it is
+        issued, and a gather issued outside the recomputing checkpoint would be kept
+        for backward."""
         context = self._context
         run = context._runs[b]
         shards = [self._params[n] for n in run.bucket.names]

@@ -16,6 +16,7 @@ from ..models.context import LocalContext
 from ..models.moe import expert_bias_step, imbalance
 from ..models.policy import Policy
 from ..parallel.context import ShardedContext
+from ..parallel.prefetch import aot_eager_prefetched, inductor_pass
 from .optim import (
     AdamW,
     adamw_update,
@@ -99,7 +100,7 @@ def make_train_step(model: ModelDef, plan=None, device_mesh=None, *, optimizer: 
     moe = (moe_cfg, model.cfg.moe_layers) if moe_cfg is not None else None
 
     if compile:
-        loss_sum = _compiled(loss_sum, compile)
+        loss_sum = _compiled(loss_sum, compile, prefetch if plan is not None else 0)
     apply_update = make_update(optimizer, lr_schedule, grad_clip, compile, inspect_grads)
 
     def step(state: TrainState, batch: dict) -> dict:
@@ -294,11 +295,20 @@ def _loss_sum(model: ModelDef, ctx):
     return loss_sum
 
 
-def _compiled(fn, compile: bool | str):
+def _compiled(fn, compile: bool | str, prefetch: int = 0):
+    """torch.compile(fn) with the backend `compile` names (True: inductor); `prefetch` > 0
+    moves parameter all-gathers ahead in the compiled graphs (parallel/prefetch.py), with
+    inductor and aot_eager (another backend compiles the graphs as given). Inductor's
+    peak-memory reordering is then off: it moves each gather back to its first use."""
+    backend, options = "inductor" if compile is True else compile, None
+    if prefetch and backend == "inductor":
+        options = {"post_grad_custom_post_pass": inductor_pass(prefetch), "reorder_for_peak_memory": False}
+    elif prefetch and backend == "aot_eager":
+        backend = aot_eager_prefetched(prefetch)
     # Static shapes: another sequence length or batch recompiles. Dynamo would otherwise
     # make the second length it sees symbolic, which the RoPE table's constant-folded
     # builder cannot take (one process compiling two lengths failed).
-    return torch.compile(fn, fullgraph=True, dynamic=False, backend="inductor" if compile is True else compile)
+    return torch.compile(fn, fullgraph=True, dynamic=False, backend=backend, options=options)
 
 
 def _local(x: torch.Tensor) -> torch.Tensor:
