@@ -5,8 +5,9 @@ their logical axes, so DTensor emits exactly the collective a layout change need
 (Partial -> Replicate is the tensor-parallel all-reduce, Partial -> Shard(seq) the
 sequence-parallel reduce-scatter, Shard(seq) -> Replicate its all-gather). Parameters are
 gathered where they are used (SimpleFSDP), a bucket at a time (parallel/buckets.py: one
-all-gather per block, in eager steps the next one issued ahead; backward reduce-scatters
-the bucket's gradients in fp32 whatever the compute dtype); what no bucket holds, one
+all-gather per block, the next one issued ahead, in compiled steps by a pass on the graph
+(parallel/prefetch.py); backward reduce-scatters the bucket's gradients in fp32 whatever
+the compute dtype); what no bucket holds, one
 parameter at a time (DTensor's redistribute both ways). Gathered parameters are not kept
 for backward (ZeRO-3, reshard_after_forward): in eager steps saved-tensor hooks keep a
 reference to the shard and gather again (the whole bucket, once) when backward needs the
