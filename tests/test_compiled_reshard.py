@@ -16,6 +16,7 @@ of keeping it from forward.
 from __future__ import annotations
 
 import functools
+import math
 import sys
 from collections import Counter
 from pathlib import Path
@@ -40,6 +41,7 @@ SMALL = llama.LlamaConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=6
 DIM, LAYERS = 256, 8
 ROOT = Path(__file__).resolve().parents[1]
 OPS = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter_sum"}
+RECORDED = {**OPS, "all_reduce": "all_reduce"}  # (any reduce op)
 
 
 def _batch(cfg, rows: int, seq: int) -> dict:
@@ -51,8 +53,8 @@ def _recording_backend(graphs: list):
     """aot_eager, keeping each compiled graph's collectives: (graph kind, Counter)."""
     def compiler(kind):
         def compile_graph(gm, inputs):
-            ops = Counter(OPS[n.target.__name__.split(".")[0]] for n in gm.graph.nodes
-                          if n.op == "call_function" and n.target.__name__.split(".")[0] in OPS)
+            ops = Counter(RECORDED[n.target.__name__.split(".")[0]] for n in gm.graph.nodes
+                          if n.op == "call_function" and n.target.__name__.split(".")[0] in RECORDED)
             graphs.append((kind, ops))
             return boxed_nop(gm, inputs)
         return compile_graph
@@ -77,8 +79,8 @@ def test_compiled_backward_gathers_again_what_the_plan_says(tied):
             # The first two graphs are the loss's forward and backward (the update's follow).
             (fwd_kind, fwd), (bwd_kind, bwd) = graphs[:2]
             assert (fwd_kind, bwd_kind) == ("forward", "backward")
-            got[reshard] = {("forward", op): n for op, n in fwd.items()}
-            got[reshard].update({("backward", op): n for op, n in bwd.items()})
+            got[reshard] = {("forward", op): n for op, n in fwd.items() if op in OPS.values()}
+            got[reshard].update({("backward", op): n for op, n in bwd.items() if op in OPS.values()})
             est = step_collectives(plan, model, micro_batch_rows=4, seq_len=8, micro_steps=1, compiled=True,
                                    reshard_after_forward=reshard)
             want = {(e["phase"], e["op"]): e["count"] for e in est if e["op"] in OPS.values()}
@@ -150,3 +152,50 @@ def test_compiled_buckets_under_selective_checkpointing_match_eager():
         for key in ("loss", "grad_norm"):
             assert r["compiled"][key] == pytest.approx(r["eager"][key], rel=1e-5), (key, r)
         assert r["compiled"]["gathers"] == r["buckets"], r
+
+
+@pytest.mark.parametrize("layout", [dict(dp=2), dict(dp=2, fsdp=2), dict(fsdp=2, tp=2)],
+                         ids=["dp2", "hsdp", "fsdp2_tp2_sp"])
+def test_compiled_step_reduces_replicas_once_per_step(layout, monkeypatch):
+    """Two micro-steps, compiled: the graphs hold no all-reduce of gradients (they are
+    left partial, Partial DTensors in .grad) and the step all-reduces them once, after the
+    last backward, one call per bucket and set of mesh dims: what the plan counts for a
+    step of two micro-steps (each graph runs twice)."""
+    from meshtrain.parallel.buckets import BucketRun
+
+    world = math.prod(layout.values())
+    torch._dynamo.reset()  # the compiled tests before this one in the process count towards the recompile limit
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    try:
+        model = build("llama", SMALL)
+        sp = "tp" in layout
+        plan = make_plan(model.specs, Rules.default(sp=sp), MeshSpec(**layout), world=world)
+        mesh = plan.mesh.build()
+        held = Counter()
+        real = BucketRun.all_reduce
+
+        def counted(run, items, dims):
+            for group in ([dims] if run.groups.has(dims) else [(i,) for i in dims]):
+                held["+".join(plan.mesh.axes[i] for i in group)] += 1
+            return real(run, items, dims)
+
+        monkeypatch.setattr(BucketRun, "all_reduce", counted)
+        graphs = []
+        step = make_train_step(model, plan, mesh, optimizer=AdamW(lr=1e-3), compile=_recording_backend(graphs))
+        t = torch.randint(0, SMALL.vocab_size, (2, 2 * world, 9), generator=torch.Generator().manual_seed(0))
+        step(TrainState.create(init_params(plan, mesh, seed=0)), {"tokens": t[..., :-1], "targets": t[..., 1:]})
+        (_, fwd), (_, bwd) = graphs[:2]
+        assert bwd["all_reduce"] == 0, bwd  # (forward's are the vocab-parallel loss's, over tp)
+        got = Counter({("forward", op): 2 * n for op, n in fwd.items() if op in OPS.values()})
+        got.update({("backward", op): 2 * n for op, n in bwd.items() if op in OPS.values()})
+        est = step_collectives(plan, model, micro_batch_rows=2 * world, seq_len=8, micro_steps=2, compiled=True)
+        want = Counter()
+        for e in est:
+            if e["op"] in OPS.values():
+                want[e["phase"], e["op"]] += e["count"]
+        assert got == want, (got, want)
+        reductions = {e["axis"]: e["count"] for e in est if (e["phase"], e["op"]) == ("backward", "all_reduce_sum")}
+        assert held and held == reductions, (held, reductions)
+        assert all(n <= len(plan_buckets(plan)[0]) for n in held.values())  # once per step, not per micro-step
+    finally:
+        dist.destroy_process_group()

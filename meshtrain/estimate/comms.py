@@ -20,7 +20,7 @@ and equal placements nothing, S(i)->S(j) all-to-all):
 | the same, compiled with reshard_after_forward | | the gather again once, where backward first needs it, for a lookup autograd saved (the gather is recomputed, not kept) |
 | parameter lookup, bucket="block" or MB (`_BoundParams`, `BucketGather`; buckets of parallel/buckets.py `plan_buckets`) | the first lookup of a bucket, unless it is the bucket gathered last, gathers all of it: one all-gather per gather set (members with the same gathered mesh dims and compute dtype), over those dims as one group, of the shards padded to the largest rank's in one buffer (ways x padded shards x c bytes); and issues the next `prefetch` buckets' gathers (taken by their first lookup). A `reused` table is kept from its first lookup | per gather of a bucket with a trainable member used: one reduce-scatter per gather set (parameter dtype), then one all-reduce of what is still partial (dp replicas; tp, for weights used whole under sequence parallelism), one per distinct set of mesh dims, over them as one group; a member without gradient counts as Partial over the data dims |
 | the same, eager with reshard_after_forward | | the bucket gathered again (every set) once per run of saved uses of its gathered members, in the order autograd saved them |
-| the same, compiled (`traced_gather`) | the same gathers (issued `prefetch` gathers ahead by a pass on the compiled graph, parallel/prefetch.py) | the same reductions, the all-reduces on every micro-step; with reshard_after_forward each bucket with a saved gathered member gathered again once (recomputed) |
+| the same, compiled (`traced_gather`) | the same gathers (issued `prefetch` gathers ahead by a pass on the compiled graph, parallel/prefetch.py) | the same reductions: the reduce-scatters in the graph on every micro-step, the all-reduces once per step after the last backward (`ShardedContext.reduce_held`, the same calls as the eager step's last micro-step); with reshard_after_forward each bucket with a saved gathered member gathered again once (recomputed) |
 | `constrain(x)` | source -> target placements | incoming gradient -> source, its Partials taken as Replicate |
 | `embedding` (vocab split) | output Partial over the table's vocab dims | none (the table gradient is Partial over token-sharding dims) |
 | `attention` (sequence split over cp) | allgather: one all-gather of K/V; a2a: two all-to-alls; ring: cp-1 sends (and receives) of a K/V block | allgather: one fp32 reduce-scatter of dK/dV; a2a: two all-to-alls; ring: cp-1 K/V blocks and cp fp32 dK/dV blocks sent |
@@ -133,10 +133,10 @@ def step_collectives(plan: Plan, model: ModelDef, *, micro_batch_rows: int, seq_
     if bucketed:  # the parameters' traffic: every lookup of one forward, over the buckets
         params = walk()
         held = set(names) if names is not None else _held(plan, model, kinds, embedding, head)
-        # A plain eager step reduces what is left partial after the reduce-scatters once
-        # per step (held over micro-steps); a pipeline rank and a compiled step on every
+        # A plain step (eager or compiled) reduces what is left partial after the
+        # reduce-scatters once per step (held over micro-steps); a pipeline rank on every
         # micro-step. A compiled step gathers each bucket where it is first looked up.
-        per_step = walk() if loss_once and not compiled else None
+        per_step = walk() if loss_once else None
         bucket_traffic(params, events, unit, held, Policy.of(precision), 0 if compiled else prefetch, per_step,
                        unsharded=fsdp_accumulate == "unsharded")
         parts.append((params, 1))

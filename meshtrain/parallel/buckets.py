@@ -340,7 +340,7 @@ class BucketRun:
             grad = grad.redistribute(self.mesh, fixed)
         return grad._local_tensor, tuple(grad.placements)
 
-    def _all_reduce(self, items: dict[int, torch.Tensor], dims: tuple[int, ...]) -> None:
+    def all_reduce(self, items: dict[int, torch.Tensor], dims: tuple[int, ...]) -> None:
         """One all-reduce of several gradients over the mesh dims `dims` (one flattened
         group; dim by dim where no such group was made), in place of items."""
         flat = torch.cat([g.reshape(-1) for g in items.values()])
@@ -417,7 +417,7 @@ class BucketRun:
                 if held is not None:
                     items[j] = items[j] + held._local_tensor
                     leaves[j].grad = None
-            self._all_reduce(items, dims)
+            self.all_reduce(items, dims)
             for j, g in items.items():
                 out[j] = g
         self._held = False
@@ -443,27 +443,6 @@ class _GatherFlat(torch.autograd.Function):
         return funcol.reduce_scatter_tensor(grad.to(ctx.dtype).contiguous(), "sum", 0, ctx.group), None, None, None
 
 
-class _SumInBackward(torch.autograd.Function):
-    """Identity on several tensors; backward all-reduces their gradients together, one
-    collective per group in `groups` (the mesh dims where they are still partial sums)."""
-
-    @staticmethod
-    def forward(ctx, groups: tuple[str, ...], *xs):
-        ctx.groups = groups
-        return tuple(x.view_as(x) for x in xs)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        for group in ctx.groups:
-            flat = funcol.wait_tensor(funcol.all_reduce(flat, "sum", group))
-        out, off = [], 0
-        for g in grads:
-            out.append(flat[off:off + g.numel()].view(g.shape))
-            off += g.numel()
-        return (None, *out)
-
-
 def _grad_layouts(run: "BucketRun", seq_dims: set[int]) -> list[tuple]:
     """The layout each gathered weight's gradient is taken in: Partial over the dims that
     split the tokens (the data dims, and the sequence dims for a weight used whole)."""
@@ -472,27 +451,35 @@ def _grad_layouts(run: "BucketRun", seq_dims: set[int]) -> list[tuple]:
             for compute in run.compute]
 
 
-def traced_gather(run: "BucketRun", seq_dims: set[int], *shards: DTensor) -> tuple[DTensor, ...]:
-    """A bucket's gather written as differentiable ops on local tensors, for traced steps:
-    one all-gather per gather set forward, one reduce-scatter per set backward, then one
-    all-reduce per set of mesh dims where gradients are still partial (replica dims, and
-    tp where a norm meets sequence-parallel activations: `seq_dims`) — the collectives
-    of BucketRun.reduce, known from the plan instead of read from the gradients. The
-    gathered weights declare the gradient layout they take (`_grad_layouts`), so
-    DTensor turns whatever backward brings into that layout first."""
-    locals_ = [s.to_local() for s in shards]
-    layouts = _grad_layouts(run, seq_dims)
+def held_partials(run: "BucketRun", seq_dims: set[int]) -> dict[tuple[int, ...], list[int]]:
+    """The members whose gradients a traced step leaves partial after the reduce-scatters,
+    by the mesh dims they are partial over (replica dims; tp where a norm meets sequence-
+    parallel activations: `seq_dims`): `ShardedContext.reduce_held` sums them once per
+    step."""
     gathered = {j: s.gather for s in run.sets for j in s.members}
-    partial: dict[tuple, list[int]] = {}
-    for j, layout in enumerate(layouts):
+    out: dict[tuple, list[int]] = {}
+    for j, layout in enumerate(_grad_layouts(run, seq_dims)):
         dims = tuple(i for i, q in enumerate(layout) if q.is_partial() and i not in gathered.get(j, ()))
         if dims:
-            partial.setdefault(dims, []).append(j)
-    for dims, js in partial.items():
-        groups = [dims] if run.groups.has(dims) else [(i,) for i in dims]
-        summed = _SumInBackward.apply(tuple(run.groups.name(g) for g in groups), *[locals_[j] for j in js])
-        for j, t in zip(js, summed):
-            locals_[j] = t
+            out.setdefault(dims, []).append(j)
+    return out
+
+
+def traced_gather(run: "BucketRun", seq_dims: set[int], *shards: DTensor) -> tuple[DTensor, ...]:
+    """A bucket's gather written as differentiable ops on local tensors, for traced steps:
+    one all-gather per gather set forward, one reduce-scatter per set backward. What is
+    still partial after that (`held_partials`) stays partial in the shards' gradients,
+    declared so (Partial placements), and accumulates over the step's micro-steps:
+    `ShardedContext.reduce_held` all-reduces it once after the last backward (a traced
+    graph cannot hold on some micro-steps and not on others without a second graph).
+    The gathered weights declare the gradient layout they take (`_grad_layouts`), so
+    DTensor turns whatever backward brings into that layout first."""
+    held = {j: dims for dims, js in held_partials(run, seq_dims).items() for j in js}
+    locals_ = [s.to_local(grad_placements=[Partial() if i in held.get(j, ()) else q
+                                           for i, q in enumerate(s.placements)])
+               for j, s in enumerate(shards)]
+    layouts = _grad_layouts(run, seq_dims)
+    gathered = {j: s.gather for s in run.sets for j in s.members}
     out = {j: t.to(run.dtypes[j]) for j, t in enumerate(locals_) if j not in gathered}
     for s in run.sets:
         pieces = []

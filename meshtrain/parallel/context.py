@@ -22,6 +22,7 @@ when they are sliced, and the loss is a sum over tokens.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import weakref
 from functools import partial
@@ -40,7 +41,8 @@ from ..models.fp8 import fp8_linear
 from ..models.losses import cross_entropy_sum
 from ..models.moe import balance_loss, route, routed_experts, sequence_stats, z_loss
 from ..models.policy import Policy
-from .buckets import BucketGather, BucketRun, Groups, InFlight, group_dims, plan_buckets, traced_gather
+from .buckets import (BucketGather, BucketRun, Groups, InFlight, group_dims, held_partials, plan_buckets,
+                      traced_gather)
 from .cp_attention import context_parallel_attention, zigzag_order
 from .expert_parallel import AllToAllExchange, CopyToTensorParallel
 from .plan import Plan
@@ -377,6 +379,27 @@ class ShardedContext:
         for run in self._runs:
             run.hold = hold
 
+    def reduce_held(self, params: Mapping[str, DTensor]) -> None:
+        """After a compiled step's last backward: the gradients its buckets left partial
+        (parallel.buckets `held_partials`: replica dims, tp for sequence-parallel norms),
+        summed over every micro-step in .grad, all-reduced once, one collective per bucket
+        and set of mesh dims as the eager step's last micro-step issues them, `prefetch`
+        of them in flight. (An eager step has reduced them already: nothing is partial.)"""
+        pending: collections.deque = collections.deque()
+        for run in self._runs:
+            for dims, js in held_partials(run, self._seq_dims).items():
+                leaves = {j: params[run.bucket.names[j]] for j in js}
+                grads = {j: leaf.grad for j, leaf in leaves.items()}
+                if not all(isinstance(g, DTensor) and g.placements[dims[0]].is_partial() for g in grads.values()):
+                    continue  # reduced already (an eager step)
+                items = {j: g._local_tensor for j, g in grads.items()}
+                run.all_reduce(items, dims)
+                pending.append((leaves, items))
+                while len(pending) > max(1, self.prefetch):
+                    _set_grads(*pending.popleft())
+        while pending:
+            _set_grads(*pending.popleft())
+
     def reduce_sum(self, x: torch.Tensor) -> torch.Tensor:
         """The whole value of `x`, a partial sum over the ranks that split the tokens (a
         loss accumulated over micro-steps): one all-reduce over those ranks together."""
@@ -581,6 +604,13 @@ class ShardedContext:
         placements = [Partial() if i in token_dims else Replicate() for i in range(self.mesh.ndim)]
         total = DTensor.from_local(total, self.mesh, placements, run_check=False)
         return total.redistribute(self.mesh, [Replicate()] * self.mesh.ndim) if reduce else total
+
+
+def _set_grads(leaves: dict, reduced: dict) -> None:
+    """Each leaf's .grad: its reduced local gradient, in the leaf's own layout."""
+    for j, leaf in leaves.items():
+        leaf.grad = DTensor.from_local(reduced[j].contiguous(), leaf.device_mesh,
+                                       leaf.placements, run_check=False, shape=leaf.shape, stride=leaf.stride())
 
 
 def _replicated(x: DTensor) -> DTensor:

@@ -121,6 +121,8 @@ def make_train_step(model: ModelDef, plan=None, device_mesh=None, *, optimizer: 
             hold(micro < len(tokens) - 1)
             torch.autograd.backward([_local(loss)] + ([] if extra is None else [_local(extra)]))
             total = _add(total, loss.detach())
+        if compile and plan is not None:  # what the graphs left partial, reduced once
+            ctx.reduce_held(state.params)
         loss = float(ctx.reduce_sum(total))
         with torch.profiler.record_function("optimizer"):  # a named region in profiles
             norm, lr, updated = apply_update(state, loss=loss)
