@@ -3,7 +3,7 @@ parameter all-gather is issued before block i's matmuls and waited on after them
 forward, and backward's re-gathers run one block ahead the other way; with prefetch 0
 every gather is waited on before any matmul runs. The step is recorded op by op (issue =
 the collective's dispatch, wait = `wait_tensor` on its result). Compiled steps are read
-from their graphs' order, which parallel/prefetch.py sets the same way."""
+from their graphs' order, which parallel/overlap.py sets the same way."""
 
 from __future__ import annotations
 
@@ -99,12 +99,13 @@ def test_eager_gathers_overlap_the_previous_block(prefetch):
         assert not any(bwd), bwd
 
 
-def _graph_events(gm) -> list:
-    """_Order's events read from a compiled graph's node order (the order it runs in)."""
+def _graph_events(gm, collective: str = "all_gather_into_tensor") -> list:
+    """_Order's events read from a compiled graph's node order (the order it runs in), for
+    the `collective`s."""
     events, ids = [], {}
     for node in gm.graph.nodes:
         name = getattr(node.target, "__name__", "").split(".")[0]
-        if name == "all_gather_into_tensor":
+        if name == collective:
             ids[node] = len(ids)
             events.append(("issue", ids[node]))
         elif name == "wait_tensor" and node.args[0] in ids:
@@ -116,7 +117,7 @@ def _graph_events(gm) -> list:
 
 @pytest.mark.parametrize("prefetch", [1, 0])
 def test_compiled_gathers_overlap_the_previous_block(prefetch, monkeypatch):
-    """The compiled step's graphs (aot_eager, as parallel/prefetch.py leaves them: its
+    """The compiled step's graphs (aot_eager, as parallel/overlap.py leaves them: its
     compiler is recorded), in the order they run: the same overlap as eager with
     prefetch 1, none without."""
     import torch._dynamo.backends.debugging as debugging
@@ -124,7 +125,7 @@ def test_compiled_gathers_overlap_the_previous_block(prefetch, monkeypatch):
     graphs, nop = [], debugging.boxed_nop
 
     def recording_nop(gm, inputs):
-        graphs.append(_graph_events(gm))
+        graphs.append((_graph_events(gm), _graph_events(gm, "reduce_scatter_tensor")))
         return nop(gm, inputs)
 
     monkeypatch.setattr(debugging, "boxed_nop", recording_nop)
@@ -134,21 +135,29 @@ def test_compiled_gathers_overlap_the_previous_block(prefetch, monkeypatch):
         step(state, batch)
     finally:
         dist.destroy_process_group()
-    forward, backward = graphs[:2]  # the loss's graphs (the update's follow)
+    (forward, _), (backward, reductions) = graphs[:2]  # the loss's graphs (the update's follow)
     fwd, bwd = _overlapped(forward), _overlapped(backward)
     assert len(fwd) == CFG.n_layers + 2 and len(bwd) == CFG.n_layers + 1, (fwd, bwd)
+    # Gradient reduce-scatters, in backward's order: the head's bucket, blocks 3 to 0, the
+    # embedding. Each is waited after the next is issued, so the head's and blocks 3 to 1
+    # run beside the next block's backward matmuls; block 0's has only the embedding's
+    # backward (no matmul) after it, and the embedding's is waited at the graph's end.
+    red = _overlapped(reductions)
+    assert len(red) == CFG.n_layers + 2, red
     if prefetch:
         assert fwd[2:] == [True] * CFG.n_layers, fwd
         assert bwd[1:] == [True] * CFG.n_layers, bwd
+        assert red == [True] * CFG.n_layers + [False, False], red
     else:
-        assert not any(fwd) and not any(bwd), (fwd, bwd)
+        assert not any(fwd) and not any(bwd) and not any(red), (fwd, bwd, red)
 
 
-def _code_events(code: str) -> list:
-    """_Order's events read from inductor's generated code (its call order)."""
+def _code_events(code: str, collective: str = "all_gather_into_tensor") -> list:
+    """_Order's events read from inductor's generated code (its call order), for the
+    `collective`s."""
     events, ids = [], {}
     for line in code.splitlines():
-        gather = re.search(r"(buf\d+) = torch\.ops\._c10d_functional\.all_gather_into_tensor\.default\(", line)
+        gather = re.search(rf"(buf\d+) = torch\.ops\._c10d_functional\.{collective}\.default\(", line)
         wait = re.search(r"torch\.ops\._c10d_functional\.wait_tensor\.default\((buf\d+)\)", line)
         if gather:
             ids[gather.group(1)] = len(ids)
@@ -162,9 +171,9 @@ def _code_events(code: str) -> list:
 
 @pytest.mark.slow
 def test_inductor_keeps_the_prefetch_order():
-    """Inductor's generated forward code, prefetch 1: its scheduler keeps the order the
-    pass set (make_train_step turns off its peak-memory reordering, which would move each
-    gather back to its first use)."""
+    """Inductor's generated code, prefetch 1: its scheduler keeps the order the passes set
+    (make_train_step turns off its peak-memory reordering, which would move each gather
+    back to its first use), the gathers' in forward and the reduce-scatters' in backward."""
     from torch._inductor.utils import run_and_get_code
 
     step, state, batch = _step(1, compile=True)
@@ -175,3 +184,5 @@ def test_inductor_keeps_the_prefetch_order():
         dist.destroy_process_group()
     fwd = _overlapped(_code_events(codes[0]))
     assert len(fwd) == CFG.n_layers + 2 and fwd[2:] == [True] * CFG.n_layers, fwd
+    red = _overlapped(_code_events(codes[1], "reduce_scatter_tensor"))  # as in the aot_eager graphs
+    assert red == [True] * CFG.n_layers + [False, False], red

@@ -311,13 +311,8 @@ class BucketRun:
         # Waited here, at first use (an issued gather runs until then); a piece that is
         # already contiguous (a bucket of one) stays a view of the gathered buffer.
         full = funcol.wait_tensor(gathered).view(ways, s.numel)
-        out = {}
-        for j, off in zip(s.members, s.offsets):
-            m, padded = self.bucket.members[j], self.padded[j]
-            piece = full[:, off:off + self.numels[j]].view(ways, *padded).movedim(0, m.dim)
-            merged = piece.reshape(*padded[:m.dim], ways * padded[m.dim], *padded[m.dim + 1:])
-            out[j] = merged.narrow(m.dim, 0, m.shape[m.dim]).contiguous()
-        return out
+        return {j: _unshard(full[:, off:off + self.numels[j]], self.bucket.members[j], self.padded[j]).contiguous()
+                for j, off in zip(s.members, s.offsets)}
 
     def wrap(self, j: int, local: torch.Tensor) -> DTensor:
         shape = self.global_shapes[j]
@@ -424,6 +419,14 @@ class BucketRun:
         return [g.contiguous() for g in out]
 
 
+def _unshard(pieces: torch.Tensor, m: Member, padded: tuple[int, ...]) -> torch.Tensor:
+    """Member m's gathered weight from its padded shards (ways, numel), rank by rank."""
+    ways = pieces.shape[0]
+    merged = pieces.reshape(ways, *padded).movedim(0, m.dim)
+    merged = merged.reshape(*padded[:m.dim], ways * padded[m.dim], *padded[m.dim + 1:])
+    return merged.narrow(m.dim, 0, m.shape[m.dim])
+
+
 class _GatherFlat(torch.autograd.Function):
     """A traced step's gather of one packed buffer: forward casts this rank's shards to
     the compute dtype and all-gathers them; backward reduce-scatters the gradient in the
@@ -434,7 +437,7 @@ class _GatherFlat(torch.autograd.Function):
     @staticmethod
     def forward(ctx, flat: torch.Tensor, dtype, group: str, ways: int):
         ctx.dtype, ctx.group = flat.dtype, group
-        # (Traced, a functional collective is waited where it is issued: parallel/prefetch.py
+        # (Traced, a functional collective is waited where it is issued: parallel/overlap.py
         # moves the gathers ahead in the compiled graph.)
         return funcol.all_gather_tensor(flat.to(dtype), 0, group)
 
@@ -496,10 +499,7 @@ def traced_gather(run: "BucketRun", seq_dims: set[int], *shards: DTensor) -> tup
         # split, not slices: backward concatenates the pieces' gradients into one buffer
         # (a slice's backward would fill a whole-bucket buffer of zeros for each member).
         for j, piece in zip(s.members, full.split([run.numels[j] for j in s.members], dim=1)):
-            m, padded = run.bucket.members[j], run.padded[j]
-            piece = piece.reshape(s.ways, *padded).movedim(0, m.dim)
-            merged = piece.reshape(*padded[:m.dim], s.ways * padded[m.dim], *padded[m.dim + 1:])
-            out[j] = merged.narrow(m.dim, 0, m.shape[m.dim])
+            out[j] = _unshard(piece, run.bucket.members[j], run.padded[j])
     return tuple(DTensor.from_local(out[j], run.mesh, run.compute[j], run_check=False, shape=run.global_shapes[j],
                                     stride=make_contiguous_strides_for(run.global_shapes[j]),
                                     grad_placements=layouts[j])

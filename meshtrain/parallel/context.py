@@ -6,7 +6,7 @@ their logical axes, so DTensor emits exactly the collective a layout change need
 sequence-parallel reduce-scatter, Shard(seq) -> Replicate its all-gather). Parameters are
 gathered where they are used (SimpleFSDP), a bucket at a time (parallel/buckets.py: one
 all-gather per block, the next one issued ahead, in compiled steps by a pass on the graph
-(parallel/prefetch.py); backward reduce-scatters the bucket's gradients in fp32 whatever
+(parallel/overlap.py); backward reduce-scatters the bucket's gradients in fp32 whatever
 the compute dtype); what no bucket holds, one
 parameter at a time (DTensor's redistribute both ways). Gathered parameters are not kept
 for backward (ZeRO-3, reshard_after_forward): in eager steps saved-tensor hooks keep a
@@ -237,7 +237,7 @@ class _BoundParams(Mapping):
     def _gather_bucket_traced(self, b: int) -> dict[str, DTensor]:
         """Bucket b in a traced step (parallel/buckets.py `traced_gather`), at its first
         use. Issuing the next one ahead is left to the compiled graph
-        (parallel/prefetch.py): a traced functional collective is waited where it is
+        (parallel/overlap.py): a traced functional collective is waited where it is
         issued, and a gather issued outside the recomputing checkpoint would be kept
         for backward."""
         context = self._context
@@ -255,7 +255,7 @@ class _BoundParams(Mapping):
         reshard = context.reshard and placements != tuple(shard.placements)
         traced = torch.compiler.is_compiling()
         # (Traced, a block checkpointed whole or selectively gathers again in its recompute.)
-        if traced and reshard and context.policy.checkpointing == "none":
+        if traced and reshard and self._recompute:
             return _gathered_again_in_backward(shard, placements, dtype)
         gathered = _UseParam.apply(shard, placements, dtype)
         if traced or not reshard:

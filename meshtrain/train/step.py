@@ -16,7 +16,7 @@ from ..models.context import LocalContext
 from ..models.moe import expert_bias_step, imbalance
 from ..models.policy import Policy
 from ..parallel.context import ShardedContext
-from ..parallel.prefetch import aot_eager_prefetched, inductor_pass
+from ..parallel.overlap import aot_eager_overlapped, inductor_pass
 from .optim import (
     AdamW,
     adamw_update,
@@ -299,14 +299,15 @@ def _loss_sum(model: ModelDef, ctx):
 
 def _compiled(fn, compile: bool | str, prefetch: int = 0):
     """torch.compile(fn) with the backend `compile` names (True: inductor); `prefetch` > 0
-    moves parameter all-gathers ahead in the compiled graphs (parallel/prefetch.py), with
-    inductor and aot_eager (another backend compiles the graphs as given). Inductor's
-    peak-memory reordering is then off: it moves each gather back to its first use."""
+    moves parameter all-gathers ahead and gradient reduce-scatter waits down in the
+    compiled graphs (parallel/overlap.py), with inductor and aot_eager (another backend
+    compiles the graphs as given). Inductor's peak-memory reordering is then off: it
+    moves each gather back to its first use."""
     backend, options = "inductor" if compile is True else compile, None
     if prefetch and backend == "inductor":
         options = {"post_grad_custom_post_pass": inductor_pass(prefetch), "reorder_for_peak_memory": False}
     elif prefetch and backend == "aot_eager":
-        backend = aot_eager_prefetched(prefetch)
+        backend = aot_eager_overlapped(prefetch)
     # Static shapes: another sequence length or batch recompiles. Dynamo would otherwise
     # make the second length it sees symbolic, which the RoPE table's constant-folded
     # builder cannot take (one process compiling two lengths failed).
