@@ -156,6 +156,8 @@ def test_help_shows_the_field_docstrings(capsys):
      "model.n_kv_heads"),
     (["--parallel.cp", "2", "--parallel.tp", "2", "--parallel.nproc_per_node", "4", "--train.compile", "true"],
      "train.compile", "only parallel axis"),
+    (["--parallel.fsdp", "2", "--parallel.nproc_per_node", "2", "--train.compile", "true",
+      "--train.activation_checkpointing", "full"], "train.activation_checkpointing=full", "selective"),
     (["--parallel.fsdp_accumulate", "later"], "parallel.fsdp_accumulate", "unsharded"),
     (["--parallel.fsdp_accumulate", "unsharded", "--train.compile", "true"], "parallel.fsdp_accumulate",
      "set parallel.fsdp_accumulate sharded"),

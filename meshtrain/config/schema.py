@@ -157,7 +157,8 @@ class RunConfig:
             self._check_batch_at(plan.mesh)
         if self.train.compile:
             check_compile_with_cp(plan.mesh)
-            check_compile_with_checkpointing(self.model.moe is not None, self.train.activation_checkpointing)
+            check_compile_with_checkpointing(self.model.moe is not None, self.train.activation_checkpointing,
+                                             sharded=plan.mesh.world > 1)
         return plan
 
     # --- what the run is built from ----------------------------------------------

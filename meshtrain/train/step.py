@@ -79,7 +79,8 @@ def make_train_step(model: ModelDef, plan=None, device_mesh=None, *, optimizer: 
         check_compile_with_cp(plan.mesh)
     policy = policy or Policy.of(precision, fp8_recipe, activation_checkpointing)
     if compile:
-        check_compile_with_checkpointing(getattr(model.cfg, "moe", None) is not None, policy.checkpointing)
+        check_compile_with_checkpointing(getattr(model.cfg, "moe", None) is not None, policy.checkpointing,
+                                         sharded=plan is not None)
     if fsdp_accumulate not in ("sharded", "unsharded"):
         raise ConfigError(f"fsdp_accumulate={fsdp_accumulate!r}: choose sharded or unsharded")
     if fsdp_accumulate == "unsharded" and (compile or bucket == "param"):
@@ -193,13 +194,19 @@ def check_compile_with_cp(mesh) -> None:
                           f"but the mesh also has {others}: set train.compile false, or use cp alone")
 
 
-def check_compile_with_checkpointing(moe: bool, activation_checkpointing: str) -> None:
+def check_compile_with_checkpointing(moe: bool, activation_checkpointing: str, sharded: bool = False) -> None:
     """MoE blocks record their balance terms from inside the block, a side effect dynamo
-    does not allow inside a checkpointed region (torch 2.13)."""
+    does not allow inside a checkpointed region; a block checkpointed whole on a device
+    mesh (`sharded`) saves the DeviceMesh for backward among its tensors, which
+    AOTAutograd's forward refuses (docs/parallelism.md, Known gap 15; torch 2.13)."""
     if moe and activation_checkpointing != "none":
         raise ConfigError(f"train.compile with train.activation_checkpointing={activation_checkpointing} and MoE "
                           "blocks (model.moe) is not supported: set train.compile false, or activation_checkpointing "
                           "none")
+    if sharded and activation_checkpointing == "full":
+        raise ConfigError("train.compile with train.activation_checkpointing=full is not supported on more than one "
+                          "rank (torch 2.13 fails to save a whole checkpointed block's DeviceMesh): use "
+                          "activation_checkpointing selective (it recomputes the gathers too), or train.compile false")
 
 
 def make_update(optimizer: AdamW, lr_schedule: LRSchedule, grad_clip: float | None, compile: bool | str = False,
