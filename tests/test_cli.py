@@ -154,8 +154,6 @@ def test_help_shows_the_field_docstrings(capsys):
     (["--parallel.cp", "2", "--parallel.nproc_per_node", "2", "--train.seq_len", "126"], "train.seq_len", "2 x cp"),
     (["--parallel.cp", "8", "--parallel.nproc_per_node", "8", "--parallel.cp_comm", "a2a"], "parallel.cp_comm=a2a",
      "model.n_kv_heads"),
-    (["--parallel.cp", "2", "--parallel.tp", "2", "--parallel.nproc_per_node", "4", "--train.compile", "true"],
-     "train.compile", "only parallel axis"),
     (["--parallel.fsdp", "2", "--parallel.nproc_per_node", "2", "--train.compile", "true",
       "--train.activation_checkpointing", "full"], "train.activation_checkpointing=full", "selective"),
     (["--parallel.fsdp_accumulate", "later"], "parallel.fsdp_accumulate", "unsharded"),

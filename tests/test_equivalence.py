@@ -107,9 +107,11 @@ def single_process(micro_steps: int = 1, compile=False, grad_steps=(1,)) -> Run:
 
 # The layouts the compiled runs cover: each graph shape once (fsdp2 and tp2_sp also run
 # under inductor below): the traced bucket gathers plain (fsdp2), with a replica
-# all-reduce (dp2 alone; dp2_fsdp2, HSDP), padded (fsdp4_uneven) and with the tp
-# all-reduce of norms under sp (fsdp2_tp2_sp); tp and cp without buckets.
-COMPILED = {"dp2", "fsdp2", "tp2", "cp2_ring", "cp2_a2a", "dp2_fsdp2", "fsdp2_tp2_sp", "fsdp4_uneven"}
+# all-reduce (dp2 alone; dp2_fsdp2, HSDP), padded (fsdp4_uneven), with the tp all-reduce
+# of norms under sp (fsdp2_tp2_sp) and over the flattened fsdp x cp group
+# (fsdp2_cp2_a2a); tp and cp without buckets, and cp beside tp + sp (cp2_tp2_sp_ring).
+COMPILED = {"dp2", "fsdp2", "tp2", "cp2_ring", "cp2_a2a", "dp2_fsdp2", "fsdp2_tp2_sp", "fsdp4_uneven",
+            "cp2_tp2_sp_ring", "fsdp2_cp2_a2a"}
 # The sharded layout whose every step's gradients (and final Adam moments) are kept, for
 # the check of the clipped update against torch (test_clipped_update_equals_torch_sharded).
 TORCH_CHECKED = "fsdp2_tp2"

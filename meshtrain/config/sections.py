@@ -102,7 +102,7 @@ class ParallelConfig:
     sp: bool = False
     """Sequence parallelism: shard the residual stream's sequence dim over the tp ranks (train.seq_len must be divisible by tp)."""
     cp: int = 1
-    """Context parallelism: every activation's sequence dim split over cp ranks in load-balanced zigzag order (rank r holds chunks r and 2cp-1-r of 2cp); train.seq_len must be a multiple of 2 x cp. Parameters are fsdp-sharded over fsdp x cp. train.compile works with cp as the only parallel axis."""
+    """Context parallelism: every activation's sequence dim split over cp ranks in load-balanced zigzag order (rank r holds chunks r and 2cp-1-r of 2cp); train.seq_len must be a multiple of 2 x cp. Parameters are fsdp-sharded over fsdp x cp. train.compile works with cp beside fsdp, dp and tp(+sp)."""
     cp_comm: str = "allgather"
     """How attention exchanges the sequence over cp: allgather (K/V all-gathered; any head count) | ring (K/V blocks passed around the cp ranks point to point, overlapped with compute) | a2a (Ulysses all-to-all to a head split; n_heads and n_kv_heads per tp rank must divide by cp)."""
     ep: int = 1

@@ -454,29 +454,40 @@ class ShardedContext:
                                   stride=make_contiguous_strides_for(shape))
 
     def linear(self, x: DTensor, params, name: str, bias: DTensor | None = None) -> DTensor:
-        recipe = self.policy.fp8_recipe(name)
-        if recipe is None:
-            return torch.nn.functional.linear(x, params[name], bias)
-        out = self._fp8_linear(x, params[name], recipe)
+        w, recipe = params[name], self.policy.fp8_recipe(name)
+        if recipe is not None:
+            out = self._local_linear(x, w, partial(self._fp8_gemm, recipe))
+            if out is None:
+                raise ConfigError(f"fp8 linear: unsupported layout of input {x.placements} and weight "
+                                  f"{w.placements}: use train.precision bf16 for this plan")
+        elif any(isinstance(p, Shard) and 0 < p.dim < x.ndim - 1 for p in x.placements):
+            # The sequence dim is split (cp): DTensor's linear flattens it with the batch
+            # dim into a strided shard, which a traced step beside another mesh axis
+            # cannot take (hundreds of unbacked sizes, torch 2.13: Known gap 12).
+            out = self._local_linear(x, w, lambda a, b, *_: torch.nn.functional.linear(a, b))
+            if out is None:
+                out = torch.nn.functional.linear(x, w)
+        else:
+            return torch.nn.functional.linear(x, w, bias)
         return out if bias is None else out + bias
 
-    def _fp8_linear(self, x: DTensor, w: DTensor, recipe: str) -> DTensor:
-        """fp8 GEMMs on local shards, quantised with the scales one process would use: each
-        amax is all-reduced (max) over the mesh dims that split the dims it was taken
-        over. Per mesh dim, x split on a token dim gives an output split the same way; a
-        column-parallel w (split on out features) an output split on its last dim; a
-        row-parallel pair (x and w split on in features) a partial sum."""
+    def _local_linear(self, x: DTensor, w: DTensor, gemm) -> DTensor | None:
+        """x @ w.T on local shards, `gemm(x_local, w_local, x_dims, w_dims)`, or None for a
+        layout it does not take. Per mesh dim, x split on a token dim gives an output split
+        the same way; a column-parallel w (split on out features) an output split on its
+        last dim; a row-parallel pair (x and w split on in features) a partial sum.
+        `x_dims` and `w_dims` name the mesh dims splitting x as (tokens: rows, in: cols)
+        and w as (out: rows, in: cols)."""
         last = x.ndim - 1
-        x_dims = {"rows": set(), "cols": set()}  # mesh dims splitting x as (tokens, in)
-        w_dims = {"rows": set(), "cols": set()}  # ... and w as (out, in)
+        x_dims = {"rows": set(), "cols": set()}
+        w_dims = {"rows": set(), "cols": set()}
         out_placements = []
         for i, (px, pw) in enumerate(zip(x.placements, w.placements)):
             x_split = isinstance(px, Shard) and ("cols" if px.dim == last else "rows")
             w_split = isinstance(pw, Shard) and ("cols" if pw.dim == 1 else "rows")
             if px.is_partial() or pw.is_partial() or (x_split == "cols") != (w_split == "cols") \
                     or (x_split == "rows" and w_split):
-                raise ConfigError(f"fp8 linear: unsupported layout of input {x.placements} and weight "
-                                  f"{w.placements} on mesh dim {i}: use train.precision bf16 for this plan")
+                return None
             if x_split:
                 x_dims[x_split].add(i)
             if w_split:
@@ -489,6 +500,14 @@ class ShardedContext:
                                               for i, p in enumerate(x.placements)])
         w_local = w.to_local(grad_placements=[Partial() if i in x_dims["rows"] else p
                                               for i, p in enumerate(w.placements)])
+        out = gemm(x_local, w_local, x_dims, w_dims)
+        shape = (*x.shape[:-1], w.shape[0])
+        return DTensor.from_local(out, self.mesh, out_placements, run_check=False, shape=shape,
+                                  stride=make_contiguous_strides_for(shape))
+
+    def _fp8_gemm(self, recipe: str, x: torch.Tensor, w: torch.Tensor, x_dims, w_dims) -> torch.Tensor:
+        """fp8 GEMM of local shards, quantised with the scales one process would use: each
+        amax is all-reduced (max) over the mesh dims that split the dims it was taken over."""
         # Dims of the operands as fp8_linear names them: x (M, K), w (N, K), grad (M, N).
         split = {"x": (x_dims["rows"], x_dims["cols"]), "w": (w_dims["rows"], w_dims["cols"]),
                  "grad": (x_dims["rows"], w_dims["rows"])}
@@ -498,10 +517,7 @@ class ShardedContext:
                 t = funcol.all_reduce(t, "max", (self.mesh, i))
             return t
 
-        out = fp8_linear(x_local, w_local, recipe, allmax)
-        shape = (*x.shape[:-1], w.shape[0])
-        return DTensor.from_local(out, self.mesh, out_placements, run_check=False, shape=shape,
-                                  stride=make_contiguous_strides_for(shape))
+        return fp8_linear(x, w, recipe, allmax)
 
     def remat(self, fn, *args):
         if torch.compiler.is_compiling() and self.policy.checkpointing != "none":

@@ -75,8 +75,6 @@ def make_train_step(model: ModelDef, plan=None, device_mesh=None, *, optimizer: 
     gradients up locally and reduce-scatters once per step instead of every micro-step.
     The loss is reduced once per step.
     """
-    if compile and plan is not None:
-        check_compile_with_cp(plan.mesh)
     policy = policy or Policy.of(precision, fp8_recipe, activation_checkpointing)
     if compile:
         check_compile_with_checkpointing(getattr(model.cfg, "moe", None) is not None, policy.checkpointing,
@@ -183,15 +181,6 @@ def moe_step(state: TrainState, cfg, layers, load: torch.Tensor, updated: bool =
                 bias = local(state.params[f"layers.{i}.moe.expert_bias"])
                 bias.copy_(expert_bias_step(bias, load[j], cfg.bias_update_rate))
     return imbalance(load)
-
-
-def check_compile_with_cp(mesh) -> None:
-    """Compiled steps take cp only as the sole mesh axis: with another axis beside it,
-    DTensor's tracing of the cp-sharded sequence fails (unbacked sizes, torch 2.13)."""
-    if mesh.cp > 1 and len(mesh.axes) > 1:
-        others = ", ".join(f"{a}={mesh.size(a)}" for a in mesh.axes if a != "cp")
-        raise ConfigError(f"train.compile with parallel.cp={mesh.cp} needs cp to be the only parallel axis, "
-                          f"but the mesh also has {others}: set train.compile false, or use cp alone")
 
 
 def check_compile_with_checkpointing(moe: bool, activation_checkpointing: str, sharded: bool = False) -> None:
