@@ -149,15 +149,14 @@ class RunConfig:
         """The Plan of this config for `world` ranks (None: the product of the fixed sizes,
         with a -1 axis taken as `fill`)."""
         from ..parallel.plan import make_plan
-        from ..train.step import check_compile_with_checkpointing
+        from ..train.step import check_compile
 
         plan = make_plan(self.model_def().specs, self.rules(), self.mesh_spec(fill=fill), world=world,
                          cp_comm=self.parallel.cp_comm)
         if world is not None:  # the batch against the resolved data-parallel size, before any rank starts
             self._check_batch_at(plan.mesh)
         if self.train.compile:
-            check_compile_with_checkpointing(self.model.moe is not None, self.train.activation_checkpointing,
-                                             sharded=plan.mesh.world > 1)
+            check_compile(self.model.moe is not None, self.train.activation_checkpointing, sharded=plan.mesh.world > 1)
         return plan
 
     # --- what the run is built from ----------------------------------------------

@@ -16,6 +16,7 @@ calls with DTensor layouts and collectives.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Mapping, Protocol, Sequence
 
 import torch
@@ -121,7 +122,7 @@ class LocalContext:
         return out if bias is None else out + bias
 
     def remat(self, fn, *args):
-        return self.policy.remat(fn, *args)
+        return remat_recording(self.policy, self, fn, *args)
 
     def constrain(self, x, axes):
         return x
@@ -158,11 +159,13 @@ class MoeRecords:
         self.balance, self.z, self.load = [], [], []
 
     def add(self, balance: torch.Tensor | None, z: torch.Tensor | None, load: torch.Tensor) -> None:
-        if _recomputing():  # activation checkpointing runs the block again in backward
-            return
         for kept, value in ((self.balance, balance), (self.z, z), (self.load, load)):
             if value is not None:
                 kept.append(value)
+
+    def extend(self, other: tuple[list, list, list]) -> None:
+        for kept, values in zip((self.balance, self.z, self.load), other):
+            kept.extend(values)
 
     def take(self):
         if not self.load:
@@ -171,6 +174,38 @@ class MoeRecords:
         self.balance, self.z, self.load = [], [], []
         return out
 
+
+
+class _OwnRecords:
+    """`ctx` for one checkpointed block, whose MoE layers record into records of its own
+    (ctx.moe runs with this as self; every other call goes to ctx)."""
+
+    def __init__(self, ctx):
+        self._ctx, self._moe = ctx, MoeRecords()
+
+    def __getattr__(self, name):
+        return getattr(self._ctx, name)
+
+    def moe(self, *args):
+        return type(self._ctx).moe(self, *args)
+
+
+def _recording(fn, ctx, *args):
+    own = _OwnRecords(ctx)
+    out = fn(*(own if a is ctx else a for a in args))
+    return out, (own._moe.balance, own._moe.z, own._moe.load)
+
+
+def remat_recording(policy: Policy, ctx, fn, *args):
+    """policy.remat(fn, *args) for a block that takes `ctx` among its args: under
+    checkpointing the block returns its MoE terms as values, added to ctx's records
+    outside the checkpointed region. So the region has no side effect (dynamo refuses
+    one there), and the recompute in backward records nothing."""
+    if policy.checkpointing == "none" or not any(a is ctx for a in args):
+        return policy.remat(fn, *args)
+    out, records = policy.remat(partial(_recording, fn, ctx), *args)
+    ctx._moe.extend(records)
+    return out
 
 
 def _recomputing() -> bool:

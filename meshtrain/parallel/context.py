@@ -36,7 +36,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from ..errors import ConfigError
-from ..models.context import MoeRecords, _recomputing, causal_attention
+from ..models.context import MoeRecords, _recomputing, causal_attention, remat_recording
 from ..models.fp8 import fp8_linear
 from ..models.losses import cross_entropy_sum
 from ..models.moe import balance_loss, route, routed_experts, sequence_stats, z_loss
@@ -524,8 +524,8 @@ class ShardedContext:
             # Dynamo refuses a checkpointed region that mutates state from outside it, as
             # gathering a bucket into the forward's view of the parameters does: the
             # block gathers into a view of its own, made inside the region.
-            return self.policy.remat(partial(_with_own_view, fn), *args)
-        return self.policy.remat(fn, *args)
+            fn = partial(_with_own_view, fn)
+        return remat_recording(self.policy, self, fn, *args)
 
     def attention(self, q: DTensor, k: DTensor, v: DTensor) -> DTensor:
         """Causal attention on local shards: heads split by tp need nothing; a sequence
