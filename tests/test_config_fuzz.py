@@ -342,8 +342,10 @@ CROSS = [
     _x("tiny-pp2", "train.compile=true"),
     # compile
     _x("tiny-moe", "train.compile=true"),
-    _x("tiny-cp2", "train.compile=true", "parallel.tp=2", "parallel.nproc_per_node=4", value="tp=2"),
-    _x("tiny-moe", "train.activation_checkpointing=selective", "train.compile=true", "parallel.ep=1"),
+    _x("tiny-4proc", "train.compile=true", "train.activation_checkpointing=full", key="train.activation_checkpointing",
+       value="full"),
+    _x("tiny-moe", "train.activation_checkpointing=selective", "train.compile=true", "parallel.ep=1",
+       key="train.compile", value="true"),
 ]
 
 

@@ -188,11 +188,11 @@ def check_compile(moe: bool, activation_checkpointing: str, sharded: bool) -> No
     AOTAutograd's forward refuses; with MoE blocks, the compiled backward is handed a
     plain tangent where it expects a DTensor (docs/parallelism.md, Known gaps 13, 15)."""
     if sharded and activation_checkpointing == "full":
-        raise ConfigError("train.compile with train.activation_checkpointing=full is not supported on more than one "
-                          "rank (torch 2.13 fails to save a whole checkpointed block's DeviceMesh): use "
+        raise ConfigError("train.compile true with train.activation_checkpointing=full is not supported on more than "
+                          "one rank (torch 2.13 fails to save a whole checkpointed block's DeviceMesh): use "
                           "activation_checkpointing selective (it recomputes the gathers too), or train.compile false")
     if sharded and moe:
-        raise ConfigError("train.compile with MoE blocks (model.moe) is not supported on more than one rank yet "
+        raise ConfigError("train.compile true with MoE blocks (model.moe) is not supported on more than one rank yet "
                           "(torch 2.13: the compiled backward fails on the MoE terms): set train.compile false")
 
 
