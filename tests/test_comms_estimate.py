@@ -351,6 +351,10 @@ MOE_CASES = [
      4, 8, 2, "bf16"),
     ("moe-fsdp2xtp2-ep2-sp-all", dict(shared_experts=1, layers="all"), dict(fsdp=2, tp=2, ep=2), True, 4, 8, 4,
      "fp32"),
+    # Expert weights with something to gather (the expert mesh's fsdp 2) and to all-reduce
+    # (its dp 2): their own buckets, on the expert mesh's groups.
+    ("moe-fsdp4-ep2", dict(shared_experts=1, layers="all"), dict(fsdp=4, ep=2), False, 4, 8, 4, "fp32"),
+    ("moe-dp2xfsdp2-ep2-bf16", dict(balance="aux_free"), dict(dp=2, fsdp=2, ep=2), False, 4, 8, 4, "bf16"),
 ]
 
 

@@ -199,3 +199,54 @@ def test_compiled_step_reduces_replicas_once_per_step(layout, monkeypatch):
         assert all(n <= len(plan_buckets(plan)[0]) for n in held.values())  # once per step, not per micro-step
     finally:
         dist.destroy_process_group()
+
+
+def test_compiled_unsharded_accumulation_reduce_scatters_once_per_step(monkeypatch):
+    """parallel.fsdp_accumulate unsharded, compiled, two micro-steps (HSDP): the backward
+    graph reduce-scatters nothing (each bucket's whole gradient goes to a leaf whose .grad
+    sums the micro-steps); after the last backward each bucket is reduce-scattered once and
+    its dp part all-reduced once: what the plan counts."""
+    from meshtrain.parallel.buckets import BucketRun
+
+    layout, world = dict(dp=2, fsdp=2), 4
+    torch._dynamo.reset()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    try:
+        model = build("llama", SMALL)
+        plan = make_plan(model.specs, Rules.default(), MeshSpec(**layout), world=world)
+        mesh = plan.mesh.build()
+        after = Counter()
+        real_scatter, real_reduce = BucketRun.scatter_sinks, BucketRun.all_reduce
+
+        def scatter(run, leaves):
+            after["reduce_scatter_sum"] += sum(s.grad is not None for s in run.sinks)
+            return real_scatter(run, leaves)
+
+        def reduce(run, items, dims):
+            after["all_reduce_sum"] += 1
+            return real_reduce(run, items, dims)
+
+        monkeypatch.setattr(BucketRun, "scatter_sinks", scatter)
+        monkeypatch.setattr(BucketRun, "all_reduce", reduce)
+        graphs = []
+        step = make_train_step(model, plan, mesh, optimizer=AdamW(lr=1e-3), compile=_recording_backend(graphs),
+                               fsdp_accumulate="unsharded")
+        t = torch.randint(0, SMALL.vocab_size, (2, 2 * world, 9), generator=torch.Generator().manual_seed(0))
+        state = TrainState.create(init_params(plan, mesh, seed=0))
+        step(state, {"tokens": t[..., :-1], "targets": t[..., 1:]})
+        (_, fwd), (_, bwd) = graphs[:2]
+        assert bwd["reduce_scatter_sum"] == 0 and bwd["all_reduce"] == 0, bwd
+        buckets = len(plan_buckets(plan)[0])
+        assert after == {"reduce_scatter_sum": buckets, "all_reduce_sum": buckets}, after
+        got = Counter({("backward", op): n for op, n in after.items()})
+        got.update({("forward", op): 2 * n for op, n in fwd.items() if op in OPS.values()})
+        got.update({("backward", op): 2 * n for op, n in bwd.items() if op in OPS.values()})
+        est = step_collectives(plan, model, micro_batch_rows=2 * world, seq_len=8, micro_steps=2, compiled=True,
+                               fsdp_accumulate="unsharded")
+        want = Counter()
+        for e in est:
+            if e["op"] in OPS.values() or (e["phase"], e["op"]) == ("backward", "all_reduce_sum"):
+                want[e["phase"], e["op"]] += e["count"]
+        assert got == want, (got, want)
+    finally:
+        dist.destroy_process_group()

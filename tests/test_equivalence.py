@@ -212,10 +212,13 @@ def test_layouts_match_single_process(reference, world):
 
 
 @pytest.mark.slow
-def test_unsharded_accumulation_matches_single_process(reference):
+@pytest.mark.parametrize("compile", [False, "aot_eager"], ids=["eager", "compiled"])
+def test_unsharded_accumulation_matches_single_process(reference, compile):
     """parallel.fsdp_accumulate unsharded: the first micro-step's gradients held whole and
-    reduce-scattered with the second's (HSDP's dp all-reduce once too; uneven shards)."""
-    results = run_ranks(train_layouts, 4, 4, False, ["dp2_fsdp2", "fsdp2_tp2_sp", "fsdp4_uneven"],
+    reduce-scattered with the second's (HSDP's dp all-reduce once too; uneven shards).
+    Compiled, the graphs hand each bucket's whole gradient to a leaf of its own whose .grad
+    sums the micro-steps, reduce-scattered after the last backward."""
+    results = run_ranks(train_layouts, 4, 4, compile, ["dp2_fsdp2", "fsdp2_tp2_sp", "fsdp4_uneven"],
                         {"fsdp_accumulate": "unsharded"})
     _check(reference, results[0])
 

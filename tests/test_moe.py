@@ -46,7 +46,9 @@ LAYOUTS = {
     # World 4 runs the modes whose reductions the layout changes (ep2 runs all three).
     4: {"ep2_fsdp2": ({"fsdp": 4, "ep": 2}, False, ("aux",)),
         "ep2_tp2_sp": ({"fsdp": 2, "tp": 2, "ep": 2}, True, ("aux_free",)),
-        "ep4_fsdp2_cp2": ({"fsdp": 2, "cp": 2, "ep": 4}, False, ("aux",))},
+        "ep4_fsdp2_cp2": ({"fsdp": 2, "cp": 2, "ep": 4}, False, ("aux",)),
+        # The expert weights' gradients partial over dp: their bucket's all-reduce, once per step.
+        "ep2_dp2_fsdp2": ({"dp": 2, "fsdp": 2, "ep": 2}, False, ("aux_free",))},
 }
 
 

@@ -255,8 +255,7 @@ def _validate_experts(cfg: "RunConfig") -> None:
 
 def _validate_unsharded_accumulation(cfg: "RunConfig") -> None:
     p = cfg.parallel
-    for bad, why in ((cfg.train.compile, "train.compile true (compiled steps reduce one parameter at a time)"),
-                     (p.bucket == "param", "parallel.bucket param (the per-parameter reference path)"),
+    for bad, why in ((p.bucket == "param", "parallel.bucket param (the per-parameter reference path)"),
                      (p.pp > 1, "parallel.pp > 1 (a pipeline reduces every micro-batch)")):
         if bad:
             raise ConfigError(f"parallel.fsdp_accumulate=unsharded does not work with {why}: set "

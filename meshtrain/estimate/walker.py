@@ -95,11 +95,13 @@ class _Walker:
             entry[0] += n
             entry[1] += n * nbytes
 
-    def add_group(self, phase, op, dims, nbytes, n=1):
-        """n collectives of nbytes each over the group of dense mesh dims `dims` (a
-        parameter bucket's group, parallel/buckets.py), named as `group_axes` names it."""
-        if n and math.prod(self.mesh.shape[i] for i in dims) > 1:
-            entry = self.out[(phase, op, group_axes(self.mesh.axes, dims))]
+    def add_group(self, phase, op, dims, nbytes, n=1, mesh=None):
+        """n collectives of nbytes each over the group of mesh dims `dims` (of the dense
+        mesh unless `mesh`: a parameter bucket's group, parallel/buckets.py), named as
+        `group_axes` names it."""
+        mesh = mesh or self.mesh
+        if n and math.prod(mesh.shape[i] for i in dims) > 1:
+            entry = self.out[(phase, op, group_axes(mesh.axes, dims))]
             entry[0] += n
             entry[1] += n * nbytes
 
@@ -303,13 +305,11 @@ def bucket_traffic(w: _Walker, events, unit, names, policy: Policy, prefetch: in
 
     Returns the eager backward's gathers again, in the order backward issues them:
     (bucket index, {(phase, op, axis): [count, bytes]}) each."""
-    plan, shape, axes = w.plan, w.plan.mesh.shape, w.mesh.axes
+    plan = w.plan
     buckets, _ = plan_buckets(plan, unit)
-    groups = group_dims(buckets, plan)
+    groups = {b.mesh: group_dims(buckets, plan, b.mesh) for b in buckets}
     bucket_of = {n: b.index for b in buckets for n in b.names}
     complete = {b.index for b in buckets if all(n in names for n in b.names)}
-    data = tuple(i for i, a in enumerate(axes) if a in DATA_AXES and shape[i] > 1)
-    ways = lambda dims: math.prod(shape[i] for i in dims)  # noqa: E731
     cache: dict[int, list] = {}
 
     def sets_of(b: int) -> list:
@@ -317,23 +317,28 @@ def bucket_traffic(w: _Walker, events, unit, names, policy: Policy, prefetch: in
         if b not in cache:
             bucket = buckets[b]
             dtypes = [policy.param_dtype(m.name) or plan.params[m.name].spec.dtype for m in bucket.members]
-            cache[b] = [(g, dtype, js, sum(math.prod(bucket.members[j].padded(shape)) for j in js))
-                        for g, dtype, js in gather_sets(bucket, shape, dtypes)]
+            cache[b] = [(g, dtype, js, sum(math.prod(bucket.members[j].padded(bucket.mesh.shape)) for j in js))
+                        for g, dtype, js in gather_sets(bucket, bucket.mesh.shape, dtypes)]
         return cache[b]
+
+    def ways(b: int, dims) -> int:
+        return math.prod(buckets[b].mesh.shape[i] for i in dims)
 
     def gather(b: int, phase: str, into: _Walker = w):
         for g, dtype, _, numel in sets_of(b):
-            into.add_group(phase, "all_gather", g, ways(g) * numel * dtype.itemsize)
+            into.add_group(phase, "all_gather", g, ways(b, g) * numel * dtype.itemsize, mesh=buckets[b].mesh)
 
     def in_sets(b: int) -> set[int]:
         return {j for _, _, js, _ in sets_of(b) for j in js}
 
     def reduce(b: int, grads: dict):
         bucket = buckets[b]
+        mesh, shape = bucket.mesh, bucket.mesh.shape
         for g, _, js, numel in sets_of(b):
             itemsize = plan.params[bucket.members[js[0]].name].spec.dtype.itemsize
             (step if unsharded and step is not None else w).add_group("bwd", "reduce_scatter_sum", g,
-                                                                        ways(g) * numel * itemsize)
+                                                                        ways(b, g) * numel * itemsize, mesh=mesh)
+        data = tuple(i for i, a in enumerate(mesh.axes) if a in DATA_AXES and shape[i] > 1)
         gathered, partial = in_sets(b), defaultdict(int)
         for j, m in enumerate(bucket.members):
             spec, compute = plan.params[m.name].spec, w.compute(m.name)
@@ -341,11 +346,11 @@ def bucket_traffic(w: _Walker, events, unit, names, policy: Policy, prefetch: in
             done = set(m.gather) if j in gathered else set()
             dims = tuple(i for i, q in enumerate(grad) if q == P and i not in done and shape[i] > 1)
             if dims:
-                numel = math.prod(m.padded(shape)) if j in gathered else w._numel(spec.shape, compute)
+                numel = math.prod(m.padded(shape)) if j in gathered else w._numel(spec.shape, compute, mesh=mesh)
                 partial[dims] += numel * spec.dtype.itemsize
         for dims, nbytes in partial.items():
-            for group in ([dims] if dims in groups else [(i,) for i in dims]):
-                (step or w).add_group("bwd", "all_reduce_sum", group, nbytes)
+            for group in ([dims] if dims in groups[mesh] else [(i,) for i in dims]):
+                (step or w).add_group("bwd", "all_reduce_sum", group, nbytes, mesh=mesh)
 
     kept: dict[str, int | None] = {}  # reused parameters: the gather (index into calls) they came from
     live, pending = None, set()  # (bucket, call) gathered last; buckets whose gather was issued ahead

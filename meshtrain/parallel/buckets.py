@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor, Partial, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from ..errors import ConfigError
-from .mesh import GATHERED_AXES
+from .mesh import GATHERED_AXES, MeshSpec
 from .plan import ParamPlan, Plan
 
 BUCKET_UNITS = ("block", "param")
@@ -77,6 +77,7 @@ class Member:
 class Bucket:
     index: int
     members: tuple[Member, ...]
+    mesh: MeshSpec  # the mesh its members' placements (and `Member.gather`) refer to
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -92,13 +93,14 @@ def _member_bytes(m: Member, plan: Plan) -> int:
     return math.prod(m.shape) * plan.params[m.name].spec.dtype.itemsize
 
 
-def _member(p: ParamPlan, plan: Plan) -> Member | None:
-    """How `p` is gathered, or None where a bucket cannot hold it (expert weights on the
-    expert mesh, strided or nested shards, frozen tensors): those keep one collective per
-    parameter."""
-    if p.mesh is not plan.mesh or any(isinstance(q, _StridedShard) for q in p.placements) or not p.spec.trainable:
+def _member(p: ParamPlan) -> Member | None:
+    """How `p` is gathered over the mesh its placements refer to (the expert mesh for
+    expert weights), or None where a bucket cannot hold it (strided or nested shards,
+    frozen tensors): those keep one collective per parameter."""
+    if any(isinstance(q, _StridedShard) for q in p.placements) or not p.spec.trainable:
         return None  # (a frozen tensor, e.g. the aux-free expert bias, has no gradient to reduce)
-    axes = plan.mesh.axes
+    mesh = p.mesh
+    axes = mesh.axes
     gather = tuple(i for i, (a, q) in enumerate(zip(axes, p.placements)) if a in GATHERED_AXES and isinstance(q, Shard))
     dims = {p.placements[i].dim for i in gather}
     if len(dims) > 1:
@@ -110,8 +112,8 @@ def _member(p: ParamPlan, plan: Plan) -> Member | None:
     shape = list(p.spec.shape)
     for i, q in enumerate(p.placements):
         if isinstance(q, Shard) and i not in gather:
-            shape[q.dim] //= plan.mesh.size(axes[i])
-    ways = math.prod(plan.mesh.size(axes[i]) for i in gather)
+            shape[q.dim] //= mesh.size(axes[i])
+    ways = math.prod(mesh.size(axes[i]) for i in gather)
     if len(gather) > 1 and shape[dim] % ways:
         return None  # nested uneven shards are not one flat chunking
     return Member(p.name, gather, dim, tuple(shape))
@@ -128,32 +130,35 @@ def _unit(name: str, seen_block: bool) -> str:
 
 def plan_buckets(plan: Plan, unit: str | float = "block", names=None) -> tuple[list[Bucket], set[str]]:
     """The buckets of `names` (default: every parameter, in the plan's order, which is
-    forward order) and the parameters left to one collective each."""
+    forward order) and the parameters left to one collective each. A bucket's members
+    share a mesh: a block's expert weights on the expert mesh are a bucket of their own,
+    between the block's dense weights used before and after them."""
     unit = check_bucket(unit)
     names = list(plan.params) if names is None else list(names)
-    alone, groups, keys = set(), [], []
+    alone, groups, keys, meshes = set(), [], [], []
     seen_block, size = False, 0.0
     for name in names:
         p = plan.params[name]
-        member = None if unit == "param" else _member(p, plan)
+        member = None if unit == "param" else _member(p)
         if member is None:
             alone.add(name)
             continue
         nbytes = _member_bytes(member, plan)
         if unit == "block":
-            key = _unit(name, seen_block)
-            seen_block = seen_block or key.startswith("layers.")
+            key = (_unit(name, seen_block), p.mesh)
+            seen_block = seen_block or key[0].startswith("layers.")
             new = not keys or keys[-1] != key
         else:
-            new = not groups or size + nbytes > unit * 2 ** 20
+            new = not groups or size + nbytes > unit * 2 ** 20 or meshes[-1] != p.mesh
             key = len(groups)
         if new:
             groups.append([])
             keys.append(key)
+            meshes.append(p.mesh)
             size = 0.0
         groups[-1].append(member)
         size += nbytes
-    return [Bucket(i, tuple(g)) for i, g in enumerate(groups)], alone
+    return [Bucket(i, tuple(g), m) for i, (g, m) in enumerate(zip(groups, meshes))], alone
 
 
 def gather_sets(bucket: Bucket, mesh_shape, dtypes) -> list[tuple[tuple[int, ...], object, tuple[int, ...]]]:
@@ -174,13 +179,16 @@ def group_axes(axes, dims: tuple[int, ...]) -> str:
     return "+".join(axes[i] for i in dims)
 
 
-def group_dims(buckets: list[Bucket], plan: Plan) -> set[tuple[int, ...]]:
-    """Every set of mesh dims a bucket's collectives (or the step's loss) run over: each
-    becomes one process group at run time."""
-    mesh = plan.mesh
+def group_dims(buckets: list[Bucket], plan: Plan, mesh: MeshSpec | None = None) -> set[tuple[int, ...]]:
+    """Every set of dims of `mesh` (default: the plan's, the dense mesh) that the
+    collectives of the buckets on it (and, on the dense mesh, the step's loss) run over:
+    each becomes one process group at run time."""
+    mesh = plan.mesh if mesh is None else mesh
     data = tuple(i for i, a in enumerate(mesh.axes) if a in DATA_AXES and mesh.size(a) > 1)
     out = set()
     for b in buckets:
+        if b.mesh != mesh:
+            continue
         for m in b.members:
             live = tuple(i for i in m.gather if mesh.shape[i] > 1)
             out.add(live)
@@ -189,7 +197,8 @@ def group_dims(buckets: list[Bucket], plan: Plan) -> set[tuple[int, ...]]:
             whole = {i for i, q in enumerate(plan.params[m.name].compute_placements())
                      if q.is_replicate() and mesh.shape[i] > 1}
             out.add(tuple(sorted((set(data) | whole) - set(live))))
-    out.add(data)  # the loss
+    if mesh == plan.mesh:
+        out.add(data)  # the loss
     for dims in list(out):  # one dim at a time, where no flattened group is made
         out.update((i,) for i in dims)
     return {s for s in out if s}
@@ -259,7 +268,7 @@ class BucketRun:
     """A bucket on a live mesh: its gather sets, dtypes and placements."""
 
     def __init__(self, bucket: Bucket, plan: Plan, mesh, groups: Groups, policy, inflight: InFlight,
-                 unsharded: bool = False):
+                 unsharded: bool = False, seq_dims: frozenset[int] = frozenset()):
         self.bucket, self.mesh, self.groups, self.inflight = bucket, mesh, groups, inflight
         self.hold = False  # set by the step: leave the last all-reduces to a later micro-step
         self._held = False  # .grad holds partial sums that the next reduction must add in
@@ -267,6 +276,8 @@ class BucketRun:
         # packed gradients of each gather set add up here until the last micro-step.
         self.unsharded = unsharded
         self._packed: dict[int, torch.Tensor] = {}
+        # Mesh dims that split the sequence: a weight used whole there gets partial gradients.
+        self.seq_dims = seq_dims
         shape = tuple(mesh.shape)
         self.mesh_shape = shape
         self.param_dtypes, self.dtypes, self.compute, self.global_shapes = [], [], [], []
@@ -287,6 +298,31 @@ class BucketRun:
                 offsets.append(n)
                 n += self.numels[j]
             self.sets.append(_Set(gather, dtype, tuple(js), tuple(offsets), n, groups.size(gather)))
+        # Traced steps with `unsharded`: per set, a leaf whose .grad gathers the whole packed
+        # gradient over the micro-steps (one element expanded: only its .grad has the size;
+        # made here, as a traced step cannot make a leaf).
+        self.sinks = [torch.zeros((), dtype=self.param_dtypes[s.members[0]], device=mesh.device_type)
+                      .expand(s.ways * s.numel).requires_grad_() for s in self.sets] if unsharded else []
+
+    def scatter_sinks(self, leaves) -> None:
+        """After a traced step's last backward, with `unsharded`: each set's summed packed
+        gradient reduce-scattered once, into its members' .grad (the shards' layout, Partial
+        where something is still to reduce: `ShardedContext.reduce_held` goes on)."""
+        partial = {j: dims for dims, js in held_partials(self).items() for j in js}
+        for k, s in enumerate(self.sets):
+            sink = self.sinks[k]
+            if sink.grad is None:
+                continue
+            mine = funcol.wait_tensor(funcol.reduce_scatter_single(sink.grad.contiguous(), "sum", 0,
+                                                                   self.groups.name(s.gather)))
+            sink.grad = None
+            for j, off in zip(s.members, s.offsets):
+                m, leaf = self.bucket.members[j], leaves[j]
+                local = mine[off:off + self.numels[j]].view(self.padded[j]).narrow(m.dim, 0,
+                                                                                  leaf._local_tensor.shape[m.dim])
+                placements = [Partial() if i in partial.get(j, ()) else q for i, q in enumerate(leaf.placements)]
+                leaf.grad = DTensor.from_local(local.contiguous(), leaf.device_mesh, placements, run_check=False,
+                                               shape=leaf.shape, stride=leaf.stride())
 
     # ------------------------------------------------------------------ forward
     def pack(self, s: _Set, locals_) -> torch.Tensor:
@@ -446,29 +482,44 @@ class _GatherFlat(torch.autograd.Function):
         return funcol.reduce_scatter_tensor(grad.to(ctx.dtype).contiguous(), "sum", 0, ctx.group), None, None, None
 
 
-def _grad_layouts(run: "BucketRun", seq_dims: set[int]) -> list[tuple]:
+class _GatherFlatUnsharded(torch.autograd.Function):
+    """_GatherFlat for parallel.fsdp_accumulate unsharded: backward hands the whole packed
+    gradient to `sink`, a leaf whose .grad adds up the step's micro-steps, instead of
+    reduce-scattering it; `ShardedContext.reduce_held` reduce-scatters that sum once."""
+
+    @staticmethod
+    def forward(ctx, flat: torch.Tensor, sink: torch.Tensor, dtype, group: str):
+        ctx.dtype = flat.dtype
+        return funcol.all_gather_tensor(flat.to(dtype), 0, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return None, grad.to(ctx.dtype).reshape(-1), None, None
+
+
+def _grad_layouts(run: "BucketRun") -> list[tuple]:
     """The layout each gathered weight's gradient is taken in: Partial over the dims that
     split the tokens (the data dims, and the sequence dims for a weight used whole)."""
-    return [tuple(Partial() if q.is_replicate() and run.mesh_shape[i] > 1 and (i in run.data or i in seq_dims)
+    return [tuple(Partial() if q.is_replicate() and run.mesh_shape[i] > 1 and (i in run.data or i in run.seq_dims)
                   else q for i, q in enumerate(compute))
             for compute in run.compute]
 
 
-def held_partials(run: "BucketRun", seq_dims: set[int]) -> dict[tuple[int, ...], list[int]]:
+def held_partials(run: "BucketRun") -> dict[tuple[int, ...], list[int]]:
     """The members whose gradients a traced step leaves partial after the reduce-scatters,
     by the mesh dims they are partial over (replica dims; tp where a norm meets sequence-
     parallel activations: `seq_dims`): `ShardedContext.reduce_held` sums them once per
     step."""
     gathered = {j: s.gather for s in run.sets for j in s.members}
     out: dict[tuple, list[int]] = {}
-    for j, layout in enumerate(_grad_layouts(run, seq_dims)):
+    for j, layout in enumerate(_grad_layouts(run)):
         dims = tuple(i for i, q in enumerate(layout) if q.is_partial() and i not in gathered.get(j, ()))
         if dims:
             out.setdefault(dims, []).append(j)
     return out
 
 
-def traced_gather(run: "BucketRun", seq_dims: set[int], *shards: DTensor) -> tuple[DTensor, ...]:
+def traced_gather(run: "BucketRun", *shards: DTensor) -> tuple[DTensor, ...]:
     """A bucket's gather written as differentiable ops on local tensors, for traced steps:
     one all-gather per gather set forward, one reduce-scatter per set backward. What is
     still partial after that (`held_partials`) stays partial in the shards' gradients,
@@ -477,14 +528,14 @@ def traced_gather(run: "BucketRun", seq_dims: set[int], *shards: DTensor) -> tup
     graph cannot hold on some micro-steps and not on others without a second graph).
     The gathered weights declare the gradient layout they take (`_grad_layouts`), so
     DTensor turns whatever backward brings into that layout first."""
-    held = {j: dims for dims, js in held_partials(run, seq_dims).items() for j in js}
+    held = {j: dims for dims, js in held_partials(run).items() for j in js}
     locals_ = [s.to_local(grad_placements=[Partial() if i in held.get(j, ()) else q
                                            for i, q in enumerate(s.placements)])
                for j, s in enumerate(shards)]
-    layouts = _grad_layouts(run, seq_dims)
+    layouts = _grad_layouts(run)
     gathered = {j: s.gather for s in run.sets for j in s.members}
     out = {j: t.to(run.dtypes[j]) for j, t in enumerate(locals_) if j not in gathered}
-    for s in run.sets:
+    for k, s in enumerate(run.sets):
         pieces = []
         for j in s.members:
             m, padded = run.bucket.members[j], run.padded[j]
@@ -495,7 +546,9 @@ def traced_gather(run: "BucketRun", seq_dims: set[int], *shards: DTensor) -> tup
                 pad[m.dim] = missing
                 t = torch.cat([t, t.new_zeros(pad)], m.dim)
             pieces.append(t.reshape(-1))
-        full = _GatherFlat.apply(torch.cat(pieces), s.dtype, run.groups.name(s.gather), s.ways).view(s.ways, s.numel)
+        flat, group = torch.cat(pieces), run.groups.name(s.gather)
+        full = (_GatherFlatUnsharded.apply(flat, run.sinks[k], s.dtype, group) if run.unsharded
+                else _GatherFlat.apply(flat, s.dtype, group, s.ways)).view(s.ways, s.numel)
         # split, not slices: backward concatenates the pieces' gradients into one buffer
         # (a slice's backward would fill a whole-bucket buffer of zeros for each member).
         for j, piece in zip(s.members, full.split([run.numels[j] for j in s.members], dim=1)):

@@ -45,6 +45,7 @@ from .buckets import (BucketGather, BucketRun, Groups, InFlight, group_dims, hel
                       traced_gather)
 from .cp_attention import context_parallel_attention, zigzag_order
 from .expert_parallel import AllToAllExchange, CopyToTensorParallel
+from .mesh import device_mesh_for
 from .plan import Plan
 
 
@@ -243,7 +244,7 @@ class _BoundParams(Mapping):
         context = self._context
         run = context._runs[b]
         shards = [self._params[n] for n in run.bucket.names]
-        gather = partial(traced_gather, run, context._seq_dims)
+        gather = partial(traced_gather, run)
         outs = _recomputed(gather, *shards) if self._recompute else gather(*shards)
         return dict(zip(run.bucket.names, outs))
 
@@ -303,18 +304,25 @@ class ShardedContext:
         self.prefetch, self.reshard = prefetch, reshard_after_forward
         buckets, _ = plan_buckets(plan, bucket)
         self._groups = Groups(device_mesh, group_dims(buckets, plan))
+        # Expert weights' buckets run on the expert mesh, with groups of its own (made on
+        # every rank, in the same order: group creation is collective).
+        meshes = {plan.mesh: (device_mesh, self._groups)}
+        for spec in dict.fromkeys(b.mesh for b in buckets if b.mesh != plan.mesh):
+            folded = device_mesh_for(device_mesh, spec)
+            meshes[spec] = (folded, Groups(folded, group_dims(buckets, plan, spec)))
         inflight = InFlight(prefetch)  # gradient reductions in flight, as many as gathers ahead
         unsharded = fsdp_accumulate == "unsharded"
-        self._runs = [BucketRun(b, plan, device_mesh, self._groups, self.policy, inflight, unsharded)
-                      for b in buckets]
+        # Mesh dims that split the sequence: a weight used whole there gets partial
+        # gradients (expert weights meet routed rows, not sequences).
+        seq = frozenset(plan.mesh.axes.index(a) for axis in ("seq", "seq_sp") for a in plan.rules.lookup(axis)
+                        if a in plan.mesh.axes)
+        self._runs = [BucketRun(b, plan, *meshes[b.mesh], self.policy, inflight, unsharded,
+                                seq if b.mesh == plan.mesh else frozenset()) for b in buckets]
         self._bucket_of = {n: b.index for b in buckets for n in b.names}
         self._gathered: dict[int, tuple] = {}  # storage of a gathered parameter -> how to fetch it again
         self._regathered: dict[int, list] = {}  # backward: buckets gathered again (the current, the next)
         self._pending_bwd: dict[int, tuple] = {}
         self._cp_dim = plan.mesh.axes.index("cp") if "cp" in plan.mesh.axes else None
-        # Mesh dims that split the sequence: a weight used whole there gets partial gradients.
-        self._seq_dims = {plan.mesh.axes.index(a) for axis in ("seq", "seq_sp") for a in plan.rules.lookup(axis)
-                          if a in plan.mesh.axes}
         self._moe = MoeRecords()
 
     def bind(self, params):
@@ -384,10 +392,14 @@ class ShardedContext:
         (parallel.buckets `held_partials`: replica dims, tp for sequence-parallel norms),
         summed over every micro-step in .grad, all-reduced once, one collective per bucket
         and set of mesh dims as the eager step's last micro-step issues them, `prefetch`
-        of them in flight. (An eager step has reduced them already: nothing is partial.)"""
+        of them in flight. (An eager step has reduced them already: nothing is partial.)
+        With parallel.fsdp_accumulate unsharded, the whole packed gradients the graphs
+        summed are reduce-scattered first, once (`BucketRun.scatter_sinks`)."""
         pending: collections.deque = collections.deque()
         for run in self._runs:
-            for dims, js in held_partials(run, self._seq_dims).items():
+            if run.unsharded:
+                run.scatter_sinks([params[n] for n in run.bucket.names])
+            for dims, js in held_partials(run).items():
                 leaves = {j: params[run.bucket.names[j]] for j in js}
                 grads = {j: leaf.grad for j, leaf in leaves.items()}
                 if not all(isinstance(g, DTensor) and g.placements[dims[0]].is_partial() for g in grads.values()):
@@ -556,9 +568,11 @@ class ShardedContext:
         b, s, d = x.shape
         n = cfg.num_experts
         # Each rank's tokens give the router a partial gradient over the token-splitting dims.
-        router = router.to_local(grad_placements=[Partial() if i in token_dims else p
-                                                  for i, p in enumerate(router.placements)])
-        logits = torch.nn.functional.linear(x.float(), router.float())
+        # (`router` stays referenced: while it lives, the regather hook knows its gathered
+        # storage, so what linear saves of it is fetched again in backward, not kept.)
+        local_router = router.to_local(grad_placements=[Partial() if i in token_dims else p
+                                                        for i, p in enumerate(router.placements)])
+        logits = torch.nn.functional.linear(x.float(), local_router.float())
         idx, gates, probs = route(logits.flatten(0, 1), cfg, None if bias is None else bias.to_local())
         prob_sum, counts = sequence_stats(probs.view(b, s, n), idx.view(b, s, cfg.top_k), n)
         balance = z = None

@@ -71,7 +71,7 @@ def make_train_step(model: ModelDef, plan=None, device_mesh=None, *, optimizer: 
     With a plan: `bucket` (block, param or a size in MB), `prefetch` (buckets gathered
     ahead of use) and `reshard_after_forward` (gather again in backward instead of keeping
     the gathered weights) shape the parameter traffic: see parallel.buckets.
-    `fsdp_accumulate` "unsharded" (eager, with buckets) adds each micro-step's full
+    `fsdp_accumulate` "unsharded" (with buckets) adds each micro-step's full
     gradients up locally and reduce-scatters once per step instead of every micro-step.
     The loss is reduced once per step.
     """
@@ -80,9 +80,9 @@ def make_train_step(model: ModelDef, plan=None, device_mesh=None, *, optimizer: 
         check_compile(getattr(model.cfg, "moe", None) is not None, policy.checkpointing, sharded=plan is not None)
     if fsdp_accumulate not in ("sharded", "unsharded"):
         raise ConfigError(f"fsdp_accumulate={fsdp_accumulate!r}: choose sharded or unsharded")
-    if fsdp_accumulate == "unsharded" and (compile or bucket == "param"):
-        raise ConfigError("fsdp_accumulate='unsharded' needs an eager step with buckets (compile False, bucket "
-                          "not 'param'); use 'sharded'")
+    if fsdp_accumulate == "unsharded" and bucket == "param":
+        raise ConfigError("fsdp_accumulate='unsharded' needs buckets (bucket 'block' or a size in MB, not "
+                          "'param'); use 'sharded'")
     ctx = _context(plan, device_mesh, policy, bucket=bucket, prefetch=prefetch,
                    reshard_after_forward=reshard_after_forward, fsdp_accumulate=fsdp_accumulate)
     if schedule is not None:  # the name before 2026-11: "schedule" now means the pipeline's only
