@@ -307,7 +307,7 @@ def bucket_traffic(w: _Walker, events, unit, names, policy: Policy, prefetch: in
     (bucket index, {(phase, op, axis): [count, bytes]}) each."""
     plan = w.plan
     buckets, _ = plan_buckets(plan, unit)
-    groups = {b.mesh: group_dims(buckets, plan, b.mesh) for b in buckets}
+    groups = {mesh: group_dims(buckets, plan, mesh) for mesh in {b.mesh for b in buckets}}
     bucket_of = {n: b.index for b in buckets for n in b.names}
     complete = {b.index for b in buckets if all(n in names for n in b.names)}
     cache: dict[int, list] = {}
