@@ -339,7 +339,7 @@ CROSS = [
     _x("tiny", "parallel.pp_schedule=interleaved", "parallel.pp_virtual=2", "parallel.pp=2",
        "parallel.nproc_per_node=4", "train.global_batch=24", key="train.global_batch", value="24"),
     _x("tiny-pp2", "train.activation_checkpointing=selective", "parallel.pp_schedule=zb"),
-    _x("tiny-pp2", "train.compile=true", "parallel.pp_schedule=zb"),
+    _x("tiny-pp2", "train.compile=true"),
     # compile
     _x("tiny-moe", "train.compile=true"),
     _x("tiny-4proc", "train.compile=true", "train.activation_checkpointing=full", key="train.activation_checkpointing",

@@ -282,9 +282,8 @@ def _validate_pipeline(cfg: "RunConfig") -> None:
     from ..pipeline.schedule import check_checkpointing
 
     check_checkpointing(p.pp_schedule, t.activation_checkpointing)
-    if t.compile and p.pp_schedule == "zb":
-        raise ConfigError(f"parallel.pp={p.pp} with parallel.pp_schedule zb and train.compile true: the zero-bubble "
-                          "split of backward runs eager; set parallel.pp_schedule 1f1b (or gpipe, interleaved) or "
+    if t.compile:
+        raise ConfigError(f"parallel.pp={p.pp} with train.compile true: the pipeline executor runs eager; set "
                           "train.compile false")
     if p.pp_virtual > 1 and p.pp_schedule != "interleaved":
         raise ConfigError(f"parallel.pp_virtual={p.pp_virtual} needs parallel.pp_schedule interleaved "
