@@ -317,12 +317,17 @@ class BucketRun:
                                                                    self.groups.name(s.gather)))
             sink.grad = None
             for j, off in zip(s.members, s.offsets):
-                m, leaf = self.bucket.members[j], leaves[j]
-                local = mine[off:off + self.numels[j]].view(self.padded[j]).narrow(m.dim, 0,
-                                                                                  leaf._local_tensor.shape[m.dim])
+                leaf = leaves[j]
+                local = self._shard_of(mine, j, off, leaf._local_tensor)
                 placements = [Partial() if i in partial.get(j, ()) else q for i, q in enumerate(leaf.placements)]
                 leaf.grad = DTensor.from_local(local.contiguous(), leaf.device_mesh, placements, run_check=False,
                                                shape=leaf.shape, stride=leaf.stride())
+
+    def _shard_of(self, mine: torch.Tensor, j: int, off: int, shard: torch.Tensor) -> torch.Tensor:
+        """Member j's gradient shard out of this rank's reduce-scattered set (`mine`, at
+        offset `off`): its padded piece cut to the shard's own length."""
+        m = self.bucket.members[j]
+        return mine[off:off + self.numels[j]].view(self.padded[j]).narrow(m.dim, 0, shard.shape[m.dim])
 
     # ------------------------------------------------------------------ forward
     def pack(self, s: _Set, locals_) -> torch.Tensor:
@@ -426,8 +431,7 @@ class BucketRun:
             mine = funcol.reduce_scatter_single(buf.view(-1), "sum", 0, self.groups.name(s.gather))
             self.inflight.add(mine)
             for j, off in zip(s.members, s.offsets):
-                m, padded = members[j], self.padded[j]
-                out[j] = mine[off:off + self.numels[j]].view(padded).narrow(m.dim, 0, shards[j].shape[m.dim])
+                out[j] = self._shard_of(mine, j, off, shards[j])
         # What is still partial (over dp: HSDP's replicas, plain dp; over tp: sequence-
         # parallel norms), as shards: one all-reduce per set of mesh dims.
         gathered = {j for s in self.sets for j in s.members}
