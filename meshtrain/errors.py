@@ -16,6 +16,15 @@ class TrainingError(RuntimeError):
     the step and the fix (exit 1)."""
 
 
+# How gloo and NCCL say a peer went away: a rank's reaction to another's failure.
+_PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "NCCL communicator was aborted")
+
+
+def lost_peer(message: str) -> bool:
+    """Whether an error only says that another rank went away (its cause lies there)."""
+    return any(s in message for s in _PEER_LOST)
+
+
 def check_int(value, key: str, minimum: int | None = None, maximum: int | None = None) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ConfigError(f"{key}={value!r} must be an integer")

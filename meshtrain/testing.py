@@ -1,8 +1,8 @@
 """Run a function on N CPU processes joined by gloo, and get each rank's result back.
 
 Every process group gets a timeout (a mismatched collective must fail, not hang), and
-each rank's own exception is collected: the first real error is raised, not the peer's
-"connection closed" that follows it.
+each rank's own exception is collected: the cause is raised, not the peers' "connection
+reset" that follows it, and a rank that dies without a report is named with its signal.
 """
 
 from __future__ import annotations
@@ -10,11 +10,15 @@ from __future__ import annotations
 import datetime
 import io
 import os
+import signal
 import socket
+import time
 import traceback
 from typing import Any, Callable
 
 import torch.multiprocessing as mp
+
+from .errors import lost_peer
 
 
 def _free_port() -> int:
@@ -49,6 +53,16 @@ def _worker(fn, rank, world, port, queue, args, threads):
 _PRELOAD = ["torch", "torch.distributed.tensor", "meshtrain", "meshtrain.parallel.context", "meshtrain.train.step"]
 
 
+_ERROR_GRACE_S = 5
+
+
+def _exit_reason(code: int) -> str:
+    if code < 0:
+        name = signal.Signals(-code).name
+        return f"signal {name}" + (": out of memory?" if name == "SIGKILL" else "")
+    return f"exit code {code}"
+
+
 def run_ranks(fn: Callable, world: int, *args: Any, timeout: float = 600, threads: int = 1,
               start: str = "forkserver") -> list[Any]:
     """fn(*args) on `world` gloo ranks; returns the results by rank. start="spawn" for
@@ -65,17 +79,17 @@ def run_ranks(fn: Callable, world: int, *args: Any, timeout: float = 600, thread
         p.start()
     results: dict[int, Any] = {}
     errors: dict[int, str] = {}
-    deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout)
+    deadline = time.monotonic() + timeout
     try:
         while len(results) + len(errors) < world:
-            if datetime.datetime.now() > deadline:
+            if time.monotonic() > deadline:
+                if errors:
+                    break
                 raise TimeoutError(f"ranks {sorted(set(range(world)) - set(results) - set(errors))} "
                                    f"did not finish in {timeout} s")
             if queue.empty():
                 if all(not p.is_alive() for p in procs) and queue.empty():
                     break
-                import time
-
                 time.sleep(0.05)
                 continue
             rank, status, payload = queue.get()
@@ -83,18 +97,26 @@ def run_ranks(fn: Callable, world: int, *args: Any, timeout: float = 600, thread
                 import torch
 
                 payload = torch.load(io.BytesIO(payload), weights_only=False)
+            elif not errors:
+                # The failing rank's own report can arrive after its peers' "connection
+                # reset" (gloo closes the pair before Python unwinds): wait briefly for it.
+                deadline = min(deadline, time.monotonic() + _ERROR_GRACE_S)
             (results if status == "ok" else errors)[rank] = payload
-            if errors:
-                break
     finally:
-        for p in procs:
+        killed = set()
+        for r, p in enumerate(procs):
             p.join(timeout=5 if not errors else 0.5)
             if p.is_alive():
                 p.kill()
-    if errors:
-        # Prefer an error that is not a peer's hang-up.
-        rank = min(errors, key=lambda r: ("Connection closed" in errors[r], r))
-        raise RuntimeError(f"rank {rank} failed:\n{errors[rank]}")
+                killed.add(r)
+    silent = {r: _exit_reason(procs[r].exitcode) for r in range(world)
+              if r not in results and r not in errors and r not in killed and procs[r].exitcode not in (None, 0)}
+    if errors or silent:
+        # The cause first: a rank's own error, then a rank that died without a word (killed,
+        # crashed), and only then a peer's reaction to either.
+        causes = [(lost_peer(e), r, f"rank {r} failed:\n{e}") for r, e in errors.items()]
+        causes += [(False, world + r, f"rank {r} died without a report ({why})") for r, why in silent.items()]
+        raise RuntimeError(min(causes)[2])
     missing = sorted(set(range(world)) - set(results))
     if missing:
         raise RuntimeError(f"ranks {missing} exited without a result (exit codes "

@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from ..checkpoint import CheckpointError
 from ..data.errors import DataError
-from ..errors import ConfigError, TrainingError
+from ..errors import ConfigError, TrainingError, lost_peer
 from . import stopping
 
 _REPORT_DIR = stopping.NOTE_DIR  # where self-launched ranks leave their error or stop note
@@ -182,17 +182,9 @@ def _raise_bad_input(report: dict) -> None:
         raise _bad_input_errors()[report["bad_input"]](report["message"]) from None
 
 
-# How gloo and NCCL say a peer went away: a rank's reaction to another's failure.
-_PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "NCCL communicator was aborted")
-
-
 def _first_failure(reports: Path) -> dict | None:
     """The earliest error any rank reported: the cause, not a peer's reaction to it (a
     rank that lost its peer can report before the failing rank has unwound and reported,
     e.g. while a prefetched gather was in flight)."""
     found = [json.loads(p.read_text()) for p in reports.glob("rank*.json")]
-    return min(found, key=lambda r: (_lost_peer(r), r["time"])) if found else None
-
-
-def _lost_peer(report: dict) -> bool:
-    return any(s in report["message"] for s in _PEER_LOST)
+    return min(found, key=lambda r: (lost_peer(r["message"]), r["time"])) if found else None
