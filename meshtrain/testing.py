@@ -50,7 +50,8 @@ def _worker(fn, rank, world, port, queue, args, threads):
 
 # Ranks fork from one server process that has imported these once: a spawned rank spends
 # seconds importing torch, and a suite launches ranks dozens of times.
-_PRELOAD = ["torch", "torch.distributed.tensor", "meshtrain", "meshtrain.parallel.context", "meshtrain.train.step"]
+_PRELOAD = ["torch", "torch.distributed.tensor", "meshtrain", "meshtrain.parallel.context", "meshtrain.train.step",
+            "meshtrain._forkserver_warmup"]
 
 
 _ERROR_GRACE_S = 5

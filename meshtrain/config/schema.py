@@ -156,7 +156,7 @@ class RunConfig:
         if world is not None:  # the batch against the resolved data-parallel size, before any rank starts
             self._check_batch_at(plan.mesh)
         if self.train.compile:
-            check_compile(self.model.moe is not None, self.train.activation_checkpointing, sharded=plan.mesh.world > 1)
+            check_compile(self.train.activation_checkpointing, sharded=plan.mesh.world > 1)
         return plan
 
     # --- what the run is built from ----------------------------------------------
@@ -248,9 +248,6 @@ def _validate_experts(cfg: "RunConfig") -> None:
     if m.moe.num_experts % p.ep:
         raise ConfigError(f"parallel.ep={p.ep} does not divide model.moe.num_experts={m.moe.num_experts}: each "
                           "ep rank holds an equal share of the experts; choose an ep that divides num_experts")
-    if cfg.train.compile:
-        raise ConfigError(f"parallel.ep={p.ep} with train.compile true: the all-to-all's split sizes depend on "
-                          "the routing, so expert-parallel steps run eager; set train.compile false")
 
 
 def _validate_unsharded_accumulation(cfg: "RunConfig") -> None:

@@ -158,14 +158,15 @@ class MoeRecords:
     def __init__(self):
         self.balance, self.z, self.load = [], [], []
 
+    # New lists, never appends: dynamo replays an append to a list that existed before the
+    # compiled call, so the terms would escape the graph as extra outputs (a compiled step
+    # on a mesh then waits in backward for a DTensor gradient no one sends).
     def add(self, balance: torch.Tensor | None, z: torch.Tensor | None, load: torch.Tensor) -> None:
-        for kept, value in ((self.balance, balance), (self.z, z), (self.load, load)):
-            if value is not None:
-                kept.append(value)
+        self.extend(([balance] if balance is not None else [], [z] if z is not None else [], [load]))
 
     def extend(self, other: tuple[list, list, list]) -> None:
-        for kept, values in zip((self.balance, self.z, self.load), other):
-            kept.extend(values)
+        self.balance, self.z, self.load = (kept + list(values) for kept, values in
+                                           zip((self.balance, self.z, self.load), other))
 
     def take(self):
         if not self.load:

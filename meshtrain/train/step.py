@@ -77,7 +77,7 @@ def make_train_step(model: ModelDef, plan=None, device_mesh=None, *, optimizer: 
     """
     policy = policy or Policy.of(precision, fp8_recipe, activation_checkpointing)
     if compile:
-        check_compile(getattr(model.cfg, "moe", None) is not None, policy.checkpointing, sharded=plan is not None)
+        check_compile(policy.checkpointing, sharded=plan is not None)
     if fsdp_accumulate not in ("sharded", "unsharded"):
         raise ConfigError(f"fsdp_accumulate={fsdp_accumulate!r}: choose sharded or unsharded")
     if fsdp_accumulate == "unsharded" and bucket == "param":
@@ -182,18 +182,14 @@ def moe_step(state: TrainState, cfg, layers, load: torch.Tensor, updated: bool =
     return imbalance(load)
 
 
-def check_compile(moe: bool, activation_checkpointing: str, sharded: bool) -> None:
+def check_compile(activation_checkpointing: str, sharded: bool) -> None:
     """What a compiled step on a device mesh (`sharded`) cannot take yet (torch 2.13): a
     block checkpointed whole saves the DeviceMesh for backward among its tensors, which
-    AOTAutograd's forward refuses; with MoE blocks, the compiled backward is handed a
-    plain tangent where it expects a DTensor (docs/parallelism.md, Known gaps 13, 15)."""
+    AOTAutograd's forward refuses (docs/parallelism.md, Known gap 15)."""
     if sharded and activation_checkpointing == "full":
         raise ConfigError("train.compile true with train.activation_checkpointing=full is not supported on more than "
                           "one rank (torch 2.13 fails to save a whole checkpointed block's DeviceMesh): use "
                           "activation_checkpointing selective (it recomputes the gathers too), or train.compile false")
-    if sharded and moe:
-        raise ConfigError("train.compile true with MoE blocks (model.moe) is not supported on more than one rank yet "
-                          "(torch 2.13: the compiled backward fails on the MoE terms): set train.compile false")
 
 
 def make_update(optimizer: AdamW, lr_schedule: LRSchedule, grad_clip: float | None, compile: bool | str = False,
