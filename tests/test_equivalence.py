@@ -88,6 +88,12 @@ class Run(NamedTuple):
     norms: list[float]  # metrics["grad_norm"] per step
     grads: dict  # step (1-based) -> {name: whole gradient before clipping}
     moments: dict | None = None  # final {"exp_avg": {name: whole}, "exp_avg_sq": ...}, when asked for
+    graphs: int | None = None  # compiled: dynamo graphs traced over every step
+
+
+# A compiled step's graphs, whatever the layout and the steps: the loss (forward and
+# backward) and the update. Traced under error_on_recompile: a recompile fails the run.
+COMPILED_GRAPHS = 2
 
 
 def _whole(tensors: dict) -> dict:
@@ -138,10 +144,14 @@ def train_layouts(world: int, compile, names=None, traffic=None):
         step = make_train_step(model, plan, mesh, compile=compile, inspect_grads=recorder, **_optimizer(),
                                **(traffic or {}))
         state = TrainState.create(params)
-        metrics = [step(state, b) for b in batches(micro_steps=2)]
+        torch._dynamo.reset()  # each layout's step traces afresh: no recompile of the last one's
+        before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            metrics = [step(state, b) for b in batches(micro_steps=2)]
+        graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"] - before if compile else None
         moments = {k: _whole(v) for k, v in state.optimizer.items()} if every_step else None
         out[name] = initial, Run([m["loss"] for m in metrics], _whole(params), [m["grad_norm"] for m in metrics],
-                                 recorder.grads, moments)
+                                 recorder.grads, moments, graphs)
     return out
 
 
@@ -172,6 +182,7 @@ def _check(reference: Run, results):
         for n in initial_values:  # layout-invariant init: bitwise
             assert torch.equal(initial[n], initial_values[n]), f"{name}: initial {n} differs"
         assert sorted(run.grads[1]) == sorted(reference.grads[1]), name
+        assert run.graphs in (None, COMPILED_GRAPHS), (name, run.graphs)
         check_run(run, reference, name)
 
 
@@ -226,7 +237,8 @@ def test_unsharded_accumulation_matches_single_process(reference, compile):
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_compiled_layouts_match_single_process(reference, world):
-    """fullgraph=True: any graph break fails. aot_eager traces forward and backward the way
+    """fullgraph=True and error_on_recompile: any graph break or recompile over the 6 steps
+    fails, and each layout traces COMPILED_GRAPHS graphs. aot_eager traces forward and backward the way
     inductor does without paying for C++ code generation on every layout; inductor
     itself is exercised below and in bench/."""
     results = run_ranks(train_layouts, world, world, "aot_eager")
