@@ -147,8 +147,6 @@ def test_help_shows_the_field_docstrings(capsys):
     (["--train.lr_schedule", "step"], "train.lr_schedule", "cosine"),
     (["--train.activation_checkpointing", "some"], "train.activation_checkpointing", "selective"),
     (["--train.precision", "fp8", "--train.fp8_recipe", "blockwise"], "train.fp8_recipe", "rowwise"),
-    (["--parallel.pp", "2", "--parallel.nproc_per_node", "2", "--parallel.pp_schedule", "zb",
-      "--train.activation_checkpointing", "selective"], "train.activation_checkpointing", "1f1b"),
     (["--parallel.cp", "0"], "parallel.cp", "at least 1"),
     (["--parallel.cp", "2", "--parallel.cp_comm", "ulysses"], "parallel.cp_comm", "ring"),
     (["--parallel.cp", "2", "--parallel.nproc_per_node", "2", "--train.seq_len", "126"], "train.seq_len", "2 x cp"),

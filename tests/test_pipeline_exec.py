@@ -55,6 +55,7 @@ CASES = {
         "interleaved_pp2_v2_tied": (TIED4, "interleaved", {"pp": 2}, 2, 2, None, False),
         "1f1b_pp2_gpt2_tied_uneven": (GPT2_TIED, "1f1b", {"pp": 2}, 1, 4, None, False),
         "zb_pp2_bf16": (CFG, "zb", {"pp": 2}, 1, 4, None, False),
+        "zb_pp2_selective": (LLAMA4, "zb", {"pp": 2}, 1, 4, None, False),
     },
     4: {
         "gpipe_pp4": (LLAMA4, "gpipe", {"pp": 4}, 1, 4, None, False),
@@ -63,6 +64,7 @@ CASES = {
         "interleaved_pp4_v2": (dataclasses.replace(CFG, n_layers=8), "interleaved", {"pp": 4}, 2, 4, None, False),
         "1f1b_pp2_fsdp2": (LLAMA4, "1f1b", {"pp": 2, "fsdp": 2}, 1, 4, None, False),
         "zb_pp2_tp2_sp": (LLAMA4, "zb", {"pp": 2, "tp": 2}, 1, 4, None, True),
+        "zb_pp2_tp2_sp_selective": (LLAMA4, "zb", {"pp": 2, "tp": 2}, 1, 4, None, True),
         "interleaved_pp2_dp2_tied": (TIED4, "interleaved", {"pp": 2, "dp": 2}, 2, 2, None, False),
         "zb_pp2_tp2_sp_gpt2_tied": (GPT2_TIED, "zb", {"pp": 2, "tp": 2}, 1, 4, None, True),
         "1f1b_pp2_cp2_ring": (LLAMA4, "1f1b", {"pp": 2, "cp": 2}, 1, 4, None, False),
@@ -73,6 +75,9 @@ CASES = {
 
 CP_COMM = {"1f1b_pp2_cp2_ring": "ring", "zb_pp2_cp2_a2a_gpt2_tied": "a2a"}  # the others: cp 1
 BF16 = {"zb_pp2_bf16"}  # bf16 compute (fp32 master weights), against one process in bf16
+# Selective checkpointing, against one process without: zero-bubble backpropagates each
+# checkpointed block twice (input, then weight gradients), both from what it saved.
+SELECTIVE = {"zb_pp2_selective", "zb_pp2_tp2_sp_selective"}
 
 
 def _precision(name: str) -> str:
@@ -129,7 +134,8 @@ def _pipelined(names):
         recorder = GradRecorder()
         step = make_pipeline_step(model, stages, build_pipeline_schedule(sched, pp, micro_steps, v), plan, mesh,
                                   precision=_precision(name), optimizer=_optimizer(), lr_schedule=_lr(),
-                                  grad_clip=GRAD_CLIP, inspect_grads=recorder)
+                                  grad_clip=GRAD_CLIP, inspect_grads=recorder,
+                                  activation_checkpointing="selective" if name in SELECTIVE else "none")
         state = TrainState.create(params)
         losses = [_loss_and_norm(step(state, b)) for b in batches(micro_steps, STEPS)]
         out[name] = losses, {n: _full(p).detach().clone() for n, p in params.items()}, val, recorder.grads[1]

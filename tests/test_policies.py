@@ -163,3 +163,27 @@ def test_router_stays_fp32_under_bf16():
     assert Policy.of("fp8").fp8_recipe("layers.0.moe.router") is None
     assert Policy.of("fp8").fp8_recipe("output") is None
     assert Policy.of("fp8", "rowwise").fp8_recipe("layers.0.attn.wq") == "rowwise"
+
+
+@pytest.mark.parametrize("backward_twice", [False, True])
+def test_selective_checkpointing_serves_a_second_backward_when_asked(backward_twice):
+    """The zero-bubble split backpropagates a block twice: input gradients (keeping the
+    graph), then weight gradients. With backward_twice both recomputes take the saved
+    matmul outputs and the gradients equal the unchecked block's; without, torch refuses
+    the second."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 8, generator=g, requires_grad=True)
+    w = torch.randn(8, 8, generator=g, requires_grad=True)
+
+    def block(x, w):
+        return torch.nn.functional.silu(x @ w).mul(x).sum()
+
+    want = torch.autograd.grad(block(x, w), (x, w))
+    out = Policy(checkpointing="selective", backward_twice=backward_twice).remat(block, x, w)
+    dx, = torch.autograd.grad(out, x, retain_graph=True)
+    if not backward_twice:
+        with pytest.raises(RuntimeError, match="backward an extra time"):
+            torch.autograd.grad(out, w)
+        return
+    dw, = torch.autograd.grad(out, w)
+    torch.testing.assert_close((dx, dw), want, rtol=0, atol=0)

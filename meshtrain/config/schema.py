@@ -276,9 +276,6 @@ def _validate_pipeline(cfg: "RunConfig") -> None:
     schedule fits the micro-batch count (with fsdp=-1 the count is rechecked once the
     world size is known)."""
     p, t = cfg.parallel, cfg.train
-    from ..pipeline.schedule import check_checkpointing
-
-    check_checkpointing(p.pp_schedule, t.activation_checkpointing)
     if t.compile:
         raise ConfigError(f"parallel.pp={p.pp} with train.compile true: the pipeline executor runs eager; set "
                           "train.compile false")

@@ -12,6 +12,7 @@ The precision rules are by parameter name, here and nowhere else:
 
 from __future__ import annotations
 
+from collections import defaultdict
 from dataclasses import dataclass
 from functools import partial
 
@@ -44,6 +45,9 @@ class Policy:
     dtype: torch.dtype | None = None  # None: parameters are used in their own dtype
     fp8: str | None = None  # the fp8 recipe, or None
     checkpointing: str = "none"
+    # Selective: what a block saved serves every backward through it, not only the first
+    # (the zero-bubble schedule backpropagates a block twice: input, then weight gradients).
+    backward_twice: bool = False
 
     @staticmethod
     def of(precision: str = "fp32", fp8_recipe: str = "tensorwise", activation_checkpointing: str = "none") -> "Policy":
@@ -75,8 +79,25 @@ class Policy:
         if self.checkpointing == "full":
             return checkpoint(fn, *args, use_reentrant=False)
         # A partial, not a lambda: dynamo traces checkpoint only with such a context_fn.
-        return checkpoint(fn, *args, use_reentrant=False,
-                          context_fn=partial(create_selective_checkpoint_contexts, _save_expensive))
+        contexts = _reusable_contexts if self.backward_twice else create_selective_checkpoint_contexts
+        return checkpoint(fn, *args, use_reentrant=False, context_fn=partial(contexts, _save_expensive))
+
+
+class _KeepFirst(dict):
+    """One op's saved outputs in a selective checkpoint: written once, by the forward.
+    torch marks an entry consumed when a backward's recompute takes it, so a second
+    backward through the block would find nothing; here the entries stay until the
+    checkpoint is freed with the block's graph."""
+
+    def __setitem__(self, index, value):
+        if index not in self:
+            super().__setitem__(index, value)
+
+
+def _reusable_contexts(policy_fn):
+    caching, cached = create_selective_checkpoint_contexts(policy_fn)
+    caching.storage = cached.storage = defaultdict(_KeepFirst)
+    return caching, cached
 
 
 _aten = torch.ops.aten

@@ -36,15 +36,6 @@ _TOKEN = {F: "F", B: "B", BI: "I", BW: "W", SEND_F: "sf", RECV_F: "rf", SEND_B: 
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb")  # parallel.pp_schedule
 
 
-def check_checkpointing(schedule: str, activation_checkpointing: str) -> None:
-    """Selective checkpointing lets a block's saved tensors be used by one backward only,
-    and zero-bubble runs two per block (input gradients, then weight gradients)."""
-    if activation_checkpointing == "selective" and schedule == "zb":
-        raise ConfigError("train.activation_checkpointing=selective with parallel.pp_schedule=zb: a selectively "
-                          "checkpointed block can be backpropagated once, and zero-bubble splits its backward "
-                          "in two; use activation_checkpointing full, or pp_schedule 1f1b")
-
-
 @dataclass(frozen=True)
 class Action:
     kind: str

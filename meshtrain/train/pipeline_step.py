@@ -28,6 +28,7 @@ same update, and the norm counts it once.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from typing import Callable
 
@@ -45,7 +46,7 @@ from ..models.policy import Policy
 from ..parallel.context import ShardedContext
 from ..parallel.plan import without_pp
 from ..pipeline.partition import Stage
-from ..pipeline.schedule import B, BI, BW, F, RECV_B, RECV_F, SEND_B, SEND_F, PipelineSchedule, check_checkpointing, forward_only
+from ..pipeline.schedule import B, BI, BW, F, RECV_B, RECV_F, SEND_B, SEND_F, PipelineSchedule, forward_only
 from .optim import AdamW, local
 from .schedule import LRSchedule
 from .step import InspectGrads, MoeTerms, TrainState, full_value, make_update, moe_step
@@ -221,10 +222,10 @@ def make_pipeline_step(model: ModelDef, stages: list[Stage], pipeline_schedule: 
     if fsdp_accumulate != "sharded":
         raise ConfigError(f"fsdp_accumulate={fsdp_accumulate!r}: a pipeline step reduces every micro-batch; use "
                           "sharded")
-    if any(a.kind == BI for rank in pipeline_schedule.ranks for a in rank):
-        check_checkpointing("zb", activation_checkpointing)
-    pipe = _Pipe(model, stages, pipeline_schedule.pp, plan, device_mesh,
-                 Policy.of(precision, fp8_recipe, activation_checkpointing), bucket=bucket, prefetch=prefetch,
+    split_backward = any(a.kind == BI for rank in pipeline_schedule.ranks for a in rank)
+    policy = dataclasses.replace(Policy.of(precision, fp8_recipe, activation_checkpointing),
+                                 backward_twice=split_backward)
+    pipe = _Pipe(model, stages, pipeline_schedule.pp, plan, device_mesh, policy, bucket=bucket, prefetch=prefetch,
                  reshard_after_forward=reshard_after_forward)
     apply_update = make_update(optimizer, lr_schedule or LRSchedule(lr=optimizer.lr, kind="constant"), grad_clip,
                                inspect_grads=inspect_grads)
