@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 import torch.multiprocessing as mp
 
-from .errors import lost_peer
+from ..errors import lost_peer
 
 
 def _free_port() -> int:
@@ -51,7 +51,7 @@ def _worker(fn, rank, world, port, queue, args, threads):
 # Ranks fork from one server process that has imported these once: a spawned rank spends
 # seconds importing torch, and a suite launches ranks dozens of times.
 _PRELOAD = ["torch", "torch.distributed.tensor", "meshtrain", "meshtrain.parallel.context", "meshtrain.train.step",
-            "meshtrain._forkserver_warmup"]
+            "meshtrain.testing.warmup"]
 
 
 _ERROR_GRACE_S = 5
