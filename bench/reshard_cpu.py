@@ -46,7 +46,7 @@ RTOL = 1e-5
 MEASURED = 3  # profiled steps per build
 
 
-def rank_main(world: int, dim: int, layers: int, seq: int) -> dict:
+def rank_main(world: int, dim: int, layers: int, seq: int, builds: tuple[str, ...] = tuple(BUILDS)) -> dict:
     torch.set_num_threads(1)
     cfg = LlamaConfig(dim=dim, n_layers=layers, n_heads=4, n_kv_heads=2, ffn_dim=dim * 8 // 3 // 8 * 8,
                       vocab_size=256, max_seq_len=seq)
@@ -56,7 +56,8 @@ def rank_main(world: int, dim: int, layers: int, seq: int) -> dict:
     t = torch.randint(0, cfg.vocab_size, (1, world, seq + 1), generator=torch.Generator().manual_seed(0))
     batch = {"tokens": t[..., :-1].contiguous(), "targets": t[..., 1:].contiguous()}
     out = {}
-    for name, (compile, reshard) in BUILDS.items():
+    for name in builds:
+        compile, reshard = BUILDS[name]
         torch._dynamo.reset()  # each build compiles afresh, within dynamo's recompile limit
         step = make_train_step(model, plan, mesh, optimizer=AdamW(lr=1e-3), compile=compile,
                                reshard_after_forward=reshard)

@@ -96,12 +96,13 @@ def test_compiled_backward_gathers_again_what_the_plan_says(tied):
 
 
 def _peaks(world: int) -> dict:
-    """On every rank: bench/reshard_cpu.py's measurement (eager and compiled, aot_eager,
+    """On every rank: bench/reshard_cpu.py's measurement (eager, and compiled with aot_eager
     with and without resharding: peaks, losses, gradient norms; the gathered block bytes)."""
     sys.path.insert(0, str(ROOT / "bench"))
     import reshard_cpu
 
-    return reshard_cpu.rank_main(world, DIM, LAYERS, 16)  # one 16-token sequence per rank
+    # one 16-token sequence per rank; the builds asserted on below
+    return reshard_cpu.rank_main(world, DIM, LAYERS, 16, ("eager", "compiled", "compiled-keep"))
 
 
 @pytest.mark.slow
