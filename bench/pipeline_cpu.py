@@ -18,6 +18,10 @@ Every schedule must reproduce one process's losses (rtol 1e-5) before its time c
 Reported: median step time over --steps timed steps (after --warmup), the ratio to the
 prediction, both bubbles, the closed form, and the speed-up over one process.
 
+Then 1F1B again with compiled stages (`--compile`, inductor by default), in the same run:
+its step time against the eager 1F1B's, and both builds' peak memory per rank over one
+more step's forward and backward (meshtrain.train.peak_memory, up to the optimizer).
+
     python bench/pipeline_cpu.py                  # ~3 min on 2 cores
     python bench/pipeline_cpu.py --tiny --json out.json
 """
@@ -66,8 +70,9 @@ def _batches(cfg: LlamaConfig, seq: int, micro: int, m: int, n: int) -> list[dic
     return out
 
 
-def _pipelined(cfg, seq, micro, m, name, v, warmup, steps):
+def _pipelined(cfg, seq, micro, m, name, v, warmup, steps, compile=False):
     torch.set_num_threads(1)
+    from meshtrain.train.peak_memory import peak_cpu_bytes
     from meshtrain.train.pipeline_step import local_stage_layout, make_pipeline_step
 
     model = build("llama", cfg)
@@ -76,10 +81,12 @@ def _pipelined(cfg, seq, micro, m, name, v, warmup, steps):
     stages = partition(model, 2, v, seq_len=seq, micro_batch=micro)
     names, _, _ = local_stage_layout(plan, mesh, stages)
     params = {n: init_slice(model.specs[n], n, seed=0).requires_grad_() for n in names}
-    step = make_pipeline_step(model, stages, build_pipeline_schedule(name, 2, m, v), plan, mesh, record_timings=True)
+    step = make_pipeline_step(model, stages, build_pipeline_schedule(name, 2, m, v), plan, mesh, record_timings=True,
+                              compile=compile)
     state = TrainState.create(params)
     times, losses, timings = [], [], []
-    for i, batch in enumerate(_batches(cfg, seq, micro, m, warmup + steps)):
+    *batches, extra = _batches(cfg, seq, micro, m, warmup + steps + 1)
+    for i, batch in enumerate(batches):
         torch.distributed.barrier()
         start = time.perf_counter()
         metrics = step(state, batch)
@@ -87,14 +94,15 @@ def _pipelined(cfg, seq, micro, m, name, v, warmup, steps):
         if i >= warmup:
             times.append(time.perf_counter() - start)
             timings.append(metrics["timings"])
-    return times, losses, timings
+    _, peak = peak_cpu_bytes(step, state, extra, before="optimizer")
+    return times, losses, timings, peak
 
 
 def _stage_costs(results, n_stages: int) -> dict[int, dict[str, float]]:
     """Median seconds per action kind and stage over every rank's timed steps, in the
     simulator's terms: F, B (a full backward; for split ones I + W) and W."""
     seen: dict[tuple[str, int], list[float]] = {}
-    for _, _, steps in results:
+    for _, _, steps, _ in results:
         for actions in steps:
             for kind, stage, seconds in actions:
                 if kind != "update":
@@ -134,6 +142,7 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=None, help="timed steps per schedule (default 5, tiny 2)")
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--compile", default="inductor", help="backend of the compiled 1F1B run (inductor, aot_eager)")
     a = ap.parse_args()
     steps = a.steps or (2 if a.tiny else 5)
     cfg, seq, micro, m = _config(a.tiny)
@@ -154,7 +163,7 @@ def main() -> int:
         model = build("llama", cfg)
         stages = partition(model, 2, v, seq_len=seq, micro_batch=micro)
         results = run_ranks(_pipelined, 2, cfg, seq, micro, m, name, v, a.warmup, steps)
-        for _, losses, _ in results:  # the pipeline must train the same model before its time counts
+        for _, losses, _, _ in results:  # the pipeline must train the same model before its time counts
             torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
         measured = statistics.median(max(r[0][i] for r in results) for i in range(steps))
         # Compute time of the two ranks together, per timed step (the simulator's bubble is
@@ -171,19 +180,38 @@ def main() -> int:
                "update_s": update, "ratio_to_prediction": measured / predicted.step_time,
                "bubble": 1 - busy / (2 * (measured - update)),
                "predicted_bubble": predicted.bubble, "closed_form_bubble": closed, "speedup": ref / measured,
-               "stage_costs_s": costs}
+               "stage_costs_s": costs, "peak_bytes": max(r[3] for r in results)}
         rows.append(row)
         print(f"{name + (f' v{v}' if v > 1 else ''):<14}{measured:>9.3f}{predicted.step_time:>13.3f}"
               f"{row['ratio_to_prediction']:>11.2f}{row['bubble']:>9.1%}{predicted.bubble:>11.1%}"
               f"{'-' if closed is None else f'{closed:.1%}':>13}{row['speedup']:>10.2f}")
+    compiled = _compiled_1f1b(cfg, seq, micro, m, a.warmup, steps, a.compile, ref_losses,
+                              next(r for r in rows if r["schedule"] == "1f1b"))
     if a.json:
-        a.json.write_text(json.dumps({"model": {"dim": cfg.dim, "n_layers": cfg.n_layers, "vocab": cfg.vocab_size},
+        a.json.write_text(json.dumps({"compiled": compiled, "model": {"dim": cfg.dim, "n_layers": cfg.n_layers, "vocab": cfg.vocab_size},
                                       "seq_len": seq, "micro_batch": micro, "micro_batches": m, "pp": 2,
                                       "one_process_s": ref, "two_at_once_s": at_once,
                                       "machine_capacity": 2 * ref / at_once, "schedules": rows, "machine": platform.processor()
                                       or platform.machine(), "cores": os.cpu_count(),
                                       "torch": torch.__version__}, indent=1))
     return 0
+
+
+def _compiled_1f1b(cfg, seq, micro, m, warmup, steps, backend, ref_losses, eager: dict) -> dict:
+    """1F1B with compiled stages against the eager 1F1B row of the same run: step time
+    and peak memory per rank (the most loaded rank's)."""
+    results = run_ranks(_pipelined, 2, cfg, seq, micro, m, "1f1b", 1, warmup, steps, backend)
+    for _, losses, _, _ in results:
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+    measured = statistics.median(max(r[0][i] for r in results) for i in range(steps))
+    peak = max(r[3] for r in results)
+    out = {"backend": backend, "step_s": measured, "eager_step_s": eager["step_s"],
+           "speedup_over_eager": eager["step_s"] / measured, "peak_bytes": peak,
+           "eager_peak_bytes": eager["peak_bytes"], "peak_ratio": peak / eager["peak_bytes"]}
+    print(f"1f1b compiled ({backend}): {measured:.3f} s/step, {out['speedup_over_eager']:.2f}x the eager 1f1b; "
+          f"peak {peak / 2**20:.2f} MiB per rank, {out['peak_ratio']:.3f}x eager's "
+          f"({eager['peak_bytes'] / 2**20:.2f} MiB)")
+    return out
 
 
 if __name__ == "__main__":

@@ -303,7 +303,7 @@ PP2 = ["--parallel.pp", "2", "--parallel.nproc_per_node", "2"]
     ([*PP2, "--parallel.pp_schedule", "interleaved", "--parallel.pp_virtual", "2", "--train.global_batch", "12"],
      "parallel.pp_schedule=interleaved"),  # 3 micro-batches on 2 ranks
     ([*PP2, "--parallel.pp_schedule", "zb1"], "parallel.pp_schedule"),
-    ([*PP2, "--train.compile", "true"], "train.compile"),
+    ([*PP2, "--parallel.pp_schedule", "zb", "--train.compile", "true"], "train.compile"),  # zb runs eager
 ])
 def test_bad_values_exit_2_without_a_traceback(args, key):
     proc = run_cli("fit", "--config", str(TINY), *args)

@@ -126,7 +126,7 @@ def _layout(sizes, sp, balance, world, **step_options):
     return metrics, {n: p.full_tensor().detach().clone() for n, p in params.items()}, recorder.grads[1]
 
 
-def _pipelined(sizes, schedule, balance, world):
+def _pipelined(sizes, schedule, balance, world, compile=False):
     """This rank's stage of a 2-stage pipeline: metrics, and the parameters it holds."""
     from meshtrain.train.pipeline_step import local_stage_layout, make_pipeline_step
     from meshtrain.pipeline.partition import partition
@@ -144,9 +144,11 @@ def _pipelined(sizes, schedule, balance, world):
     opt = _optimizer()
     recorder = GradRecorder()
     step = make_pipeline_step(model, stages, build_pipeline_schedule(schedule, 2, 4), plan, mesh, optimizer=opt["optimizer"],
-                              lr_schedule=opt["lr_schedule"], grad_clip=opt["grad_clip"], inspect_grads=recorder)
+                              lr_schedule=opt["lr_schedule"], grad_clip=opt["grad_clip"], inspect_grads=recorder,
+                              compile=compile)
     state = TrainState.create(params)
-    metrics = [step(state, b) for b in batches(micro_steps=4)]
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        metrics = [step(state, b) for b in batches(micro_steps=4)]
     return metrics, {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
                      for n, p in params.items()}, recorder.grads[1]
 
@@ -239,6 +241,27 @@ def test_compiled_expert_parallel_layouts_match_single_process(references, world
     for run, graphs in run_ranks(_compiled_layout, world, world, name, balance, checkpointing):
         assert graphs == COMPILED_GRAPHS, (name, balance, graphs)
         _check(name + " compiled", balance, run, references[balance])
+
+
+def _compiled_pipeline(world: int):
+    before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    run = _pipelined({"pp": 2, "fsdp": 2, "ep": 2}, "1f1b", "aux", world, compile="aot_eager")
+    return run, torch._dynamo.utils.counters["stats"]["unique_graphs"] - before
+
+
+@pytest.mark.slow
+def test_compiled_expert_parallel_pipeline_matches_single_process(references):
+    """Compiled stages with experts inside: pp2 x fsdp2 x ep2 (1F1B, aux), each rank's
+    stage one graph over 4 steps of 4 micro-batches (the update runs eager in a pipeline
+    step), equal to one process on the parameters each rank holds."""
+    held = {}
+    for (metrics, final, grads), graphs in run_ranks(_compiled_pipeline, 4, 4):
+        assert graphs == 1, graphs
+        ref_metrics, ref_params, ref_grads = references["aux"]
+        held.update(final)
+        _check("pp2_fsdp2_ep2 compiled", "aux", (metrics, final, grads),
+               (ref_metrics, {n: ref_params[n] for n in final}, ref_grads))
+    assert sorted(held) == sorted(references["aux"][1])
 
 
 # --- routing, dropping and the plan, on one process ---------------------------------------

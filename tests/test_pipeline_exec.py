@@ -65,6 +65,7 @@ CASES = {
         "1f1b_pp2_fsdp2": (LLAMA4, "1f1b", {"pp": 2, "fsdp": 2}, 1, 4, None, False),
         "zb_pp2_tp2_sp": (LLAMA4, "zb", {"pp": 2, "tp": 2}, 1, 4, None, True),
         "zb_pp2_tp2_sp_selective": (LLAMA4, "zb", {"pp": 2, "tp": 2}, 1, 4, None, True),
+        "1f1b_pp2_tp2_sp": (LLAMA4, "1f1b", {"pp": 2, "tp": 2}, 1, 4, None, True),
         "interleaved_pp2_dp2_tied": (TIED4, "interleaved", {"pp": 2, "dp": 2}, 2, 2, None, False),
         "zb_pp2_tp2_sp_gpt2_tied": (GPT2_TIED, "zb", {"pp": 2, "tp": 2}, 1, 4, None, True),
         "1f1b_pp2_cp2_ring": (LLAMA4, "1f1b", {"pp": 2, "cp": 2}, 1, 4, None, False),
@@ -73,6 +74,11 @@ CASES = {
 }
 
 
+# Compiled (aot_eager, fullgraph) as well: every schedule but zb (its split backward runs
+# eager), on pp 2 and pp 4, and with fsdp, tp + sp, dp (tied) and cp inside the stages.
+COMPILED = {2: ["gpipe_pp2", "1f1b_pp2", "interleaved_pp2_v2_tied"],
+            4: ["gpipe_pp4", "1f1b_pp4", "interleaved_pp4_v2", "1f1b_pp2_fsdp2", "1f1b_pp2_tp2_sp",
+                "interleaved_pp2_dp2_tied", "1f1b_pp2_cp2_ring"]}
 CP_COMM = {"1f1b_pp2_cp2_ring": "ring", "zb_pp2_cp2_a2a_gpt2_tied": "a2a"}  # the others: cp 1
 BF16 = {"zb_pp2_bf16"}  # bf16 compute (fp32 master weights), against one process in bf16
 # Selective checkpointing, against one process without: zero-bubble backpropagates each
@@ -113,10 +119,12 @@ def _full(p):
     return p.full_tensor() if hasattr(p, "full_tensor") else p
 
 
-def _pipelined(names):
+def _pipelined(names, compile=False):
     torch.set_num_threads(1)
     out = {}
     for name in names:
+        torch._dynamo.reset()  # each case's stage functions are traced afresh
+        traced = torch._dynamo.utils.counters["stats"]["unique_graphs"]
         cfg, sched, sizes, v, micro_steps, layout, sp = CASES[dist.get_world_size()][name]
         model = build(_arch(cfg), cfg)
         plan = make_plan(model.specs, Rules.default(sp=sp), MeshSpec(**sizes), world=dist.get_world_size(),
@@ -130,24 +138,54 @@ def _pipelined(names):
         else:
             params = {n: init_slice(model.specs[n], n, seed=0).requires_grad_() for n in mine}
         evaluate = make_pipeline_eval(model, stages, pp, micro_steps, plan, mesh, precision=_precision(name))
-        val = evaluate(params, next(batches(micro_steps, 1)))
+        # Compiled, the (eager) evaluation runs after training, as `meshtrain fit` runs it:
+        # before a stage's first trace it breaks the trace (docs/parallelism.md, section 4).
+        val = None if compile else evaluate(params, next(batches(micro_steps, 1)))
         recorder = GradRecorder()
         step = make_pipeline_step(model, stages, build_pipeline_schedule(sched, pp, micro_steps, v), plan, mesh,
                                   precision=_precision(name), optimizer=_optimizer(), lr_schedule=_lr(),
-                                  grad_clip=GRAD_CLIP, inspect_grads=recorder,
+                                  grad_clip=GRAD_CLIP, inspect_grads=recorder, compile=compile,
                                   activation_checkpointing="selective" if name in SELECTIVE else "none")
         state = TrainState.create(params)
-        losses = [_loss_and_norm(step(state, b)) for b in batches(micro_steps, STEPS)]
+        with torch._dynamo.config.patch(error_on_recompile=True):  # micro-batches and steps share graphs
+            losses = [_loss_and_norm(step(state, b)) for b in batches(micro_steps, STEPS)]
+        if compile:
+            val = evaluate(params, next(batches(micro_steps, 1)))
         out[name] = losses, {n: _full(p).detach().clone() for n, p in params.items()}, val, recorder.grads[1]
+        # (graphs traced, stages on this rank): one each, whatever the micro-batches and steps
+        out["graphs", name] = (torch._dynamo.utils.counters["stats"]["unique_graphs"] - traced,
+                               sum(st.rank == dist.get_rank() // (dist.get_world_size() // pp) for st in stages))
     return out
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_pipeline_equals_one_process(world):
-    results = run_ranks(_pipelined, world, list(CASES[world]))
-    for name, (cfg, *_, micro_steps, _layout, _sp) in CASES[world].items():
+    _check(run_ranks(_pipelined, world, list(CASES[world])), list(CASES[world]))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4])
+def test_compiled_pipeline_equals_one_process(world):
+    """fullgraph=True and error_on_recompile: a graph break or a recompile in any stage
+    fails; each stage on a rank traces one graph over STEPS steps of several micro-batches."""
+    results = run_ranks(_pipelined, world, COMPILED[world], "aot_eager")
+    for rank_out in results:
+        for name in COMPILED[world]:
+            graphs, stages = rank_out["graphs", name]
+            assert graphs == stages, (name, graphs, stages)
+    _check(results, COMPILED[world], val_after=True)
+
+
+def _check(results, names, val_after=False):
+    """`val_after`: the evaluation ran on the trained parameters, not the initial ones."""
+    world = len(results)
+    for name in names:
+        cfg, *_, micro_steps, _layout, _sp = CASES[world][name]
         ref_losses, ref_params, ref_val, ref_grads = single(cfg, micro_steps, _precision(name))
+        if val_after:
+            ref_val = make_eval_step(build(_arch(cfg), cfg), precision=_precision(name))(
+                ref_params, next(batches(micro_steps, 1)))
         assert all(norm > 1.5 * GRAD_CLIP for _, norm in ref_losses), (name, ref_losses)  # clipping engages
         held = {}
         for rank_out in results:

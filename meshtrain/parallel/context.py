@@ -397,6 +397,8 @@ class ShardedContext:
         summed are reduce-scattered first, once (`BucketRun.scatter_sinks`)."""
         pending: collections.deque = collections.deque()
         for run in self._runs:
+            if not all(n in params for n in run.bucket.names):
+                continue  # a pipeline stage's: held by another pp rank
             if run.unsharded:
                 run.scatter_sinks([params[n] for n in run.bucket.names])
             for dims, js in held_partials(run).items():

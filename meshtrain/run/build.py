@@ -79,7 +79,7 @@ def _pipelined(cfg: RunConfig, model, plan, device, accumulation: int, micro_row
                                                lr_schedule=options["lr_schedule"], precision=t.precision,
                                                grad_clip=options["grad_clip"], fp8_recipe=t.fp8_recipe,
                                                activation_checkpointing=t.activation_checkpointing,
-                                               **traffic_options(cfg))
+                                               compile=t.compile, **traffic_options(cfg))
     eval_fn = pipeline_step.make_pipeline_eval(model, stages, plan.mesh.pp, accumulation, plan, mesh,
                                                precision=t.precision, fp8_recipe=t.fp8_recipe)
     return Built(mesh, params, step_fn, eval_fn, RowSlice(sub_plan, sub_mesh, micro_rows, t.seq_len))

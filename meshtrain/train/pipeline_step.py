@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
+import types
 from typing import Callable
 
 import torch
@@ -49,7 +50,7 @@ from ..pipeline.partition import Stage
 from ..pipeline.schedule import B, BI, BW, F, RECV_B, RECV_F, SEND_B, SEND_F, PipelineSchedule, forward_only
 from .optim import AdamW, local
 from .schedule import LRSchedule
-from .step import InspectGrads, MoeTerms, TrainState, full_value, make_update, moe_step
+from .step import InspectGrads, MoeTerms, TrainState, check_compile, compiled, full_value, make_update, moe_step
 
 RESIDUAL = ("batch", "seq_sp", None)  # the layout activations cross stage boundaries in
 _TIED_TAG = 7  # the tied-embedding gradient exchange, apart from the schedule's traffic
@@ -79,7 +80,7 @@ class _Pipe:
     """This rank's place in the pipeline: its context, pp peers and the boundary layout."""
 
     def __init__(self, model: ModelDef, stages: list[Stage], pp: int, plan, device_mesh, policy: Policy,
-                 **traffic):
+                 compile: bool | str = False, **traffic):
         self.model, self.stages = model, stages
         if plan is None or device_mesh is None or plan.mesh.pp != pp or pp < 2:
             raise ConfigError(f"a pipeline step needs the plan and device mesh of a layout with parallel.pp={pp} "
@@ -89,16 +90,36 @@ class _Pipe:
         self.ctx = LocalContext(policy) if self.mesh is None else ShardedContext(self.plan, self.mesh, policy,
                                                                                  **traffic)
         self.dtype = policy.dtype or torch.float32
+        self.holds_partials = bool(compile) and self.mesh is not None  # traced gathers: see reduce_held
+        # One function per stage: compiled, each is traced once (micro-batches and steps
+        # share its graphs); the last stage's takes the loss in its graph too.
+        prefetch = traffic.get("prefetch", 1) if self.mesh is not None else 0
+        self._stage_fns = {stage.index: (compiled(self._stage_fn(stage), compile, prefetch) if compile
+                                         else self._stage_fn(stage))
+                           for stage in stages if stage.rank == self.rank}
 
     def peer(self, pp_rank: int) -> int:
         """The global rank of pp rank `pp_rank` at this rank's coordinates on the other axes."""
         return dist.get_global_rank(self.group, pp_rank)
 
-    def forward(self, stage: Stage, params, x):
-        cfg = self.model.cfg
-        out = self.model.family.forward_stage(cfg, params, x, self.ctx, stage.layers, stage.has_embedding,
-                                              stage.has_head)
-        return out if stage.has_head else self.ctx.constrain(out, RESIDUAL)
+    def _stage_fn(self, stage: Stage):
+        cfg, ctx, family = self.model.cfg, self.ctx, self.model.family
+
+        def run(params, x, targets):
+            out = family.forward_stage(cfg, params, x, ctx, stage.layers, stage.has_embedding, stage.has_head)
+            out = ctx.cross_entropy_sum(out, targets) if stage.has_head else ctx.constrain(out, RESIDUAL)
+            return out, ctx.moe_aux()
+
+        # A code object of its own per stage: dynamo caches graphs per code object, so
+        # stages sharing `run`'s would count as recompiles of one another (and past
+        # dynamo's cache size limit, fall back to eager).
+        code = run.__code__.replace(co_name=f"stage_{stage.index}")
+        return types.FunctionType(code, run.__globals__, code.co_name, run.__defaults__, run.__closure__)
+
+    def forward(self, stage: Stage, params, x, targets=None):
+        """(the stage's output, or the last stage's summed token loss on `targets`; its MoE
+        blocks' terms, or None)."""
+        return self._stage_fns[stage.index](params, x, targets)
 
     def scope(self):
         return getattr(self.ctx, "regather_in_backward", contextlib.nullcontext)()
@@ -161,11 +182,12 @@ def _run(pipe: _Pipe, actions, params: dict, tokens, targets, n_tokens: int, *, 
             pending.append((dist.isend(value, dst=pipe.peer(a.peer)), value))
         elif a.kind == F:
             with pipe.scope():
-                out = pipe.forward(stages[s], params, tokens[j] if s == 0 else pipe.wrap(inputs[key], spec))
+                out, aux = pipe.forward(stages[s], params, tokens[j] if s == 0 else pipe.wrap(inputs[key], spec),
+                                        targets[j] if s == last else None)
                 if s == last:
-                    out = pipe.ctx.cross_entropy_sum(out, targets[j]) / n_tokens
+                    out = out / n_tokens
                     loss += local(out.detach())
-                extra = moe.add(pipe.ctx.moe_aux(), s)
+                extra = moe.add(aux, s)
                 if extra is not None and train:
                     extras[key] = extra
             if train or s != last:
@@ -208,7 +230,7 @@ def make_pipeline_step(model: ModelDef, stages: list[Stage], pipeline_schedule: 
                        activation_checkpointing: str = "none",
                        record_timings: bool = False, inspect_grads: InspectGrads | None = None,
                        bucket: str | float = "block", prefetch: int = 1, reshard_after_forward: bool = True,
-                       fsdp_accumulate: str = "sharded") -> Callable[[TrainState, dict], dict]:
+                       fsdp_accumulate: str = "sharded", compile: bool | str = False) -> Callable[[TrainState, dict], dict]:
     """`step(state, batch) -> metrics` for this rank; `plan` and `device_mesh` are the whole
     layout's, pp included. record_timings: metrics["timings"] lists (kind, stage, seconds)
     of this rank's compute actions, then ("update", -1, seconds) for the gradient
@@ -218,15 +240,24 @@ def make_pipeline_step(model: ModelDef, stages: list[Stage], pipeline_schedule: 
     gradients before clipping, a tied table's copies already summed (see make_update).
     bucket, prefetch, reshard_after_forward: the stages' parameter traffic, as for
     make_train_step; fsdp_accumulate must be "sharded" (each micro-batch is reduced as
-    its backward ends)."""
+    its backward ends). `compile` as for make_train_step: each stage's forward (the last
+    one's with its loss) and its backward are compiled graphs, traced once per stage;
+    what they leave partial over the data-parallel replicas is reduced once per step,
+    after the last backward. The zero-bubble schedule runs eager (its split backward
+    needs the autograd graph of each op, which a compiled stage is one node of)."""
     if fsdp_accumulate != "sharded":
         raise ConfigError(f"fsdp_accumulate={fsdp_accumulate!r}: a pipeline step reduces every micro-batch; use "
                           "sharded")
     split_backward = any(a.kind == BI for rank in pipeline_schedule.ranks for a in rank)
+    if split_backward and compile:
+        raise ConfigError(f"pipeline schedule {pipeline_schedule.name} with compile: the zero-bubble split of "
+                          "backward runs eager; use compile False or another schedule")
     policy = dataclasses.replace(Policy.of(precision, fp8_recipe, activation_checkpointing),
                                  backward_twice=split_backward)
-    pipe = _Pipe(model, stages, pipeline_schedule.pp, plan, device_mesh, policy, bucket=bucket, prefetch=prefetch,
-                 reshard_after_forward=reshard_after_forward)
+    if compile:
+        check_compile(policy.checkpointing, sharded=plan is not None and plan.mesh.world > plan.mesh.pp)
+    pipe = _Pipe(model, stages, pipeline_schedule.pp, plan, device_mesh, policy, compile, bucket=bucket,
+                 prefetch=prefetch, reshard_after_forward=reshard_after_forward)
     apply_update = make_update(optimizer, lr_schedule or LRSchedule(lr=optimizer.lr, kind="constant"), grad_clip,
                                inspect_grads=inspect_grads)
     actions = pipeline_schedule.ranks[pipe.rank]
@@ -249,6 +280,8 @@ def make_pipeline_step(model: ModelDef, stages: list[Stage], pipeline_schedule: 
         moe = MoeTerms.of(tokens)
         loss = _run(pipe, actions, state.params, tokens, targets, n_tokens, train=True, timings=timings, moe=moe)
         update_start = time.perf_counter()
+        if pipe.holds_partials:  # what the graphs left partial (dp replicas, sp norms), reduced once
+            pipe.ctx.reduce_held(state.params)
         for n in tied_here:  # both copies get the sum of both contributions, in one order
             g = local(state.params[n].grad)
             other = torch.empty_like(g)

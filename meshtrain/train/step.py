@@ -98,7 +98,7 @@ def make_train_step(model: ModelDef, plan=None, device_mesh=None, *, optimizer: 
     moe = (moe_cfg, model.cfg.moe_layers) if moe_cfg is not None else None
 
     if compile:
-        loss_sum = _compiled(loss_sum, compile, prefetch if plan is not None else 0)
+        loss_sum = compiled(loss_sum, compile, prefetch if plan is not None else 0)
     apply_update = make_update(optimizer, lr_schedule, grad_clip, compile, inspect_grads)
 
     def step(state: TrainState, batch: dict) -> dict:
@@ -222,7 +222,7 @@ def make_update(optimizer: AdamW, lr_schedule: LRSchedule, grad_clip: float | No
                      optimizer.betas, optimizer.eps, optimizer.weight_decay)
 
     if compile:  # the norm stays eager: it is a few kernels, and a third graph to compile
-        update = _compiled(update, compile)
+        update = compiled(update, compile)
 
     def apply(state: TrainState, uncounted=(), loss: float | None = None) -> tuple[torch.Tensor, float, bool]:
         names = [n for n, p in state.params.items() if p.requires_grad]
@@ -258,7 +258,7 @@ def make_eval_step(model: ModelDef, plan=None, device_mesh=None, *, precision: s
     ctx = _context(plan, device_mesh, Policy.of(precision, fp8_recipe))
     loss_sum = _loss_sum(model, ctx)
     if compile:
-        loss_sum = _compiled(loss_sum, compile)
+        loss_sum = compiled(loss_sum, compile)
 
     @torch.no_grad()
     def evaluate(params: dict, batch: dict) -> float:
@@ -287,7 +287,7 @@ def _loss_sum(model: ModelDef, ctx):
     return loss_sum
 
 
-def _compiled(fn, compile: bool | str, prefetch: int = 0):
+def compiled(fn, compile: bool | str, prefetch: int = 0):
     """torch.compile(fn) with the backend `compile` names (True: inductor); `prefetch` > 0
     moves parameter all-gathers ahead and gradient reduce-scatter waits down in the
     compiled graphs (parallel/overlap.py), with inductor and aot_eager (another backend
