@@ -269,9 +269,10 @@ def test_a_compiled_step_takes_another_sequence_length():
 
 @pytest.mark.slow
 def test_inductor_sharded_layouts_match_single_process(reference):
-    """Inductor's generated code on DTensor layouts: fsdp (gathers) and tp+sp (sequence
-    all-gather / reduce-scatter, vocab-parallel loss)."""
-    results = run_ranks(train_layouts, 2, 2, True, ["fsdp2", "tp2_sp"], start="spawn")
+    """Inductor's generated code on DTensor layouts: fsdp (gathers), tp+sp (sequence
+    all-gather / reduce-scatter, vocab-parallel loss) and cp (ring attention's
+    point-to-point exchange and its LSE merge)."""
+    results = run_ranks(train_layouts, 2, 2, True, ["fsdp2", "tp2_sp", "cp2_ring"], start="spawn")
     _check(reference, results[0])
 
 
