@@ -73,7 +73,7 @@ MUTANTS = [
     Mutant("loss_per_micro_batch", "the loss averaged per micro-batch instead of over the global batch",
            "meshtrain/train/step.py",
            "                loss = lm / n_tokens\n",
-           "                loss = lm / _count_targets([targets[micro]])\n", STEP),
+           "                loss = lm / count_targets([targets[micro]])\n", STEP),
     Mutant("decay_on_norms", "weight decay applied to 1-D parameters (norm scales, biases)",
            "meshtrain/train/optim.py",
            "        return ndim >= 2 and not any(",

@@ -160,6 +160,8 @@ def _validate_data(d: DataConfig) -> None:
     if d.valid_fraction >= 1:
         raise ConfigError(f"data.valid_fraction={d.valid_fraction} leaves no training data: choose a value "
                           "below 1 (e.g. 0.01)")
+    for key in ("document_mask", "reset_positions", "eod_mask_loss"):
+        check_bool(getattr(d, key), f"data.{key}")
 
 
 def _validate_checkpoint(c: CheckpointConfig) -> None:

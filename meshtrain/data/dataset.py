@@ -179,6 +179,7 @@ class TokenData:
     names: list[str]
     weights: list[float]
     notes: list[str] = field(default_factory=list)
+    eod: int | None = None  # the tokenizer's end-of-document (EOS) id, which ends each document
 
     def describe(self) -> str:
         blend = ", ".join(f"{w:.3g} {n}" for w, n in zip(self.weights, self.names))

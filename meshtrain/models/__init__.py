@@ -25,8 +25,8 @@ class ModelDef:
     def specs(self) -> dict[str, ParamSpec]:
         return self.family.param_specs(self.cfg)
 
-    def forward(self, params, tokens, ctx):
-        return self.family.forward(self.cfg, params, tokens, ctx)
+    def forward(self, params, tokens, ctx, docs=None):
+        return self.family.forward(self.cfg, params, tokens, ctx, docs)
 
 
 def build(arch: str, cfg) -> ModelDef:

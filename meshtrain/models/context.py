@@ -17,17 +17,28 @@ calls with DTensor layouts and collectives.
 from __future__ import annotations
 
 from functools import partial
-from typing import Mapping, Protocol, Sequence
+from typing import Mapping, NamedTuple, Protocol, Sequence
 
 import torch
 import torch.nn.functional as F
 
+from .attention import document_attention
 from .fp8 import fp8_linear
 from .losses import cross_entropy_sum
 from .moe import balance_loss, route, routed_experts, sequence_stats, z_loss
 from .policy import Policy
 
 Axes = Sequence[str | None]
+
+
+class Documents(NamedTuple):
+    """The documents packed into a batch's rows (data.document_mask, data.reset_positions):
+    `segments` (batch, seq) numbers each row's documents, and attention stays among
+    tokens of equal numbers; `positions` (batch, seq) is each token's position in its
+    document, where RoPE and learned positions restart. Either may be None (off)."""
+
+    segments: torch.Tensor | None = None
+    positions: torch.Tensor | None = None
 
 
 class ModelContext(Protocol):
@@ -53,9 +64,12 @@ class ModelContext(Protocol):
     def remat(self, fn, *args):
         """fn(*args), a transformer block, under the run's activation-checkpointing policy."""
 
-    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  segments: torch.Tensor | None = None) -> torch.Tensor:
         """Causal attention; q (batch, seq, q_heads, head_dim), k/v (batch, seq, kv_heads,
-        head_dim), GQA by grouping. Returns (batch, seq, q_heads, head_dim)."""
+        head_dim), GQA by grouping; with `segments` (batch, seq) (constrained as
+        ("batch", "seq")), a query sees only keys of its own segment. Returns (batch, seq,
+        q_heads, head_dim)."""
 
     def cross_entropy_sum(self, logits: torch.Tensor, targets: torch.Tensor, reduce: bool = True) -> torch.Tensor:
         """Sum over tokens of -log softmax(logits)[target]; targets < 0 are ignored. With
@@ -77,11 +91,15 @@ class ModelContext(Protocol):
         term not in use), or None without MoE blocks."""
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Reference causal attention on local tensors in (batch, seq, heads, head_dim)."""
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     segments: torch.Tensor | None = None) -> torch.Tensor:
+    """Reference causal attention on local tensors in (batch, seq, heads, head_dim);
+    with `segments` (batch, seq), block-diagonal causal: a query sees the keys before it
+    in its own segment (models/attention.py)."""
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                         enable_gqa=k.shape[1] != q.shape[1])
+    if segments is not None:
+        return document_attention(q, k, v, segments).transpose(1, 2)
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
     return out.transpose(1, 2)
 
 
@@ -130,8 +148,8 @@ class LocalContext:
     def embedding(self, ids, table):
         return F.embedding(ids, table)
 
-    def attention(self, q, k, v):
-        return causal_attention(q, k, v)
+    def attention(self, q, k, v, segments=None):
+        return causal_attention(q, k, v, segments)
 
     def cross_entropy_sum(self, logits, targets, reduce=True):
         return cross_entropy_sum(logits, targets)

@@ -75,9 +75,12 @@ class Family:
     check_fields: Callable[[Any], None] = lambda m: None
     hf: HFFormat | None = None
 
-    def forward(self, cfg, params, tokens, ctx):
-        """Logits (batch, seq, vocab) for `tokens` (batch, seq)."""
-        return self.forward_stage(cfg, params, tokens, ctx, (0, cfg.n_layers), first=True, last=True)
+    def forward(self, cfg, params, tokens, ctx, docs=None):
+        """Logits (batch, seq, vocab) for `tokens` (batch, seq); `docs` (a models.context
+        Documents) when the rows pack documents that must stay apart."""
+        if docs is None:  # a family registered before documents needs no new argument
+            return self.forward_stage(cfg, params, tokens, ctx, (0, cfg.n_layers), first=True, last=True)
+        return self.forward_stage(cfg, params, tokens, ctx, (0, cfg.n_layers), first=True, last=True, docs=docs)
 
     def init_cache(self, cfg, batch: int, max_len: int, dtype=torch.float32, device="cpu") -> KVCache:
         """An empty KV cache for `max_len` positions (at most cfg.max_seq_len is meaningful)."""

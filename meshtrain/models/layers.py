@@ -60,7 +60,8 @@ rope_cos_sin._dynamo_marked_constant = True
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x (batch, seq, heads, head_dim); cos/sin (seq, head_dim)."""
+    """x (batch, seq, heads, head_dim); cos/sin (seq, head_dim), or (batch, seq, head_dim)
+    when each row has positions of its own (documents restarting them)."""
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
+    return x * cos.unsqueeze(-2) + rotated * sin.unsqueeze(-2)

@@ -541,19 +541,24 @@ class ShardedContext:
             fn = partial(_with_own_view, fn)
         return remat_recording(self.policy, self, fn, *args)
 
-    def attention(self, q: DTensor, k: DTensor, v: DTensor) -> DTensor:
+    def attention(self, q: DTensor, k: DTensor, v: DTensor, segments: DTensor | None = None) -> DTensor:
         """Causal attention on local shards: heads split by tp need nothing; a sequence
-        split over cp (zigzag) is exchanged the plan's cp_comm way."""
+        split over cp (zigzag) is exchanged the plan's cp_comm way. `segments` (batch,
+        seq), as ("batch", "seq") lays them out: each rank's rows, every position."""
         seq_dims = [i for i, p in enumerate(q.placements) if isinstance(p, Shard) and p.dim == 1]
         if any(i != self._cp_dim for i in seq_dims):
             raise ConfigError(f"attention: the sequence is split over mesh axis "
                               f"{self.plan.mesh.axes[seq_dims[-1]]}; only cp may split it there (rules "
                               f"{self.plan.rules.lookup('seq')} for 'seq')")
         if seq_dims:
+            if segments is not None:
+                raise ConfigError("data.document_mask with parallel.cp > 1 is not supported yet (context-parallel "
+                                  "attention has no document mask): set parallel.cp 1 or data.document_mask false")
             out = context_parallel_attention(q.to_local(), k.to_local(), v.to_local(),
                                              self.mesh.get_group(self._cp_dim), self.plan.cp_comm)
         else:
-            out = causal_attention(q.to_local(), k.to_local(), v.to_local())
+            local = None if segments is None else segments.to_local()
+            out = causal_attention(q.to_local(), k.to_local(), v.to_local(), local)
         # Contiguous, as the stride it is declared with says (the heads are flattened next,
         # which would copy a transposed kernel output anyway).
         return DTensor.from_local(out.contiguous(), self.mesh, q.placements, run_check=False,

@@ -294,14 +294,17 @@ class _Run:
 
     def _batch(self, source, start: int) -> dict:
         """This rank's rows of the global batch of samples [start, start + global_batch)."""
-        tokens, targets = [], []
+        d, t = self.cfg.data, self.cfg.train
+        documents = tuple(key for key, on in (("segments", d.document_mask), ("positions", d.reset_positions),
+                                              ("eod_mask_loss", d.eod_mask_loss)) if on)
+        batch: dict = {}
         for micro in range(self.accumulation):
-            inputs, outputs = self.rows.read(source, start + micro * self.micro_rows)
-            tokens.append(self.rows.wrap(inputs.to(self.device)))
-            targets.append(self.rows.wrap(outputs.to(self.device)))
-        # Every target of a packed sample is a real token: the count needs no collective.
-        t = self.cfg.train
-        return {"tokens": tokens, "targets": targets, "num_targets": t.global_batch * t.seq_len}
+            part = self.rows.read(source, start + micro * self.micro_rows, self.data.eod, documents)
+            for key, value in part.items():
+                batch.setdefault(key, []).append(self.rows.wrap(value.to(self.device)))
+        if not d.eod_mask_loss:  # every target of a packed sample is a real token: no count needed
+            batch["num_targets"] = t.global_batch * t.seq_len
+        return batch
 
     def _evaluate(self) -> float:
         """Mean loss per token on the first eval_batches global batches of the validation split."""

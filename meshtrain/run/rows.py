@@ -7,6 +7,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from ..data.documents import document_positions, document_segments, mask_after_eod
 from ..parallel.cp_attention import zigzag_order
 
 
@@ -27,12 +28,21 @@ class RowSlice:
             self.columns = zigzag_order(seq_len, plan.mesh.cp)
         self.columns = self.columns[self.offset[1]: self.offset[1] + self.local[1]]
 
-    def read(self, source, start: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's (tokens, targets) of the micro-batch starting at row `start`."""
+    def read(self, source, start: int, eod: int | None = None, documents: tuple[str, ...] = ()) -> dict:
+        """This rank's "tokens" and "targets" of the micro-batch starting at row `start`,
+        and the `documents` asked for, found from the EOD tokens `eod` of whole rows:
+        "segments", "positions", and "eod_mask_loss" (targets after an EOD ignored)."""
         window = source.batch(start + self.offset[0], self.local[0])
-        if self.mesh is None:
-            return window[:, :-1], window[:, 1:]
-        return window[:, self.columns], window[:, self.columns + 1]
+        out = {"tokens": window[:, :-1], "targets": window[:, 1:]}
+        if "segments" in documents:
+            out["segments"] = document_segments(out["tokens"], eod)
+        if "positions" in documents:
+            out["positions"] = document_positions(out["tokens"], eod)
+        if "eod_mask_loss" in documents:
+            out["targets"] = mask_after_eod(out["tokens"], out["targets"], eod)
+        if self.mesh is not None:  # this rank's columns, of values found on the whole rows
+            out = {k: v[:, self.columns] for k, v in out.items()}
+        return out
 
     def wrap(self, local: torch.Tensor):
         if self.mesh is None:

@@ -50,7 +50,8 @@ from ..pipeline.partition import Stage
 from ..pipeline.schedule import B, BI, BW, F, RECV_B, RECV_F, SEND_B, SEND_F, PipelineSchedule, forward_only
 from .optim import AdamW, local
 from .schedule import LRSchedule
-from .step import InspectGrads, MoeTerms, TrainState, check_compile, compiled, full_value, make_update, moe_step
+from .step import (InspectGrads, MoeTerms, TrainState, check_compile, compiled, count_targets, documents, full_value,
+                   make_update, moe_step)
 
 RESIDUAL = ("batch", "seq_sp", None)  # the layout activations cross stage boundaries in
 _TIED_TAG = 7  # the tied-embedding gradient exchange, apart from the schedule's traffic
@@ -105,8 +106,9 @@ class _Pipe:
     def _stage_fn(self, stage: Stage):
         cfg, ctx, family = self.model.cfg, self.ctx, self.model.family
 
-        def run(params, x, targets):
-            out = family.forward_stage(cfg, params, x, ctx, stage.layers, stage.has_embedding, stage.has_head)
+        def run(params, x, targets, docs):
+            out = family.forward_stage(cfg, params, x, ctx, stage.layers, stage.has_embedding, stage.has_head,
+                                       **({} if docs is None else {"docs": docs}))
             out = ctx.cross_entropy_sum(out, targets) if stage.has_head else ctx.constrain(out, RESIDUAL)
             return out, ctx.moe_aux()
 
@@ -116,10 +118,11 @@ class _Pipe:
         code = run.__code__.replace(co_name=f"stage_{stage.index}")
         return types.FunctionType(code, run.__globals__, code.co_name, run.__defaults__, run.__closure__)
 
-    def forward(self, stage: Stage, params, x, targets=None):
+    def forward(self, stage: Stage, params, x, targets=None, docs=None):
         """(the stage's output, or the last stage's summed token loss on `targets`; its MoE
-        blocks' terms, or None)."""
-        return self._stage_fns[stage.index](params, x, targets)
+        blocks' terms, or None). `docs`: the micro-batch's packed documents, which every
+        stage reads from the batch (they do not travel between stages)."""
+        return self._stage_fns[stage.index](params, x, targets, docs)
 
     def scope(self):
         return getattr(self.ctx, "regather_in_backward", contextlib.nullcontext)()
@@ -151,7 +154,7 @@ def _backward_roots(out: torch.Tensor, grad, extra):
 
 
 def _run(pipe: _Pipe, actions, params: dict, tokens, targets, n_tokens: int, *, train: bool,
-         timings: list | None = None, moe: MoeTerms | None = None) -> torch.Tensor:
+         timings: list | None = None, moe: MoeTerms | None = None, docs=None) -> torch.Tensor:
     """Walk this rank's actions; returns the loss (this rank's share: zero off the last stage).
     `timings`: append (kind, stage, seconds) for every compute action (host time: exact on
     CPU, launch time only on an asynchronous device). `moe` collects MoE blocks' terms."""
@@ -183,7 +186,7 @@ def _run(pipe: _Pipe, actions, params: dict, tokens, targets, n_tokens: int, *, 
         elif a.kind == F:
             with pipe.scope():
                 out, aux = pipe.forward(stages[s], params, tokens[j] if s == 0 else pipe.wrap(inputs[key], spec),
-                                        targets[j] if s == last else None)
+                                        targets[j] if s == last else None, None if docs is None else docs[j])
                 if s == last:
                     out = out / n_tokens
                     loss += local(out.detach())
@@ -275,10 +278,11 @@ def make_pipeline_step(model: ModelDef, stages: list[Stage], pipeline_schedule: 
         if tokens[0].shape[0] % data_ranks:
             raise ConfigError(f"batch: {tokens[0].shape[0]} sequences per micro-step cannot be split evenly over "
                               f"{data_ranks} data-parallel ranks (dp x fsdp); use a multiple of {data_ranks}")
-        n_tokens = batch.get("num_targets") or int(sum((t >= 0).sum() for t in targets))
+        n_tokens = batch.get("num_targets") or count_targets(targets)
         timings = [] if record_timings else None
         moe = MoeTerms.of(tokens)
-        loss = _run(pipe, actions, state.params, tokens, targets, n_tokens, train=True, timings=timings, moe=moe)
+        loss = _run(pipe, actions, state.params, tokens, targets, n_tokens, train=True, timings=timings, moe=moe,
+                    docs=documents(batch))
         update_start = time.perf_counter()
         if pipe.holds_partials:  # what the graphs left partial (dp replicas, sp norms), reduced once
             pipe.ctx.reduce_held(state.params)
@@ -332,8 +336,8 @@ def make_pipeline_eval(model: ModelDef, stages: list[Stage], pp: int, micro_step
     @torch.no_grad()
     def evaluate(params: dict, batch: dict) -> float:
         tokens, targets = batch["tokens"], batch["targets"]
-        n_tokens = batch.get("num_targets") or int(sum((t >= 0).sum() for t in targets))
-        loss = _run(pipe, actions, params, tokens, targets, n_tokens, train=False)
+        n_tokens = batch.get("num_targets") or count_targets(targets)
+        loss = _run(pipe, actions, params, tokens, targets, n_tokens, train=False, docs=documents(batch))
         dist.all_reduce(loss, group=pipe.group)
         return float(loss)
 

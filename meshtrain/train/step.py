@@ -12,7 +12,7 @@ import torch
 
 from ..errors import ConfigError
 from ..models import ModelDef
-from ..models.context import LocalContext
+from ..models.context import Documents, LocalContext
 from ..models.moe import expert_bias_step, imbalance
 from ..models.policy import Policy
 from ..parallel.context import ShardedContext
@@ -106,12 +106,13 @@ def make_train_step(model: ModelDef, plan=None, device_mesh=None, *, optimizer: 
         if tokens[0].shape[0] % data_ranks:
             raise ConfigError(f"batch: {tokens[0].shape[0]} sequences per micro-step cannot be split evenly over "
                               f"{data_ranks} data-parallel ranks (dp x fsdp); use a multiple of {data_ranks}")
-        n_tokens = batch.get("num_targets") or _count_targets(targets)
+        n_tokens = batch.get("num_targets") or count_targets(targets)
+        docs = documents(batch)
         terms = MoeTerms.of(tokens)
         total = None
         for micro in range(len(tokens)):
             with scope():
-                lm, aux = loss_sum(state.params, tokens[micro], targets[micro])
+                lm, aux = loss_sum(state.params, tokens[micro], targets[micro], docs[micro])
                 loss = lm / n_tokens
                 extra = terms.add(aux)
             # The loss is this rank's partial sum: its gradient is the step's gradient of
@@ -263,10 +264,11 @@ def make_eval_step(model: ModelDef, plan=None, device_mesh=None, *, precision: s
     @torch.no_grad()
     def evaluate(params: dict, batch: dict) -> float:
         tokens, targets = batch["tokens"], batch["targets"]
+        docs = documents(batch)
         total = None
         for m in range(len(tokens)):
-            total = _add(total, loss_sum(params, tokens[m], targets[m])[0])
-        return float(ctx.reduce_sum(total)) / (batch.get("num_targets") or _count_targets(targets))
+            total = _add(total, loss_sum(params, tokens[m], targets[m], docs[m])[0])
+        return float(ctx.reduce_sum(total)) / (batch.get("num_targets") or count_targets(targets))
 
     return evaluate
 
@@ -281,10 +283,21 @@ def _loss_sum(model: ModelDef, ctx):
     """(summed token loss, partial over the token-splitting ranks; the MoE blocks' terms
     or None)."""
 
-    def loss_sum(params, tokens, targets):
-        return ctx.cross_entropy_sum(model.forward(params, tokens, ctx), targets, reduce=False), ctx.moe_aux()
+    def loss_sum(params, tokens, targets, docs=None):
+        return ctx.cross_entropy_sum(model.forward(params, tokens, ctx, docs), targets, reduce=False), ctx.moe_aux()
 
     return loss_sum
+
+
+def documents(batch: dict) -> list[Documents | None]:
+    """Per micro-step, the batch's packed documents: its optional "segments" and
+    "positions" (each a list like "tokens", laid out as they are), or None."""
+    segments, positions = batch.get("segments"), batch.get("positions")
+    n = len(batch["tokens"])
+    if segments is None and positions is None:
+        return [None] * n
+    return [Documents(None if segments is None else segments[m], None if positions is None else positions[m])
+            for m in range(n)]
 
 
 def compiled(fn, compile: bool | str, prefetch: int = 0):
@@ -314,6 +327,6 @@ def full_value(x: torch.Tensor) -> torch.Tensor:
     return x.full_tensor() if hasattr(x, "full_tensor") else x
 
 
-def _count_targets(targets) -> int:
+def count_targets(targets) -> int:
     """Target tokens (>= 0) in the whole global batch, also when each rank holds a part."""
     return int(sum(full_value((t >= 0).sum()).item() for t in targets))

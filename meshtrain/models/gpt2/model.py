@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from ...errors import ConfigError
-from ..context import ModelContext
+from ..context import Documents, ModelContext
 from ..layers import layer_norm
 from ..spec import ParamSpec
 from .config import GPT2Config
@@ -57,11 +57,12 @@ def param_specs(cfg: GPT2Config) -> dict[str, ParamSpec]:
 
 
 def forward_stage(cfg: GPT2Config, params: Mapping[str, torch.Tensor], x: torch.Tensor, ctx: ModelContext,
-                  layers: tuple[int, int], first: bool, last: bool) -> torch.Tensor:
+                  layers: tuple[int, int], first: bool, last: bool, docs: Documents | None = None) -> torch.Tensor:
     """One pipeline stage: layers [start, stop), after the token and position embeddings
     when `first` (x is then the tokens, else the residual stream (batch, seq, dim)),
     ending with the final norm and the head when `last` (logits, else the residual
-    stream). `params` needs only the stage's own."""
+    stream). `params` needs only the stage's own. `docs`: packed documents' segments
+    (attention) and positions (the learned position embeddings), per row."""
     seq_len, start = x.shape[1], ctx.start_pos
     if start + seq_len > cfg.max_seq_len:
         raise ConfigError(f"positions up to {start + seq_len - 1} do not fit model.max_seq_len={cfg.max_seq_len} "
@@ -71,11 +72,16 @@ def forward_stage(cfg: GPT2Config, params: Mapping[str, torch.Tensor], x: torch.
     if first:
         tokens = ctx.constrain(x, ("batch", "seq"))
         x = ctx.constrain(ctx.embedding(tokens, p["tok_emb"]), ("batch", "seq_sp", None))
-        positions = ctx.constrain(torch.arange(start, start + seq_len, device=tokens.device), ("seq",))
-        pos = ctx.constrain(ctx.embedding(positions, p["pos_emb"]), ("seq_sp", None))
+        if docs is not None and docs.positions is not None:  # restarting at each document
+            positions = ctx.constrain(docs.positions, ("batch", "seq"))
+            pos = ctx.constrain(ctx.embedding(positions, p["pos_emb"]), ("batch", "seq_sp", None))
+        else:
+            positions = ctx.constrain(torch.arange(start, start + seq_len, device=tokens.device), ("seq",))
+            pos = ctx.constrain(ctx.embedding(positions, p["pos_emb"]), ("seq_sp", None))
         x = x + pos
+    segments = None if docs is None or docs.segments is None else ctx.constrain(docs.segments, ("batch", "seq"))
     for i in range(*layers):
-        x = ctx.remat(_block, cfg, p, f"layers.{i}.", x, ctx)
+        x = ctx.remat(_block, cfg, p, f"layers.{i}.", x, ctx, segments)
     return head(cfg, p, x, ctx) if last else x
 
 
@@ -86,18 +92,18 @@ def head(cfg: GPT2Config, p: Mapping[str, torch.Tensor], x: torch.Tensor, ctx: M
     return ctx.constrain(logits, ("batch", "seq", "vocab"))
 
 
-def _block(cfg, p, prefix, x, ctx):
-    x = x + _attention(cfg, p, prefix, x, ctx)
+def _block(cfg, p, prefix, x, ctx, segments=None):
+    x = x + _attention(cfg, p, prefix, x, ctx, segments)
     return x + _mlp(cfg, p, prefix, x, ctx)
 
 
-def _attention(cfg, p, prefix, x, ctx):
+def _attention(cfg, p, prefix, x, ctx, segments):
     h = layer_norm(x, p[prefix + "attn_norm"], p[prefix + "attn_norm_bias"], cfg.norm_eps)
     h = ctx.constrain(h, ("batch", "seq", None))
     hd = cfg.head_dim
     q, k, v = (ctx.constrain(ctx.linear(h, p, prefix + f"attn.w{w}", p[prefix + f"attn.b{w}"]).unflatten(-1, (-1, hd)),
                              ("batch", "seq", "q_heads", None)) for w in ("q", "k", "v"))
-    out = ctx.attention(q, k, v).flatten(-2)
+    out = ctx.attention(q, k, v, **({} if segments is None else {"segments": segments})).flatten(-2)
     return ctx.constrain(ctx.linear(out, p, prefix + "attn.wo"), ("batch", "seq_sp", None)) + p[prefix + "attn.bo"]
 
 

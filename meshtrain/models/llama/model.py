@@ -11,7 +11,7 @@ from typing import Mapping
 import torch
 import torch.nn.functional as F
 
-from ..context import ModelContext
+from ..context import Documents, ModelContext
 from ..layers import apply_rope, rms_norm, rope_cos_sin
 from ..spec import ParamSpec
 from .config import LlamaConfig
@@ -68,10 +68,11 @@ def _moe_specs(cfg: LlamaConfig, p: str, std: float, out_std: float) -> dict[str
 
 
 def forward_stage(cfg: LlamaConfig, params: Mapping[str, torch.Tensor], x: torch.Tensor, ctx: ModelContext,
-                  layers: tuple[int, int], first: bool, last: bool) -> torch.Tensor:
+                  layers: tuple[int, int], first: bool, last: bool, docs: Documents | None = None) -> torch.Tensor:
     """One pipeline stage: layers [start, stop), after the embedding when `first` (x is
     then the tokens, else the residual stream (batch, seq, dim)), ending with the head
-    when `last` (logits, else the residual stream). `params` needs only the stage's own."""
+    when `last` (logits, else the residual stream). `params` needs only the stage's own.
+    `docs`: packed documents' segments (attention) and positions (RoPE), per row."""
     p = ctx.bind(params)
     seq_len, start = x.shape[1], ctx.start_pos
     if first:
@@ -82,9 +83,14 @@ def forward_stage(cfg: LlamaConfig, params: Mapping[str, torch.Tensor], x: torch
     cos, sin = rope_cos_sin(start + seq_len, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, x.device)
     if start:  # decoding: the angles of the new positions
         cos, sin = cos[start:], sin[start:]
-    cos, sin = (ctx.constrain(t.to(x.dtype), ("seq", None)) for t in (cos, sin))
+    axes = ("seq", None)
+    if docs is not None and docs.positions is not None:  # each row's angles: positions restart
+        cos, sin = cos[docs.positions], sin[docs.positions]
+        axes = ("batch", "seq", None)
+    cos, sin = (ctx.constrain(t.to(x.dtype), axes) for t in (cos, sin))
+    segments = None if docs is None or docs.segments is None else ctx.constrain(docs.segments, ("batch", "seq"))
     for i in range(*layers):
-        x = ctx.remat(_block, cfg, p, i, x, cos, sin, ctx)
+        x = ctx.remat(_block, cfg, p, i, x, cos, sin, ctx, segments)
     return head(cfg, p, x, ctx) if last else x
 
 
@@ -95,15 +101,15 @@ def head(cfg: LlamaConfig, p: Mapping[str, torch.Tensor], x: torch.Tensor, ctx: 
     return ctx.constrain(logits, ("batch", "seq", "vocab"))
 
 
-def _block(cfg, p, i, x, cos, sin, ctx):
+def _block(cfg, p, i, x, cos, sin, ctx, segments=None):
     prefix = f"layers.{i}."
-    x = x + _attention(cfg, p, prefix, x, cos, sin, ctx)
+    x = x + _attention(cfg, p, prefix, x, cos, sin, ctx, segments)
     if i in cfg.moe_layers:
         return x + _moe(cfg, p, prefix, x, ctx)
     return x + _mlp(p, prefix, x, cfg.norm_eps, ctx)
 
 
-def _attention(cfg, p, prefix, x, cos, sin, ctx):
+def _attention(cfg, p, prefix, x, cos, sin, ctx, segments):
     h = ctx.constrain(rms_norm(x, p[prefix + "attn_norm"], cfg.norm_eps), ("batch", "seq", None))
     hd = cfg.head_dim
     q = ctx.constrain(ctx.linear(h, p, prefix + "attn.wq").unflatten(-1, (-1, hd)), ("batch", "seq", "q_heads", None))
@@ -112,7 +118,8 @@ def _attention(cfg, p, prefix, x, cos, sin, ctx):
     if cfg.qk_norm:
         q = rms_norm(q, p[prefix + "attn.q_norm"], cfg.norm_eps)
         k = rms_norm(k, p[prefix + "attn.k_norm"], cfg.norm_eps)
-    out = ctx.attention(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v).flatten(-2)
+    out = ctx.attention(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v,
+                        **({} if segments is None else {"segments": segments})).flatten(-2)
     return ctx.constrain(ctx.linear(out, p, prefix + "attn.wo"), ("batch", "seq_sp", None))
 
 

@@ -1,0 +1,152 @@
+"""Packed documents trained as documents (issue 24): a row of several documents, with
+document masking and restarting positions, gives each document the logits and the
+gradients it gets alone as its own sequence; the loss after an EOD can be masked.
+One process here; the layouts in tests/test_documents_layouts.py."""
+
+from __future__ import annotations
+
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+
+from meshtrain import build
+from meshtrain.data.documents import document_positions, document_segments, mask_after_eod
+from meshtrain.models.context import Documents, LocalContext
+from meshtrain.models.gpt2 import GPT2Config
+from meshtrain.models.llama import LlamaConfig
+from meshtrain.models.spec import init_slice
+
+EOD = 1
+LLAMA = LlamaConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=37, max_seq_len=32)
+GPT2 = GPT2Config(dim=32, n_layers=2, n_heads=4, ffn_dim=64, vocab_size=37, max_seq_len=32)
+# Rows of 16 tokens: documents of several lengths, one of a single token (its EOD), one cut
+# by the row's end, and a row that is one document.
+LENGTHS = [[5, 1, 7, 3], [16], [2, 9, 5]]
+
+
+def packed_rows(seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for lengths in LENGTHS:
+        docs = [torch.cat([torch.randint(2, LLAMA.vocab_size, (n - 1,), generator=g), torch.tensor([EOD])])
+                for n in lengths]
+        rows.append(torch.cat(docs)[:16])
+    return torch.stack(rows)
+
+
+def test_segments_positions_and_the_eod_mask_by_hand():
+    tokens = torch.tensor([[7, 1, 1, 5, 6, 1, 9], [4, 4, 4, 4, 4, 4, 4]])
+    assert document_segments(tokens, 1).tolist() == [[0, 0, 1, 2, 2, 2, 3], [0] * 7]
+    assert document_positions(tokens, 1).tolist() == [[0, 1, 0, 0, 1, 2, 0], list(range(7))]
+    targets = torch.arange(14).view(2, 7)
+    assert mask_after_eod(tokens, targets, 1).tolist() == [[0, -1, -1, 3, 4, -1, 6], list(range(7, 14))]
+
+
+@pytest.mark.parametrize("arch, cfg", [("llama", LLAMA), ("gpt2", GPT2)])
+def test_a_packed_row_equals_its_documents_alone(arch, cfg):
+    model = build(arch, cfg)
+    params = {n: init_slice(s, n, seed=0).requires_grad_() for n, s in model.specs.items()}
+    tokens = packed_rows()
+    docs = Documents(document_segments(tokens, EOD), document_positions(tokens, EOD))
+    packed = model.forward(params, tokens, LocalContext(), docs)
+    packed.square().sum().backward()
+    packed_grads = {n: p.grad.clone() for n, p in params.items()}
+    alone = torch.empty_like(packed)
+    for p in params.values():
+        p.grad = None
+    total = 0
+    for r in range(tokens.shape[0]):
+        for s in docs.segments[r].unique():
+            cols = (docs.segments[r] == s).nonzero().flatten()
+            out = model.forward(params, tokens[r:r + 1, cols], LocalContext())
+            alone[r, cols] = out[0].detach()
+            total = total + out.square().sum()
+    total.backward()
+    torch.testing.assert_close(packed.detach(), alone, rtol=1e-5, atol=1e-6)
+    # atol: sums over every token in another order (GPT-2's biases: 2e-6 where the largest
+    # gradient is 0.2; its key bias's gradient is 0 but for rounding)
+    atol = 1e-5 * max(float(p.grad.abs().max()) for p in params.values())
+    for n, p in params.items():
+        torch.testing.assert_close(packed_grads[n], p.grad, rtol=1e-5, atol=atol, msg=lambda m: f"{n}: {m}")
+    # Without the documents, the row is one sequence: the later documents differ.
+    whole = model.forward(params, tokens, LocalContext())
+    assert (whole[0, 5:] - alone[0, 5:]).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("arch, cfg", [("llama", LLAMA), ("gpt2", GPT2)])
+def test_masking_and_positions_each_matter(arch, cfg):
+    """Neither half is a no-op: each changes the logits on its own. With the mask on, RoPE
+    sees only distances within a document, so restarting its positions changes nothing
+    (rounding aside); GPT-2's learned positions are absolute, so there it does."""
+    model = build(arch, cfg)
+    params = {n: init_slice(s, n, seed=0) for n, s in model.specs.items()}
+    tokens = packed_rows()
+    seg, pos = document_segments(tokens, EOD), document_positions(tokens, EOD)
+    off, mask, positions, both = (model.forward(params, tokens, LocalContext(), d)
+                                  for d in (None, Documents(seg, None), Documents(None, pos), Documents(seg, pos)))
+    differ = lambda a, b: (a - b).abs().max() > 1e-5  # noqa: E731  (fp32 rounding: ~1e-7)
+    assert differ(off, mask) and differ(off, positions) and differ(positions, both)
+    assert differ(mask, both) == (arch == "gpt2")
+
+
+def test_the_eod_masked_loss_is_the_mean_over_the_targets_left():
+    """A step's loss, by hand: cross entropy over the targets not after an EOD, averaged
+    over those alone, across two micro-steps of unequal counts."""
+    from meshtrain import TrainState, make_train_step
+    from meshtrain.train.optim import AdamW
+
+    model = build("llama", LLAMA)
+    params = {n: init_slice(s, n, seed=0).requires_grad_() for n, s in model.specs.items()}
+    tokens = packed_rows()
+    targets = mask_after_eod(tokens, torch.roll(tokens, -1, 1), EOD)
+    docs = Documents(document_segments(tokens, EOD), document_positions(tokens, EOD))
+    logits = model.forward(params, tokens, LocalContext(), docs)
+    by_hand = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-1)
+    assert 0 < (targets < 0).sum() < targets.numel() - 1  # something is masked, not all
+    halves = {"tokens": [tokens[:1], tokens[1:]], "targets": [targets[:1], targets[1:]],
+              "segments": [docs.segments[:1], docs.segments[1:]], "positions": [docs.positions[:1], docs.positions[1:]]}
+    step = make_train_step(model, optimizer=AdamW(lr=1e-3))
+    assert step(TrainState.create(params), halves)["loss"] == pytest.approx(float(by_hand), rel=1e-6)
+
+
+def test_fit_trains_documents_and_resumes_exactly(tmp_path, one_thread):
+    """Through fit on the embedded corpus (its documents end with EOS): the three keys
+    change the run, and a run stopped and resumed equals the uninterrupted one bitwise
+    (the documents are found from the tokens themselves)."""
+    from test_cli import _small_cfg
+    from test_fit import losses
+    from meshtrain.run.fit import fit
+
+    base = _small_cfg(tmp_path, steps=4, warmup_steps=1)
+    on = dataclasses.replace(base.data, document_mask=True, reset_positions=True, eod_mask_loss=True)
+    plain = fit(dataclasses.replace(base, run_dir=str(tmp_path / "plain")))
+    whole = fit(dataclasses.replace(base, data=on, run_dir=str(tmp_path / "whole")))
+    assert abs(plain[0]["loss"] - whole[0]["loss"]) > 1e-4
+    pieces = dataclasses.replace(base, data=on, run_dir=str(tmp_path / "pieces"))
+    fit(dataclasses.replace(pieces, train=dataclasses.replace(base.train, stop_at=2)))
+    fit(pieces)
+    assert losses(Path(pieces.run_dir)).tolist() == [r["loss"] for r in whole]
+
+
+@pytest.mark.parametrize("heads, kv_heads", [(4, 4), (4, 2)])
+def test_tiled_document_attention_equals_one_mask(heads, kv_heads):
+    """The eager tiles (each over its documents' span) against one dense mask: outputs and
+    q/k/v gradients, with documents longer and shorter than a tile, one of length 1, and
+    a tile that starts inside a document."""
+    from meshtrain.models.attention import dense_document_attention, tiled_document_attention
+
+    g = torch.Generator().manual_seed(0)
+    seq = 37  # tiles of 8: the last one short
+    segments = torch.tensor([[0] * 3 + [1] + [2] * 20 + [3] * 13, [0] * 37])
+    q = torch.randn(2, heads, seq, 16, generator=g, requires_grad=True)
+    k, v = (torch.randn(2, kv_heads, seq, 16, generator=g, requires_grad=True) for _ in range(2))
+    outs = []
+    for fn in (lambda *a: tiled_document_attention(*a, tile=8), dense_document_attention):
+        out = fn(q, k, v, segments)
+        grads = torch.autograd.grad(out.square().sum(), (q, k, v))
+        outs.append((out, *grads))
+    for a, b in zip(*outs):  # k/v gradients sum over queries tile by tile: rounding of the largest
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6 * float(b.abs().max()))

@@ -1,0 +1,123 @@
+"""Packed documents on every layout that takes them (issue 24): document masking,
+restarting positions and the loss masked after each EOD give the same loss and gradient
+norm per step (rtol 1e-5; the clip below every norm) and the same parameters after 4
+steps (atol 1e-5) as one process with the same documents, which itself equals each
+document alone (tests/test_documents.py). Rows carry 3 to 5 documents, some of one
+token, some cut by the row's end. fp32, gloo CPU ranks; the cases of a world size run in
+one launch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from meshtrain import MeshSpec, Rules, TrainState, build, init_params, make_plan, make_train_step
+from meshtrain.data.documents import document_positions, document_segments, mask_after_eod
+from meshtrain.models.gpt2 import GPT2Config
+from meshtrain.models.spec import init_slice
+from meshtrain.pipeline.partition import partition
+from meshtrain.pipeline.schedule import build_pipeline_schedule
+from meshtrain.testing import run_ranks
+from meshtrain.train.optim import AdamW
+from meshtrain.train.pipeline_step import local_stage_layout, make_pipeline_step
+from test_equivalence import CFG, SEQ
+
+STEPS, BATCH, MICRO = 4, 8, 2
+EOD = 3
+GRAD_CLIP = 0.5
+GPT2 = GPT2Config(dim=CFG.dim, n_layers=CFG.n_layers, n_heads=CFG.n_heads, ffn_dim=CFG.ffn_dim,
+                  vocab_size=CFG.vocab_size, max_seq_len=SEQ)
+# name: (arch, mesh sizes, sequence parallel, pipeline schedule or None, compile). cp
+# restarts positions only: its attention has no document mask yet (a config error).
+CASES = {
+    2: {"tp2_sp": ("llama", {"tp": 2}, True, None, False), "fsdp2": ("llama", {"fsdp": 2}, False, None, False),
+        "pp2_1f1b": ("llama", {"pp": 2}, False, "1f1b", False),
+        "tp2_sp_gpt2": ("gpt2", {"tp": 2}, True, None, False),
+        "fsdp2_compiled": ("llama", {"fsdp": 2}, False, None, "aot_eager"),
+        "cp2_ring_gpt2_positions": ("gpt2", {"cp": 2}, False, None, False)},
+    4: {"fsdp2_tp2_sp": ("llama", {"fsdp": 2, "tp": 2}, True, None, False),
+        "pp2_tp2_sp_zb": ("llama", {"pp": 2, "tp": 2}, True, "zb", False)},
+}
+POSITIONS_ONLY = {"cp2_ring_gpt2_positions"}
+
+
+def _cfg(arch):
+    return CFG if arch == "llama" else GPT2
+
+
+def batches(segments: bool = True):
+    """Rows with an EOD at random places (about 1 token in 5, two EODs in a row
+    included), split into MICRO micro-steps, with their segments and positions; targets
+    after an EOD ignored."""
+    g = torch.Generator().manual_seed(1234)
+    for _ in range(STEPS):
+        t = torch.randint(4, CFG.vocab_size, (BATCH, SEQ + 1), generator=g)
+        t[torch.rand(t.shape, generator=g) < 0.2] = EOD
+        t = t.reshape(MICRO, BATCH // MICRO, SEQ + 1)
+        tokens, targets = t[..., :-1], t[..., 1:]
+        batch = {"tokens": tokens, "targets": mask_after_eod(tokens, targets, EOD),
+                 "positions": document_positions(tokens, EOD)}
+        yield {**batch, "segments": document_segments(tokens, EOD)} if segments else batch
+
+
+def _step_options():
+    return dict(optimizer=AdamW(lr=3e-4, weight_decay=0.1), grad_clip=GRAD_CLIP)
+
+
+def single(arch, segments=True):
+    model = build(arch, _cfg(arch))
+    params = {n: init_slice(s, n, seed=0).requires_grad_() for n, s in model.specs.items()}
+    step = make_train_step(model, **_step_options())
+    state = TrainState.create(params)
+    metrics = [step(state, b) for b in batches(segments)]
+    return [(m["loss"], m["grad_norm"]) for m in metrics], {n: p.detach() for n, p in params.items()}
+
+
+def _full(p):
+    return p.full_tensor() if hasattr(p, "full_tensor") else p
+
+
+def _layouts(names):
+    torch.set_num_threads(1)
+    world, out = dist.get_world_size(), {}
+    for name in names:
+        arch, sizes, sp, schedule, compile = CASES[world][name]
+        torch._dynamo.reset()
+        model = build(arch, _cfg(arch))
+        plan = make_plan(model.specs, Rules.default(sp=sp), MeshSpec(**sizes), world=world, cp_comm="ring")
+        mesh = plan.mesh.build()
+        if schedule is None:
+            params = init_params(plan, mesh, seed=0)
+            step = make_train_step(model, plan, mesh, compile=compile, **_step_options())
+        else:
+            stages = partition(model, sizes["pp"], seq_len=SEQ, micro_batch=BATCH // MICRO)
+            mine, sub_plan, sub_mesh = local_stage_layout(plan, mesh, stages)
+            params = init_params(sub_plan, sub_mesh, seed=0, names=mine) if sub_plan is not None else \
+                {n: init_slice(model.specs[n], n, seed=0).requires_grad_() for n in mine}
+            step = make_pipeline_step(model, stages, build_pipeline_schedule(schedule, sizes["pp"], MICRO), plan, mesh,
+                                      **_step_options())
+        state = TrainState.create(params)
+        metrics = [step(state, b) for b in batches(name not in POSITIONS_ONLY)]
+        out[name] = [(m["loss"], m["grad_norm"]) for m in metrics], {n: _full(p).detach() for n, p in params.items()}
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4])
+def test_packed_documents_on_each_layout_equal_one_process(world):
+    results = run_ranks(_layouts, world, list(CASES[world]))
+    refs = {}
+    for name, (arch, *_) in CASES[world].items():
+        segments = name not in POSITIONS_ONLY
+        ref_losses, ref_params = refs.setdefault((arch, segments), single(arch, segments))
+        assert all(norm > 1.5 * GRAD_CLIP for _, norm in ref_losses), ref_losses  # clipping engages
+        held = {}
+        for rank_out in results:
+            losses, params = rank_out[name]
+            torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0,
+                                       msg=lambda m: f"{name}: {m}")
+            held.update(params)
+        assert sorted(held) == sorted(ref_params), name
+        for n, p in held.items():
+            torch.testing.assert_close(p, ref_params[n], rtol=0, atol=1e-5, msg=lambda m: f"{name} {n}: {m}")
