@@ -303,8 +303,6 @@ PP2 = ["--parallel.pp", "2", "--parallel.nproc_per_node", "2"]
     ([*PP2, "--parallel.pp_schedule", "interleaved", "--parallel.pp_virtual", "2", "--train.global_batch", "12"],
      "parallel.pp_schedule=interleaved"),  # 3 micro-batches on 2 ranks
     ([*PP2, "--parallel.pp_schedule", "zb1"], "parallel.pp_schedule"),
-    (["--parallel.cp", "2", "--parallel.nproc_per_node", "2", "--data.document_mask", "true"],
-     "data.document_mask"),  # no document mask in context-parallel attention yet
     (["--data.eod_mask_loss", "sometimes"], "data.eod_mask_loss"),
     ([*PP2, "--parallel.pp_schedule", "zb", "--train.compile", "true"], "train.compile"),  # zb runs eager
 ])

@@ -21,6 +21,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from meshtrain.errors import ConfigError
+from meshtrain.models.attention import dense_document_attention
 from meshtrain.parallel import cp_attention as cpa
 from meshtrain.testing import run_ranks
 
@@ -51,24 +52,41 @@ def _full(b, S, hq, hkv, d, dtype, seed):
     return [torch.randn(b, S, h, d, generator=g, dtype=dtype) for h in (hq, hkv, hkv, hq)]
 
 
-def _reference(q, k, v, dout):
+def _segments(b, S, seed):
+    """Document ids (b, S): random lengths from 1 to S // 2, one row a single document."""
+    g = torch.Generator().manual_seed(seed)
+    rows = [torch.zeros(S, dtype=torch.long)]
+    for _ in range(b - 1):
+        ends = (torch.rand(S, generator=g) < 0.3).long()
+        ends[0] = 0
+        rows.append(ends.cumsum(0))
+    return torch.stack(rows[:b])
+
+
+def _reference(q, k, v, dout, segments=None):
     q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
-    out = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)), is_causal=True,
-                                         enable_gqa=True).transpose(1, 2)
+    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+    if segments is None:
+        out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, enable_gqa=True).transpose(1, 2)
+    else:
+        out = dense_document_attention(qt, kt, vt, segments).transpose(1, 2)
     out.backward(dout)
     return out.detach(), q.grad, k.grad, v.grad
 
 
-def _max_errors(comm, group, b, S, hq, hkv, d, dtype, seed=0):
-    """Max abs error of this rank's output and q/k/v gradient shards against the reference."""
+def _max_errors(comm, group, b, S, hq, hkv, d, dtype, seed=0, documents=False):
+    """Max abs error of this rank's output and q/k/v gradient shards against the reference;
+    `documents`: with random packed documents, against one dense document mask."""
     cp, r = dist.get_world_size(group), dist.get_rank(group)
     full = _full(b, S, hq, hkv, d, dtype, seed)
     perm = cpa.zigzag_order(S, cp)
+    segments = _segments(b, S, seed) if documents else None
     q, k, v, dout = (t.index_select(1, perm).chunk(cp, 1)[r].clone() for t in full)
     q, k, v = (t.requires_grad_() for t in (q, k, v))
-    out = cpa.context_parallel_attention(q, k, v, group, comm)
+    local = None if segments is None else segments.index_select(1, perm).chunk(cp, 1)[r].clone()
+    out = cpa.context_parallel_attention(q, k, v, group, comm, local)
     out.backward(dout)
-    ref = [t.index_select(1, perm).chunk(cp, 1)[r] for t in _reference(*full)]
+    ref = [t.index_select(1, perm).chunk(cp, 1)[r] for t in _reference(*full, segments)]
     return max((a - e).abs().max().item() for a, e in zip((out, q.grad, k.grad, v.grad), ref))
 
 
@@ -114,6 +132,26 @@ def _count(comm, group, b, S, hq, hkv, d):
     return calls, nbytes
 
 
+def _ring_blocks_computed():
+    """Forward block kernels the ring runs at cp 4 when every chunk is a document of its own:
+    only the own block's diagonal (the other blocks are skipped)."""
+    calls, kernel = [0], cpa._block_forward
+
+    def counted(*args):
+        calls[0] += 1
+        return kernel(*args)
+
+    cpa._block_forward = counted
+    try:
+        perm = cpa.zigzag_order(16, 4)
+        segments = (torch.arange(16) // 2)[None].index_select(1, perm).chunk(4, 1)[dist.get_rank()]
+        q = torch.randn(1, 4, 2, 8)
+        cpa.context_parallel_attention(q, q, q, None, "ring", segments)
+    finally:
+        cpa._block_forward = kernel
+    return calls[0]
+
+
 def _worker(cases, a2a_errors, count_shapes):
     """All cases of one spawn of 4 ranks: cp=4 on the world group, cp=2 on the groups {0,1} and
     {2,3} (p2p peers are global ranks that differ from group ranks), cp=1 on single ranks."""
@@ -121,7 +159,8 @@ def _worker(cases, a2a_errors, count_shapes):
     pairs = [dist.new_group([i, i + 1]) for i in (0, 2)]
     singles = [dist.new_group([i]) for i in range(4)]
     groups = {4: None, 2: pairs[rank // 2], 1: singles[rank]}
-    errors = {case: _max_errors(case[1], groups[case[0]], *case[2:]) for case in cases}
+    errors = {case: _max_errors(case[1], groups[case[0]], *case[2:-1], documents=case[-1] == "documents")
+              for case in cases}
     messages = {}
     for cp, hq, hkv in a2a_errors:
         q, kv = torch.zeros(1, 4, hq, 8), torch.zeros(1, 4, hkv, 8)
@@ -138,7 +177,7 @@ def _worker(cases, a2a_errors, count_shapes):
         mutated = _max_errors("ring", None, 1, 16, 2, 2, 8, torch.float64)
     finally:
         cpa._ring_pieces = rule
-    return errors, messages, counts, mutated
+    return errors, messages, counts, _ring_blocks_computed(), mutated
 
 
 @pytest.mark.slow
@@ -151,12 +190,16 @@ def test_all_comms_match_full_attention_cp4_cp2_cp1():
               for hq, hkv, dt in ((4, 4, f64), (4, 2, f64), (4, 2, f32))]            # MHA, GQA, fp32
     cases += [(2, comm, 1, 8, 3, 1, 4, f64) for comm in ("allgather", "ring")]       # MQA; a2a: 3 % 2 != 0
     cases += [(1, comm, 1, 6, 4, 2, 4, f64) for comm in cpa.CP_COMMS]
+    cases = [(*c, "causal") for c in cases]
+    # Packed documents (issue 24), random lengths from 1, a row that is one document
+    cases += [(cp, comm, 3, 24, 8, 4, 8, f64, "documents") for cp in (4, 2) for comm in cpa.CP_COMMS]
     a2a_errors = [(4, 6, 2), (2, 3, 1)]
     count_shapes = {4: (1, 16, 8, 4, 4), 2: (2, 8, 4, 2, 4)}
     results = run_ranks(_worker, 4, cases, a2a_errors, count_shapes)
-    for rank, (errors, messages, counts, _) in enumerate(results):
+    for rank, (errors, messages, counts, ring_blocks, _) in enumerate(results):
         for case, err in errors.items():
-            assert err < (1e-10 if case[-1] == f64 else 1e-5), f"rank {rank} {case}: max error {err:.3g}"
+            assert err < (1e-10 if case[-2] == f64 else 1e-5), f"rank {rank} {case}: max error {err:.3g}"
+        assert ring_blocks == 1, (rank, ring_blocks)  # blocks no local query can see: skipped
         for cp, _, _ in a2a_errors:
             assert cp in messages and all(s in messages[cp] for s in (
                 "model.n_heads", "model.n_kv_heads", f"cp={cp}", "allgather", "ring")), messages

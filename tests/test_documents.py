@@ -150,3 +150,20 @@ def test_tiled_document_attention_equals_one_mask(heads, kv_heads):
         outs.append((out, *grads))
     for a, b in zip(*outs):  # k/v gradients sum over queries tile by tile: rounding of the largest
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6 * float(b.abs().max()))
+
+
+@pytest.mark.slow
+def test_context_parallel_fit_with_documents_matches_one_process(tmp_path):
+    """Through the CLI: configs/tiny-cp2.yaml (2 self-launched ranks, ring) with the three
+    keys equals one process with them (the batch arrives as DTensors of zigzag columns)."""
+    from test_cli import SMALL, TINY, run_cli
+    from test_fit import losses
+
+    on = ["--data.document_mask", "true", "--data.reset_positions", "true", "--data.eod_mask_loss", "true"]
+    runs = {}
+    for name, config in (("cp2", TINY.parent / "tiny-cp2.yaml"), ("one", TINY)):
+        runs[name] = tmp_path / name
+        proc = run_cli("fit", "--config", str(config), *SMALL, "--model.n_layers", "2", "--train.seq_len", "64",
+                       *on, "--run_dir", str(runs[name]))
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+    torch.testing.assert_close(losses(runs["cp2"]), losses(runs["one"]), rtol=1e-5, atol=0)

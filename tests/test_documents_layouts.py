@@ -28,18 +28,23 @@ EOD = 3
 GRAD_CLIP = 0.5
 GPT2 = GPT2Config(dim=CFG.dim, n_layers=CFG.n_layers, n_heads=CFG.n_heads, ffn_dim=CFG.ffn_dim,
                   vocab_size=CFG.vocab_size, max_seq_len=SEQ)
-# name: (arch, mesh sizes, sequence parallel, pipeline schedule or None, compile). cp
-# restarts positions only: its attention has no document mask yet (a config error).
+# name: (arch, mesh sizes, sequence parallel, pipeline schedule or None, compile)
 CASES = {
     2: {"tp2_sp": ("llama", {"tp": 2}, True, None, False), "fsdp2": ("llama", {"fsdp": 2}, False, None, False),
         "pp2_1f1b": ("llama", {"pp": 2}, False, "1f1b", False),
         "tp2_sp_gpt2": ("gpt2", {"tp": 2}, True, None, False),
         "fsdp2_compiled": ("llama", {"fsdp": 2}, False, None, "aot_eager"),
+        "cp2_ring": ("llama", {"cp": 2}, False, None, False),
+        "cp2_allgather_gpt2": ("gpt2", {"cp": 2}, False, None, False),
+        "cp2_a2a": ("llama", {"cp": 2}, False, None, False),
         "cp2_ring_gpt2_positions": ("gpt2", {"cp": 2}, False, None, False)},
     4: {"fsdp2_tp2_sp": ("llama", {"fsdp": 2, "tp": 2}, True, None, False),
-        "pp2_tp2_sp_zb": ("llama", {"pp": 2, "tp": 2}, True, "zb", False)},
+        "pp2_tp2_sp_zb": ("llama", {"pp": 2, "tp": 2}, True, "zb", False),
+        "cp2_tp2_sp_ring": ("llama", {"cp": 2, "tp": 2}, True, None, False),
+        "fsdp2_cp2_a2a_compiled": ("llama", {"fsdp": 2, "cp": 2}, False, None, "aot_eager")},
 }
-POSITIONS_ONLY = {"cp2_ring_gpt2_positions"}
+CP_COMM = {"cp2_allgather_gpt2": "allgather", "cp2_a2a": "a2a", "fsdp2_cp2_a2a_compiled": "a2a"}  # others: ring
+POSITIONS_ONLY = {"cp2_ring_gpt2_positions"}  # no document mask: positions and the loss mask alone
 
 
 def _cfg(arch):
@@ -85,7 +90,8 @@ def _layouts(names):
         arch, sizes, sp, schedule, compile = CASES[world][name]
         torch._dynamo.reset()
         model = build(arch, _cfg(arch))
-        plan = make_plan(model.specs, Rules.default(sp=sp), MeshSpec(**sizes), world=world, cp_comm="ring")
+        plan = make_plan(model.specs, Rules.default(sp=sp), MeshSpec(**sizes), world=world,
+                         cp_comm=CP_COMM.get(name, "ring"))
         mesh = plan.mesh.build()
         if schedule is None:
             params = init_params(plan, mesh, seed=0)

@@ -96,10 +96,6 @@ class RunConfig:
             raise ConfigError(f"model.vocab_size={m.vocab_size} is smaller than the bytes tokenizer's "
                               f"vocabulary ({BYTES_VOCAB}: 256 bytes, BOS, EOS): set model.vocab_size to at least "
                               f"{BYTES_VOCAB}")
-        if self.data.document_mask and p.cp > 1:
-            raise ConfigError(f"data.document_mask with parallel.cp={p.cp}: context-parallel attention has no "
-                              "document mask yet; set parallel.cp 1, or data.document_mask false (positions can "
-                              "still restart: data.reset_positions)")
         if t.eval_every and not self.data.valid_fraction:
             raise ConfigError(f"train.eval_every={t.eval_every} needs a validation split, but "
                               "data.valid_fraction=0: set data.valid_fraction (e.g. 0.01), or train.eval_every 0")

@@ -188,7 +188,7 @@ class DataConfig:
     valid_fraction: float = 0.01
     """Share of each dataset's documents (its last ones) held out for validation; at least one document when > 0; 0: no validation split."""
     document_mask: bool = False
-    """Attention stays inside each document packed into a sample (Megatron's --reset-attention-mask): a document ends with the tokenizer's end-of-document token (EOS; preprocess --append_eod writes it). Not with parallel.cp > 1 yet."""
+    """Attention stays inside each document packed into a sample (Megatron's --reset-attention-mask): a document ends with the tokenizer's end-of-document token (EOS; preprocess --append_eod writes it)."""
     reset_positions: bool = False
     """Positions restart at 0 at each document's start (Megatron's --reset-position-ids): RoPE angles and GPT-2's learned positions. With document_mask on, RoPE sees only distances within a document, so this changes only GPT-2."""
     eod_mask_loss: bool = False

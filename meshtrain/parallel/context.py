@@ -550,14 +550,11 @@ class ShardedContext:
             raise ConfigError(f"attention: the sequence is split over mesh axis "
                               f"{self.plan.mesh.axes[seq_dims[-1]]}; only cp may split it there (rules "
                               f"{self.plan.rules.lookup('seq')} for 'seq')")
+        local = None if segments is None else segments.to_local()
         if seq_dims:
-            if segments is not None:
-                raise ConfigError("data.document_mask with parallel.cp > 1 is not supported yet (context-parallel "
-                                  "attention has no document mask): set parallel.cp 1 or data.document_mask false")
             out = context_parallel_attention(q.to_local(), k.to_local(), v.to_local(),
-                                             self.mesh.get_group(self._cp_dim), self.plan.cp_comm)
+                                             self.mesh.get_group(self._cp_dim), self.plan.cp_comm, local)
         else:
-            local = None if segments is None else segments.to_local()
             out = causal_attention(q.to_local(), k.to_local(), v.to_local(), local)
         # Contiguous, as the stride it is declared with says (the heads are flattened next,
         # which would copy a transposed kernel output anyway).

@@ -63,36 +63,41 @@ def _heads_first(q, k, v):
     return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
 
-def _scores(q, k, causal):
-    """Scaled scores (b, hkv, g, sq, sk) in the accumulation dtype; query head h uses kv head h // g."""
+def _scores(q, k, causal, same=None):
+    """Scaled scores (b, hkv, g, sq, sk) in the accumulation dtype; query head h uses kv head h // g.
+    `same` (b, sq, sk): where query and key are in one document (None: everywhere)."""
     acc, hkv = _acc(q.dtype), k.shape[2]
     s = torch.einsum("bqhgd,bkhd->bhgqk", q.to(acc).unflatten(2, (hkv, -1)), k.to(acc)) * q.shape[-1] ** -0.5
     if causal:  # only square diagonal blocks are causal: query i sees keys <= i
         mask = torch.ones(q.shape[1], k.shape[1], dtype=torch.bool, device=q.device).triu(1)
         s = s.masked_fill(mask, float("-inf"))
+    if same is not None:
+        s = s.masked_fill(~same[:, None, None], float("-inf"))
     return s
 
 
-def _block_forward(q, k, v, causal):
-    """Attention of q (b, sq, hq, d) to k/v (b, sk, hkv, d); `causal` needs sq == sk.
-    Returns out (b, sq, hq, d) and its log-sum-exp (b, hq, sq) (fp32 or fp64)."""
-    if _use_fused(q):
+def _block_forward(q, k, v, causal, same=None):
+    """Attention of q (b, sq, hq, d) to k/v (b, sk, hkv, d); `causal` needs sq == sk; `same`
+    as for `_scores`. Returns out (b, sq, hq, d) and its log-sum-exp (b, hq, sq) (fp32 or
+    fp64); a row that sees no key here gets out 0 and lse -inf."""
+    if _use_fused(q) and same is None:
         out, lse = aten._scaled_dot_product_flash_attention(*_heads_first(q, k, v), 0.0, causal,
                                                             scale=q.shape[-1] ** -0.5)[:2]
         return out.transpose(1, 2), lse
-    s = _scores(q, k, causal)
+    s = _scores(q, k, causal, same)
     lse = torch.logsumexp(s, -1)
-    out = torch.einsum("bhgqk,bkhd->bqhgd", torch.exp(s - lse.unsqueeze(-1)), v.to(s.dtype))
+    finite = lse.masked_fill(lse == float("-inf"), 0)  # a row with no key: exp(-inf) = 0, not nan
+    out = torch.einsum("bhgqk,bkhd->bqhgd", torch.exp(s - finite.unsqueeze(-1)), v.to(s.dtype))
     return out.flatten(2, 3), lse.flatten(1, 2)
 
 
-def _block_backward(dout, q, k, v, out, lse, causal):
+def _block_backward(dout, q, k, v, out, lse, causal, same=None):
     """Gradients (dq, dk, dv) of one block, in the accumulation dtype (the fused path's dq: in
     the kernel's dtype, for the caller to add into its accumulator). `out` and `lse` are the
     FINAL rows of the whole attention (not this block's): then P = exp(S - lse) is this block's
     share of the softmax and D = rowsum(dout * out), so the blocks' gradients simply add up."""
     scale, hkv = q.shape[-1] ** -0.5, k.shape[2]
-    if _use_fused(q):
+    if _use_fused(q) and same is None:
         dq, dk, dv = aten._scaled_dot_product_flash_attention_backward(
             dout.transpose(1, 2), *_heads_first(q, k, v), out.transpose(1, 2), lse.contiguous(),
             None, None, q.shape[1], k.shape[1], 0.0, causal, None, None, scale=scale)  # dense, no dropout
@@ -100,7 +105,7 @@ def _block_backward(dout, q, k, v, out, lse, causal):
         # is added into the fp32 accumulator by the caller (one pass instead of two).
         dk, dv = (t.transpose(1, 2).unflatten(2, (hkv, -1)).sum(3, dtype=torch.float32) for t in (dk, dv))
         return dq.transpose(1, 2), dk, dv
-    s = _scores(q, k, causal)
+    s = _scores(q, k, causal, same)
     acc = s.dtype
     p = torch.exp(s - lse.to(acc).unflatten(1, (hkv, -1)).unsqueeze(-1))
     do = dout.to(acc).unflatten(2, (hkv, -1))                               # (b, sq, hkv, g, d)
@@ -112,23 +117,42 @@ def _block_backward(dout, q, k, v, out, lse, causal):
     return dq, dk, dv
 
 
-def _attend(q, k, v, pieces, out, lse):
+def _same(segs, rows, keys):
+    """Which queries `rows` see which keys `keys` by document (b, sq, sk), False where none
+    does (the block is skipped: no work, and no -inf rows); None without documents."""
+    if segs is None:
+        return None
+    seg_q, seg_k = segs
+    same = seg_q[:, rows, None] == seg_k[:, None, keys]
+    return same if bool(same.any()) else False
+
+
+def _attend(q, k, v, pieces, out, lse, segs=None):
     """Add the blocks `pieces` = [(q rows, key positions, causal)] into the running (out, lse),
-    in place, by log-sum-exp: out = sum_i exp(lse_i - lse) out_i, lse = logsumexp_i lse_i."""
+    in place, by log-sum-exp: out = sum_i exp(lse_i - lse) out_i, lse = logsumexp_i lse_i.
+    `segs`: (query, key) document ids (b, sq) and (b, sk), or None."""
     for rows, keys, causal in pieces:
-        o, l = _block_forward(q[:, rows], k[:, keys], v[:, keys], causal)
+        same = _same(segs, rows, keys)
+        if same is False:
+            continue
+        o, l = _block_forward(q[:, rows], k[:, keys], v[:, keys], causal, same)
         old = lse[:, :, rows]
         new = torch.logaddexp(old, l)  # stable; the first block meets lse = -inf, weight 0
-        # The two weights exp(old - new) and exp(l - new) sum to 1: one in-place lerp.
-        out[:, rows].lerp_(o.to(out.dtype), torch.exp(l - new).transpose(1, 2).unsqueeze(-1))
+        # The two weights exp(old - new) and exp(l - new) sum to 1: one in-place lerp. A row
+        # no key has reached yet (new = -inf) keeps out 0.
+        weight = torch.exp(l - new).nan_to_num(0.0)
+        out[:, rows].lerp_(o.to(out.dtype), weight.transpose(1, 2).unsqueeze(-1))
         lse[:, :, rows] = new
 
 
-def _attend_backward(dout, q, k, v, out, lse, pieces, dq, dkv):
+def _attend_backward(dout, q, k, v, out, lse, pieces, dq, dkv, segs=None):
     """Accumulate the pieces' gradients into dq and dkv = stacked (dk, dv)."""
     for rows, keys, causal in pieces:
+        same = _same(segs, rows, keys)
+        if same is False:
+            continue
         gq, gk, gv = _block_backward(dout[:, rows], q[:, rows], k[:, keys], v[:, keys],
-                                     out[:, rows], lse[:, :, rows], causal)
+                                     out[:, rows], lse[:, :, rows], causal, same)
         dq[:, rows] += gq
         dkv[0, :, keys] += gk
         dkv[1, :, keys] += gv
@@ -175,6 +199,19 @@ def _wait(works):
 
 # ---------------------------------------------------------------- the three exchanges
 
+def _zigzag_segments(segments, group):
+    """Every rank's document ids side by side (b, S): the zigzag order of the sequence (a
+    few bytes per token, gathered once per call)."""
+    cp = dist.get_world_size(group)
+    shards = segments.new_empty((cp * segments.shape[0],) + segments.shape[1:])
+    _all_gather(shards, segments.contiguous(), group)
+    return shards.unflatten(0, (cp, -1)).movedim(0, 1).flatten(1, 2)
+
+
+def _natural_segments(segments, group, perm):
+    return None if segments is None else _zigzag_segments(segments, group).index_select(1, torch.argsort(perm))
+
+
 def _gather_pieces(r, cp, c):
     """What local q attends to in the whole sequence (natural order): each local q chunk, at
     global chunk t, sees its diagonal block (causal) and every key before it (unmasked)."""
@@ -185,7 +222,7 @@ def _gather_pieces(r, cp, c):
     return pieces
 
 
-def _allgather_forward(q, k, v, group):
+def _allgather_forward(q, k, v, group, segments=None):
     """Returns out and (lse, gathered K/V, zigzag order) for backward."""
     cp, r, c = dist.get_world_size(group), dist.get_rank(group), q.shape[1] // 2
     perm = zigzag_order(c * 2 * cp, cp).to(q.device)
@@ -196,18 +233,21 @@ def _allgather_forward(q, k, v, group):
     # Natural order: rank blocks side by side are the zigzag order, undone by the inverse perm.
     kv = shards.movedim(0, 2).flatten(2, 3).index_select(2, torch.argsort(perm))
     out, lse = _running(q)
-    _attend(q, kv[0], kv[1], _gather_pieces(r, cp, c), out, lse)
+    full = _natural_segments(segments, group, perm)
+    _attend(q, kv[0], kv[1], _gather_pieces(r, cp, c), out, lse, None if full is None else (segments, full))
     # Memory trade-off: keeping the gathered K/V (2 b S hkv d elements, cp times the local
     # shard) saves a second all-gather in backward; with GQA (hkv << hq) it is small.
     return out.to(q.dtype), [lse, kv, perm]
 
 
-def _allgather_backward(dout, inputs, out, saved, group):
+def _allgather_backward(dout, inputs, out, saved, group, segments=None):
     (q,), (lse, kv, perm) = inputs, saved
     cp, r, c = dist.get_world_size(group), dist.get_rank(group), q.shape[1] // 2
     dq = torch.zeros_like(q, dtype=_acc(q.dtype))
     dkv = torch.zeros_like(kv, dtype=dq.dtype)
-    _attend_backward(dout, q, kv[0], kv[1], out, lse, _gather_pieces(r, cp, c), dq, dkv)
+    full = _natural_segments(segments, group, perm)
+    _attend_backward(dout, q, kv[0], kv[1], out, lse, _gather_pieces(r, cp, c), dq, dkv,
+                     None if full is None else (segments, full))
     # Back to zigzag rank blocks, summed over ranks in fp32 (every rank adds to every shard).
     send = dkv.index_select(2, perm).unflatten(2, (cp, -1)).movedim(2, 0).flatten(0, 1).contiguous()
     mine = send.new_empty((2,) + send.shape[1:])
@@ -224,31 +264,44 @@ def _ring_pieces(j, r, c):
     return [(slice(c, None), slice(None), False)]  # j > r: only the late q chunk, both chunks precede it
 
 
-def _ring_forward(q, k, v, group):
-    """Returns out and (lse,) for backward, which passes K/V around the ring again."""
+def _ring_blocks(segments, group, c):
+    """Per rank j, (this rank's document ids, those of rank j's block), or Nones."""
+    cp = dist.get_world_size(group)
+    if segments is None:
+        return [None] * cp
+    zig = _zigzag_segments(segments, group)
+    return [(segments, zig[:, j * 2 * c:(j + 1) * 2 * c]) for j in range(cp)]
+
+
+def _ring_forward(q, k, v, group, segments=None):
+    """Returns out and (lse,) for backward, which passes K/V around the ring again. A block
+    no local query shares a document with is passed on without compute."""
     cp, r, c = dist.get_world_size(group), dist.get_rank(group), q.shape[1] // 2
     out, lse = _running(q)
+    segs = _ring_blocks(segments, group, c)
     kv = torch.stack([k, v])
     for i in range(cp):  # step i holds the block of rank r - i
         if i + 1 < cp:  # posted before the compute, so the transfer overlaps it
             works, nxt = _ring_exchange(kv, group, 0)
-        _attend(q, kv[0], kv[1], _ring_pieces((r - i) % cp, r, c), out, lse)
+        _attend(q, kv[0], kv[1], _ring_pieces((r - i) % cp, r, c), out, lse, segs[(r - i) % cp])
         if i + 1 < cp:
             _wait(works)
             kv = nxt
     return out.to(q.dtype), [lse]
 
 
-def _ring_backward(dout, inputs, out, saved, group):
+def _ring_backward(dout, inputs, out, saved, group, segments=None):
     (q, k, v), (lse,) = inputs, saved
     cp, r, c = dist.get_world_size(group), dist.get_rank(group), q.shape[1] // 2
+    segs = _ring_blocks(segments, group, c)
     dq = torch.zeros_like(q, dtype=_acc(q.dtype))
     kv, pending = torch.stack([k, v]), None
     for i in range(cp):
         if i + 1 < cp:
             works, nxt = _ring_exchange(kv, group, 0)
         dkv = torch.zeros(kv.shape, dtype=dq.dtype, device=kv.device)
-        _attend_backward(dout, q, kv[0], kv[1], out, lse, _ring_pieces((r - i) % cp, r, c), dq, dkv)
+        _attend_backward(dout, q, kv[0], kv[1], out, lse, _ring_pieces((r - i) % cp, r, c), dq, dkv,
+                         segs[(r - i) % cp])
         # The accumulator of block r - i arrives from the previous rank (which held that block
         # one step earlier) and moves on with it: after the last step it reaches its owner.
         if pending is not None:
@@ -271,7 +324,7 @@ def _check_a2a_heads(hq, hkv, cp):
                           f"'allgather' or 'ring', or a cp that divides both")
 
 
-def _a2a_forward(q, k, v, group):
+def _a2a_forward(q, k, v, group, segments=None):
     """Returns out and (lse, head-split q/k/v, head-split output, zigzag order, inverse)."""
     cp, (s, hq), hkv = dist.get_world_size(group), q.shape[1:3], k.shape[2]
     perm = zigzag_order(s * cp, cp).to(q.device)
@@ -280,18 +333,24 @@ def _a2a_forward(q, k, v, group):
     send = torch.cat([t.unflatten(2, (cp, -1)) for t in (q, k, v)], 3).movedim(2, 0)
     x = _all_to_all(send, group).movedim(0, 1).flatten(1, 2).index_select(1, inv)  # (b, S, heads/cp, d)
     qh, kh, vh = x.split([hq // cp, hkv // cp, hkv // cp], 2)  # natural order
-    out, lse = _block_forward(qh, kh, vh, True)
+    out, lse = _block_forward(qh, kh, vh, True, _full_same(segments, group, perm))
     out = out.to(q.dtype)
     back = _all_to_all(out.index_select(1, perm).unflatten(1, (cp, s)).movedim(1, 0), group)
     return back.movedim(0, 2).flatten(2, 3), [lse, x, out, perm, inv]  # from rank t came head group t
 
 
-def _a2a_backward(dout, inputs, out, saved, group):
+def _full_same(segments, group, perm):
+    """Which positions of the whole sequence share a document (b, S, S), or None."""
+    full = _natural_segments(segments, group, perm)
+    return None if full is None else full[:, :, None] == full[:, None, :]
+
+
+def _a2a_backward(dout, inputs, out, saved, group, segments=None):
     lse, x, out_h, perm, inv = saved  # needs none of the inputs: the head split holds them
     cp, s, hq_cp = dist.get_world_size(group), dout.shape[1], out_h.shape[2]
     qh, kh, vh = x.split([hq_cp, (x.shape[2] - hq_cp) // 2, (x.shape[2] - hq_cp) // 2], 2)
     dh = _all_to_all(dout.unflatten(2, (cp, -1)).movedim(2, 0), group).movedim(0, 1).flatten(1, 2)
-    grads = _block_backward(dh.index_select(1, inv), qh, kh, vh, out_h, lse, True)
+    grads = _block_backward(dh.index_select(1, inv), qh, kh, vh, out_h, lse, True, _full_same(segments, group, perm))
     send = torch.cat(grads, 2).to(dout.dtype).index_select(1, perm).unflatten(1, (cp, s)).movedim(1, 0)
     dq, dk, dv = _all_to_all(send, group).split([qh.shape[2], kh.shape[2], vh.shape[2]], 3)
     dq = dq.movedim(0, 2).flatten(2, 3)  # (b, s, hq, d), from rank t came head group t
@@ -318,13 +377,14 @@ def _group(name: str):
 
 
 @torch.library.custom_op("meshtrain::cp_attention", mutates_args=())
-def _cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: str, comm: str) -> list[torch.Tensor]:
-    out, saved = _EXCHANGES[comm][0](q, k, v, _group(group))
+def _cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: torch.Tensor | None, group: str,
+                  comm: str) -> list[torch.Tensor]:
+    out, saved = _EXCHANGES[comm][0](q, k, v, _group(group), segments)
     return [t.contiguous() for t in (out, *saved)]  # the layout the fake promises
 
 
 @_cp_attention.register_fake
-def _(q, k, v, group, comm):
+def _(q, k, v, segments, group, comm):
     cp, (b, s, hq, d), hkv = _group(group).size(), q.shape, k.shape[2]
     lse_shape, S = (b, hq // cp, s * cp) if comm == "a2a" else (b, hq, s), s * cp
     saved = [q.new_empty(lse_shape, dtype=_acc(q.dtype))]
@@ -338,39 +398,44 @@ def _(q, k, v, group, comm):
 
 @torch.library.custom_op("meshtrain::cp_attention_backward", mutates_args=())
 def _cp_attention_backward(dout: torch.Tensor, inputs: list[torch.Tensor], out: torch.Tensor,
-                           saved: list[torch.Tensor], group: str, comm: str, hkv: int) -> list[torch.Tensor]:
-    dq, dkv = _EXCHANGES[comm][1](dout, inputs, out, saved, _group(group))
+                           saved: list[torch.Tensor], segments: torch.Tensor | None, group: str, comm: str,
+                           hkv: int) -> list[torch.Tensor]:
+    dq, dkv = _EXCHANGES[comm][1](dout, inputs, out, saved, _group(group), segments)
     return [dq.contiguous(), dkv.contiguous()]  # dK, dV stacked: views of one output would alias
 
 
 @_cp_attention_backward.register_fake
-def _(dout, inputs, out, saved, group, comm, hkv):
+def _(dout, inputs, out, saved, segments, group, comm, hkv):
     b, s, _, d = dout.shape
     return [dout.new_empty(dout.shape), dout.new_empty((2, b, s, hkv, d))]
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, ctx.group, ctx.comm = inputs
-    ctx.kept, ctx.hkv = _KEPT_INPUTS[ctx.comm], k.shape[2]
-    ctx.save_for_backward(*(q, k, v)[:ctx.kept], *output)
+    q, k, v, segments, ctx.group, ctx.comm = inputs
+    ctx.kept, ctx.hkv, ctx.documents = _KEPT_INPUTS[ctx.comm], k.shape[2], segments is not None
+    ctx.save_for_backward(*(q, k, v)[:ctx.kept], *output, *([segments] if ctx.documents else []))
 
 
 def _backward(ctx, grads):
-    saved = ctx.saved_tensors
-    inputs, (out, *rest) = list(saved[:ctx.kept]), saved[ctx.kept:]
-    dq, dkv = _cp_attention_backward(grads[0].contiguous(), inputs, out, list(rest), ctx.group, ctx.comm, ctx.hkv)
-    return dq, dkv[0], dkv[1], None, None
+    saved = list(ctx.saved_tensors)
+    segments = saved.pop() if ctx.documents else None
+    inputs, (out, *rest) = saved[:ctx.kept], saved[ctx.kept:]
+    dq, dkv = _cp_attention_backward(grads[0].contiguous(), inputs, out, list(rest), segments, ctx.group, ctx.comm,
+                                     ctx.hkv)
+    return dq, dkv[0], dkv[1], None, None, None
 
 
 _cp_attention.register_autograd(_backward, setup_context=_setup_context)
 
 
-def context_parallel_attention(q, k, v, group, comm: str) -> torch.Tensor:
+def context_parallel_attention(q, k, v, group, comm: str, segments: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of this rank's zigzag shard. q (b, s_local, hq, d), k/v (b, s_local, hkv, d)
     are local tensors, s_local = 2c, hq a multiple of hkv (GQA: query head h uses kv head
     h // (hq//hkv)). group: the cp ProcessGroup (None: the default group). Softmax scale 1/sqrt(d).
     Returns (b, s_local, hq, d), equal to the matching rows of full-sequence causal attention.
-    Differentiable w.r.t. q, k, v. comm: one of CP_COMMS."""
+    Differentiable w.r.t. q, k, v. comm: one of CP_COMMS. `segments` (b, s_local): this rank's
+    document ids (zigzag, as q): a query then sees only keys of its own document, and a
+    block none of this rank's queries can see is skipped."""
     if comm not in _EXCHANGES:
         raise ConfigError(f"context-parallel comm {comm!r}: choose one of {', '.join(CP_COMMS)}")
     group = group if group is not None else dist.group.WORLD
@@ -379,4 +444,4 @@ def context_parallel_attention(q, k, v, group, comm: str) -> torch.Tensor:
                          "expected (b, 2c, hq, d) and (b, 2c, hkv, d) with hkv dividing hq")
     if comm == "a2a":
         _check_a2a_heads(q.shape[2], k.shape[2], dist.get_world_size(group))
-    return _cp_attention(q, k, v, group.group_name, comm)[0]
+    return _cp_attention(q, k, v, segments, group.group_name, comm)[0]

@@ -83,11 +83,12 @@ def forward_stage(cfg: LlamaConfig, params: Mapping[str, torch.Tensor], x: torch
     cos, sin = rope_cos_sin(start + seq_len, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, x.device)
     if start:  # decoding: the angles of the new positions
         cos, sin = cos[start:], sin[start:]
-    axes = ("seq", None)
     if docs is not None and docs.positions is not None:  # each row's angles: positions restart
-        cos, sin = cos[docs.positions], sin[docs.positions]
-        axes = ("batch", "seq", None)
-    cos, sin = (ctx.constrain(t.to(x.dtype), axes) for t in (cos, sin))
+        positions = ctx.constrain(docs.positions, ("batch", "seq"))
+        cos, sin = (ctx.constrain(ctx.embedding(positions, ctx.constrain(t.to(x.dtype), (None, None))),
+                                  ("batch", "seq", None)) for t in (cos, sin))
+    else:
+        cos, sin = (ctx.constrain(t.to(x.dtype), ("seq", None)) for t in (cos, sin))
     segments = None if docs is None or docs.segments is None else ctx.constrain(docs.segments, ("batch", "seq"))
     for i in range(*layers):
         x = ctx.remat(_block, cfg, p, i, x, cos, sin, ctx, segments)
