@@ -25,7 +25,6 @@ median ms per forward + backward, padded / uneven, the rows each sends and compu
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import statistics
@@ -42,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from meshtrain.models.moe import MoeConfig, routed_experts, route  # noqa: E402
 from meshtrain.parallel.expert_parallel import AllToAllExchange  # noqa: E402
 from meshtrain.testing import run_ranks  # noqa: E402
+from rank_rounds import alternating_rounds, on_every_rank  # noqa: E402
 
 RTOL = 1e-5
 FULL = dict(tokens=4096, dim=256, ffn=512, experts=8, top_k=2)
@@ -122,28 +122,15 @@ def rank_main(shape: dict, backend, steps: int, rounds: int) -> dict:
     (y_u, g_u), (y_p, g_p) = results["uneven"], results["padded"]
     agree = torch.allclose(y_p, y_u, rtol=RTOL, atol=1e-6) and all(
         torch.allclose(a, b, rtol=RTOL, atol=1e-6) for a, b in zip(g_p, g_u))
-    verdict = torch.tensor([0.0 if agree else 1.0])
-    dist.all_reduce(verdict, op=dist.ReduceOp.MAX)
-    out["passed"] = verdict.item() == 0.0
+    out["passed"] = on_every_rank(agree)
     routed = shape["tokens"] * shape["top_k"]  # rows this rank sends, to itself included
     per_dest = torch.bincount(idx.flatten(), minlength=cfg.num_experts).view(ep, le).sum(1)
     computed = torch.empty_like(per_dest)
     dist.all_to_all_single(computed, per_dest)
     out["rows"] = {"uneven_sent": routed, "uneven_computed": int(computed.sum()),
                    "padded_sent": ep * routed, "padded_computed": ep * routed}
-    out["round_s"] = {n: [] for n in fns}
-    if not out["passed"]:
-        return out
-    for rnd in range(rounds):
-        for name in (("uneven", "padded") if rnd % 2 == 0 else ("padded", "uneven")):
-            gc.collect()
-            dist.barrier()
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                call(name)
-            took = torch.tensor([time.perf_counter() - t0])
-            dist.all_reduce(took, op=dist.ReduceOp.MAX)
-            out["round_s"][name].append(took.item())
+    if out["passed"]:
+        out["round_s"] = alternating_rounds(call, ("uneven", "padded"), rounds, steps)
     return out
 
 

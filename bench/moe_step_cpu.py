@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import gc
 import json
 import math
 import os
@@ -43,6 +42,7 @@ from meshtrain import AdamW, MeshSpec, Rules, TrainState, build, init_params, ma
 from meshtrain.models.llama import LlamaConfig  # noqa: E402
 from meshtrain.models.moe import MoeConfig  # noqa: E402
 from meshtrain.testing import run_ranks  # noqa: E402
+from rank_rounds import alternating_rounds, on_every_rank  # noqa: E402
 
 RTOL = 1e-5
 MOE = MoeConfig(num_experts=8, top_k=2, expert_ffn_dim=192, shared_experts=1, layers="1:", z_loss_coef=1e-3)
@@ -79,7 +79,7 @@ def rank_main(shape: dict, backend, warmup: int, steps: int, rounds: int) -> dic
         run[2] += 1
         return metrics
 
-    out = {"losses": {}, "grad_norms": {}, "round_s": {n: [] for n in runs}}
+    out = {"losses": {}, "grad_norms": {}}
     for name in runs:  # compiled first: its trace precedes every eager MoE step
         dist.barrier()
         t0 = time.perf_counter()
@@ -90,21 +90,9 @@ def rank_main(shape: dict, backend, warmup: int, steps: int, rounds: int) -> dic
         out["grad_norms"][name] = [m["grad_norm"] for m in metrics]
     agree = all(math.isclose(a, b, rel_tol=RTOL) for key in ("losses", "grad_norms")
                 for a, b in zip(out[key]["compiled"], out[key]["eager"], strict=True))
-    verdict = torch.tensor([0.0 if agree else 1.0])
-    dist.all_reduce(verdict, op=dist.ReduceOp.MAX)
-    out["passed"] = verdict.item() == 0.0
-    if not out["passed"]:
-        return out
-    for rnd in range(rounds):
-        for name in (("compiled", "eager") if rnd % 2 == 0 else ("eager", "compiled")):
-            gc.collect()
-            dist.barrier()
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                one_step(name)
-            took = torch.tensor([time.perf_counter() - t0])
-            dist.all_reduce(took, op=dist.ReduceOp.MAX)
-            out["round_s"][name].append(took.item())
+    out["passed"] = on_every_rank(agree)
+    if out["passed"]:
+        out["round_s"] = alternating_rounds(one_step, ("compiled", "eager"), rounds, steps)
     return out
 
 
