@@ -162,6 +162,19 @@ def test_two_ranks_under_torchrun_stop_on_group_signals_and_resume_exactly(tmp_p
     assert _losses(run_dir) == _losses(tmp_path / "ref")
 
 
+def test_a_signal_to_one_rank_stops_every_rank_and_rank_0_names_it(tmp_path):
+    """Only rank 1 receives SIGTERM (fault injection sends it to itself at step 2): the
+    ranks agree on the step and on the signal, so rank 0, which received nothing, prints
+    the same line a group signal gives."""
+    run_dir = tmp_path / "run"
+    args = ["fit", "--config", str(TINY), *LONG, "--parallel.fsdp", "2", "--parallel.nproc_per_node", "2"]
+    done = run_cli(*args, "--run_dir", str(run_dir), env={"MESHTRAIN_FAULT": "sigterm@2:1"})
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stdout + done.stderr
+    stopped = _stopped(done.stdout, "SIGTERM")
+    assert stopped >= 2 and _checkpoints(run_dir) == [stopped]
+    assert [r["step"] for r in read_metrics(run_dir)] == list(range(1, stopped + 1))
+
+
 _THREAD_SIGNALS = """
 import signal, threading, time
 from meshtrain.run import stopping

@@ -3,6 +3,8 @@
     MESHTRAIN_FAULT="stall@3:1"          rank 1 hangs while reading the batch of step 3
     MESHTRAIN_FAULT="raise@3:1"          rank 1 raises a RuntimeError there
     MESHTRAIN_FAULT="kill@3:1"           rank 1 dies by SIGKILL there (as an OOM kill would)
+    MESHTRAIN_FAULT="sigterm@3:1"        rank 1 alone receives SIGTERM there (a signal that
+                                         reaches only some ranks)
     MESHTRAIN_FAULT="nan@3,nan@4"        every rank's gradients are NaN in steps 3 and 4
     MESHTRAIN_FAULT="savestall@3"        every rank hangs in each checkpoint save from step 3 on,
                                          once it has opened its first tensor file
@@ -19,7 +21,7 @@ import time
 from dataclasses import dataclass
 
 ENV = "MESHTRAIN_FAULT"
-KINDS = ("stall", "raise", "kill", "nan", "savestall", "savekill")
+KINDS = ("stall", "raise", "kill", "sigterm", "nan", "savestall", "savekill")
 
 
 @dataclass(frozen=True)
@@ -62,6 +64,8 @@ class Faults:
             raise RuntimeError(f"injected fault ({ENV}) at step {step}")
         if self._due("kill", step):
             os.kill(os.getpid(), signal.SIGKILL)
+        if self._due("sigterm", step):
+            os.kill(os.getpid(), signal.SIGTERM)
 
     def in_save(self, step: int) -> None:
         """Inside the checkpoint save of `step` (checkpoint.save's on_write): a save fault

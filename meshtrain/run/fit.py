@@ -20,6 +20,7 @@ import datetime
 import json
 import math
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -112,9 +113,10 @@ def _mark(watchdog: Watchdog | None, step: int, op: str) -> None:
 
 def _fit_rank(cfg_dict: dict) -> list[dict]:
     history = fit(RunConfig.from_dict(cfg_dict))
-    if stopping.REQUEST.name:
-        # The elastic agent is shutting down and no longer collects results: a rank that
-        # returned would wait for it until killed. Leave now, successfully.
+    if stopping.REQUEST.name and stopping.relayed():
+        # The elastic agent got the signal too and shuts down; it no longer collects
+        # results, so a rank that returned would wait for it until killed. Leave now,
+        # successfully. (A signal that reached only ranks: return as usual.)
         stopping.leave_note(stopping.REQUEST.name, at_once=False)
         sys.stdout.flush()
         sys.stderr.flush()
@@ -258,14 +260,16 @@ class _Run:
         return history
 
     def _stop_agreed(self) -> str | None:
-        """The stop signal's name when any rank received one (every rank must agree on the
-        step: a signal may reach only some), else None."""
+        """The stop signal's name when any rank received one, else None. Every rank must agree
+        on the step and on the name: a signal may reach only some ranks, and one sent to the
+        whole group reaches them at different moments, so the all-reduce carries the number
+        (SIGTERM outranks SIGINT where ranks got different ones)."""
         name = stopping.REQUEST.name
         if self.ranks.world == 1:
             return name
-        flag = torch.tensor([float(name is not None)], device=self.device)
-        dist.all_reduce(flag, dist.ReduceOp.MAX)
-        return (name or "a signal to another rank") if flag.item() else None
+        number = torch.tensor([float(signal.Signals[name].value if name else 0)], device=self.device)
+        dist.all_reduce(number, dist.ReduceOp.MAX)
+        return signal.Signals(int(number.item())).name if number.item() else None
 
     def _on_disk(self) -> str:
         """What a run stopped at once leaves: its latest complete checkpoint."""

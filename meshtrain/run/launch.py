@@ -100,12 +100,14 @@ def launch(fn: Callable[..., Any], args: tuple, nproc: int) -> list[Any] | None:
     for g in loggers:
         g.setLevel(logging.CRITICAL)
     with tempfile.TemporaryDirectory(prefix="meshtrain-ranks-") as reports:
+        stopping.REQUEST.relay_mark = Path(reports, stopping.RELAY_MARK)
         try:
             results = elastic_launch(config, _run_rank)(reports, fn, args)
         except (ChildFailedError, SignalException) as e:
             _raise_stop_or_failure(Path(reports), e)
             return None  # every rank stopped by a signal, checkpointed and exited
         finally:
+            stopping.REQUEST.relay_mark = None
             for g, level in zip(loggers, levels):
                 g.setLevel(level)
     return [results[r] for r in sorted(results)]

@@ -27,6 +27,7 @@ from typing import Callable
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 DUPLICATE_S = 1.0
 NOTE_DIR = "MESHTRAIN_FAILURE_DIR"  # set by our launcher in each rank (launch._REPORT_DIR)
+RELAY_MARK = "launcher-signalled"  # in NOTE_DIR: our launcher received a stop signal
 
 
 class StopRequest:
@@ -45,6 +46,9 @@ class StopRequest:
         self.after: Callable[[], str] | None = None  # what stays on disk, for that line
         self._previous: dict = {}
         self._wakeup: tuple[int, int] | None = None  # (previous wakeup fd, our pipe's write end)
+        # Our launcher, while torch's elastic agent handles its signals: a file that tells
+        # the ranks the agent got one and shuts down (see relayed()).
+        self.relay_mark: Path | None = None
 
     def install(self) -> bool:
         """Handle SIGINT and SIGTERM from now on, with no request yet; False where that is
@@ -77,8 +81,12 @@ class StopRequest:
                 for sig in numbers:
                     # Only while our handler is the one installed: a launcher that took
                     # the signals over (torch's elastic agent) handles them itself.
-                    if sig in SIGNALS and signal.getsignal(sig) is _caught:
+                    if sig not in SIGNALS:
+                        continue
+                    if signal.getsignal(sig) is _caught:
                         self._handle(sig)
+                    elif self.relay_mark is not None:
+                        self.relay_mark.touch()
 
     def _handle(self, sig: int) -> None:
         now = time.monotonic()
@@ -127,6 +135,14 @@ class Interrupted(Exception):
     def __init__(self, message: str, signal_name: str):
         super().__init__(message)
         self.exit_code = 128 + signal.Signals[signal_name].value
+
+
+def relayed() -> bool:
+    """Whether our launcher received a stop signal (its elastic agent then stops the ranks
+    and no longer collects what they return). A signal that reached only ranks leaves the
+    agent collecting: the ranks must return then, or it waits for them forever."""
+    notes = os.environ.get(NOTE_DIR)
+    return bool(notes) and Path(notes, RELAY_MARK).exists()
 
 
 def leave_note(signal_name: str, at_once: bool, where: str = "") -> bool:
