@@ -69,6 +69,10 @@ def build_parser():
     preprocess.add_argument("--workers", type=int, default=1, help="Processes that tokenize in parallel.")
     preprocess.add_argument("--text_key", "--text-key",
                             default="text", help="The JSON key holding each document's text.")
+    preprocess.add_argument("--loss_mask_key", "--loss-mask-key", default=None,
+                            help="The JSON key holding each document's training spans, [[start, end], ...] in "
+                                 "characters of the text: only tokens that overlap them are trained on "
+                                 "(<prefix>.loss_mask.bin).")
     export = ArgumentParser(**_STRICT, description="Write a checkpoint as a Hugging Face model directory: safetensors "
                                         "(sharded with an index above --max_shard_gb), config.json, "
                                         "generation_config.json and the run's tokenizer files. Streams one "
@@ -344,9 +348,10 @@ def _preprocess(a) -> None:
     from .data.preprocess import preprocess
 
     stats = preprocess(a.input, a.output_prefix, tokenizer=a.tokenizer, append_eod=a.append_eod,
-                       workers=a.workers, text_key=a.text_key)
+                       workers=a.workers, text_key=a.text_key, loss_mask_key=a.loss_mask_key)
+    mask = f", the loss mask to {stats['loss_mask']}" if stats["loss_mask"] else ""
     print(f"wrote {stats['documents']:,} documents, {stats['tokens']:,} tokens ({stats['dtype']}) to "
-          f"{a.output_prefix}.bin and {a.output_prefix}.idx, the tokenizer's record to {stats['record']}")
+          f"{a.output_prefix}.bin and {a.output_prefix}.idx, the tokenizer's record to {stats['record']}{mask}")
 
 
 def _entry() -> None:

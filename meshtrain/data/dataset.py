@@ -51,24 +51,42 @@ class PackedDataset:
         return (self.num_tokens - 1) // self.seq_len
 
     def __getitem__(self, k: int) -> np.ndarray:
+        return self._read(k, self.source.get, np.int64)
+
+    @property
+    def has_loss_mask(self) -> bool:
+        return self.source.has_loss_mask
+
+    def loss_mask(self, k: int) -> np.ndarray:
+        """Sample k's loss mask (True: the token is a training target), all True when the
+        dataset has none."""
+        return self._read(k, self.source.get_loss_mask, bool)
+
+    def _read(self, k: int, get, dtype) -> np.ndarray:
         n = len(self)
         if not 0 <= k < n:
             raise IndexError(f"sample {k} out of range: {self.name} has {n}")
         start, need = k * self.seq_len, self.seq_len + 1
-        out = np.empty(need, dtype=np.int64)
+        out = np.empty(need, dtype=dtype)
         i = int(np.searchsorted(self._ends, start, side="right"))  # the sequence holding token `start`
         pos, filled = start, 0
         while filled < need:
             begin = int(self._ends[i - 1]) if i else 0
             take = min(int(self._ends[i]) - pos, need - filled)
-            out[filled:filled + take] = self.source.get(self.seq_start + i, pos - begin, take)
+            out[filled:filled + take] = get(self.seq_start + i, pos - begin, take)
             filled, pos, i = filled + take, pos + take, i + 1
         return out
 
     vocab_limit: int | None = None  # set when token ids are checked as they are read
 
-    def samples(self, indices) -> np.ndarray:
-        """(len(indices), seq_len + 1) int64 array of the given samples."""
+    def samples(self, indices, loss_mask: bool = False) -> np.ndarray:
+        """(len(indices), seq_len + 1) int64 array of the given samples (with loss_mask:
+        their bool loss masks instead)."""
+        if loss_mask:
+            out = np.empty((len(indices), self.seq_len + 1), dtype=bool)
+            for row, k in enumerate(indices):
+                out[row] = self.loss_mask(int(k))
+            return out
         out = np.empty((len(indices), self.seq_len + 1), dtype=np.int64)
         for row, k in enumerate(indices):
             out[row] = self[int(k)]
@@ -129,16 +147,25 @@ class TrainSplit:
 
     def batch(self, start: int, count: int) -> torch.Tensor:
         """Global samples start..start+count-1 as a (count, seq_len + 1) LongTensor."""
+        return _gather(self.parts, self._locate(start, count), False)
+
+    def loss_mask(self, start: int, count: int) -> torch.Tensor | None:
+        """The same samples' loss masks, a (count, seq_len + 1) BoolTensor (all True for a
+        dataset without one); None when no dataset has one."""
+        return _gather(self.parts, self._locate(start, count), True) if _masked(self.parts) else None
+
+    def _locate(self, start: int, count: int) -> tuple[np.ndarray, np.ndarray]:
+        """(dataset, sample within it) of each global sample."""
         _check_range(start, count)
         if self.blend is None:
             datasets, draws = np.zeros(count, dtype=np.int64), np.arange(start, start + count, dtype=np.int64)
         else:
             datasets, draws = self.blend.assign(start, count)
-        out = np.empty((count, self.seq_len + 1), dtype=np.int64)
+        samples = np.empty(count, dtype=np.int64)
         for d in np.unique(datasets):
             rows = datasets == d
-            out[rows] = self.parts[d].samples(self.shuffles[d](draws[rows]))
-        return torch.from_numpy(out)
+            samples[rows] = self.shuffles[d](draws[rows])
+        return datasets, samples
 
 
 class ValidSplit:
@@ -151,14 +178,30 @@ class ValidSplit:
         self.num_samples = int(self._starts[-1])
 
     def batch(self, start: int, count: int) -> torch.Tensor:
+        return _gather(self.parts, self._locate(start, count), False)
+
+    def loss_mask(self, start: int, count: int) -> torch.Tensor | None:
+        return _gather(self.parts, self._locate(start, count), True) if _masked(self.parts) else None
+
+    def _locate(self, start: int, count: int) -> tuple[np.ndarray, np.ndarray]:
         _check_range(start, count)
         index = (start + np.arange(count, dtype=np.int64)) % self.num_samples
         datasets = np.searchsorted(self._starts, index, side="right") - 1
-        out = np.empty((count, self.seq_len + 1), dtype=np.int64)
-        for d in np.unique(datasets):
-            rows = datasets == d
-            out[rows] = self.parts[d].samples(index[rows] - self._starts[d])
-        return torch.from_numpy(out)
+        return datasets, index - self._starts[datasets]
+
+
+def _masked(parts: list[PackedDataset]) -> bool:
+    return any(p.has_loss_mask for p in parts)
+
+
+def _gather(parts: list[PackedDataset], located: tuple[np.ndarray, np.ndarray], loss_mask: bool) -> torch.Tensor:
+    """The located samples' tokens (or loss masks), row by row, read per dataset."""
+    datasets, samples = located
+    out = np.empty((len(datasets), parts[0].seq_len + 1), dtype=bool if loss_mask else np.int64)
+    for d in np.unique(datasets):
+        rows = datasets == d
+        out[rows] = parts[d].samples(samples[rows], loss_mask)
+    return torch.from_numpy(out)
 
 
 def _check_range(start: int, count: int) -> None:
@@ -180,6 +223,12 @@ class TokenData:
     weights: list[float]
     notes: list[str] = field(default_factory=list)
     eod: int | None = None  # the tokenizer's end-of-document (EOS) id, which ends each document
+
+    @property
+    def loss_mask(self) -> bool:
+        """Whether some dataset has a loss mask (meshtrain preprocess --loss_mask_key): the
+        targets it masks are ignored, as eod_mask_loss's are."""
+        return _masked(self.train.parts)
 
     def describe(self) -> str:
         blend = ", ".join(f"{w:.3g} {n}" for w, n in zip(self.weights, self.names))

@@ -14,7 +14,9 @@ Megatron-LM (megatron/core/datasets/indexed_dataset.py) does, so datasets move b
 
 meshtrain writes one sequence per document; it reads any number of sequences per document.
 `meshtrain preprocess` also writes <prefix>.tokenizer.json, the record of the tokenizer the
-tokens came from (tokenizer.tokenizer_record); Megatron-LM neither writes nor reads it.
+tokens came from (tokenizer.tokenizer_record), and with --loss_mask_key
+<prefix>.loss_mask.bin, one uint8 per token of .bin (1: the token is a training target);
+Megatron-LM neither writes nor reads them.
 """
 
 from __future__ import annotations
@@ -49,6 +51,10 @@ def record_path(prefix) -> str:
     return f"{os.fspath(prefix)}.tokenizer.json"
 
 
+def loss_mask_path(prefix) -> str:
+    return f"{os.fspath(prefix)}.loss_mask.bin"
+
+
 def encode_index(dtype, sizes, document_indices) -> bytes:
     """The .idx bytes for sequences of `sizes` tokens stored contiguously in .bin."""
     dtype = np.dtype(dtype)
@@ -69,25 +75,30 @@ class IndexedWriter:
     Everything goes to temporary names first; `finalize` renames them, .idx last (after
     removing an old one), so a crash or an error never leaves a .bin/.idx pair that looks
     valid and is not. With a tokenizer `record` it writes <prefix>.tokenizer.json the same
-    way; without one it removes a record an earlier dataset at the prefix left. As a context
-    manager it finalizes on success and cleans up on error.
+    way; without one it removes a record an earlier dataset at the prefix left. The same
+    for the loss mask (`loss_mask`: every document comes with one). As a context manager it
+    finalizes on success and cleans up on error.
     """
 
-    def __init__(self, prefix, dtype, record: dict | None = None):
+    def __init__(self, prefix, dtype, record: dict | None = None, loss_mask: bool = False):
         self.prefix = os.fspath(prefix)
         self.dtype = np.dtype(dtype)
         if self.dtype not in CODES:
             raise ValueError(f"dtype {self.dtype} has no Megatron-LM code")
         self.bin_path, self.idx_path, self.record_path = bin_path(prefix), idx_path(prefix), record_path(prefix)
+        self.mask_path = loss_mask_path(prefix)
         self.record = record
         tag = f".tmp-{os.getpid()}"  # two writers of one prefix do not share temporaries
-        self._tmp_bin, self._tmp_idx, self._tmp_record = (self.bin_path + tag, self.idx_path + tag,
-                                                          self.record_path + tag)
+        self._tmp_bin, self._tmp_idx, self._tmp_record, self._tmp_mask = (
+            self.bin_path + tag, self.idx_path + tag, self.record_path + tag, self.mask_path + tag)
         self._sizes = array("q")
         self.tokens = 0
         self._done = False
+        self._mask = None
         try:
             self._file = open(self._tmp_bin, "wb")
+            if loss_mask:
+                self._mask = open(self._tmp_mask, "wb")
         except OSError as e:
             raise DataError(f"{self.bin_path}: cannot write ({e.strerror}); check that the output directory "
                             "exists and is writable") from None
@@ -96,10 +107,16 @@ class IndexedWriter:
     def documents(self) -> int:
         return len(self._sizes)
 
-    def add_document(self, tokens) -> None:
+    def add_document(self, tokens, loss_mask=None) -> None:
+        """One document's tokens and, for a writer with loss masks, which of them are
+        training targets (one bool per token)."""
         tokens = np.asarray(tokens)
         if tokens.ndim != 1:
             raise ValueError(f"a document is a 1-D sequence of token ids, got shape {tokens.shape}")
+        if (loss_mask is None) != (self._mask is None):
+            raise ValueError("a writer opened with loss_mask=True takes one mask per document, and only then")
+        if loss_mask is not None and np.shape(loss_mask) != tokens.shape:
+            raise ValueError(f"a loss mask of shape {np.shape(loss_mask)} for {tokens.size} tokens")
         if tokens.size:
             info = np.iinfo(self.dtype)
             low, high = int(tokens.min()), int(tokens.max())
@@ -111,6 +128,8 @@ class IndexedWriter:
             raise DataError(f"{self.bin_path}: a document of {tokens.size} tokens is longer than the .idx format "
                             "allows (2**31 - 1); split it")
         self._file.write(tokens.astype(self.dtype.newbyteorder("<"), copy=False).tobytes())
+        if self._mask is not None:
+            self._mask.write(np.asarray(loss_mask, dtype=bool).astype(np.uint8).tobytes())
         self._sizes.append(tokens.size)
         self.tokens += tokens.size
 
@@ -118,6 +137,8 @@ class IndexedWriter:
         if self._done:
             return
         self._file.close()
+        if self._mask is not None:
+            self._mask.close()
         sizes = np.frombuffer(self._sizes, dtype=np.int64) if self._sizes else np.zeros(0, np.int64)
         with open(self._tmp_idx, "wb") as f:
             f.write(encode_index(self.dtype, sizes, np.arange(len(sizes) + 1)))
@@ -130,17 +151,21 @@ class IndexedWriter:
         if os.path.exists(self.idx_path):
             os.remove(self.idx_path)
         os.replace(self._tmp_bin, self.bin_path)
-        if self.record is not None:
-            os.replace(self._tmp_record, self.record_path)
-        elif os.path.exists(self.record_path):
-            os.remove(self.record_path)
+        for tmp, path, written in ((self._tmp_record, self.record_path, self.record is not None),
+                                   (self._tmp_mask, self.mask_path, self._mask is not None)):
+            if written:
+                os.replace(tmp, path)
+            elif os.path.exists(path):  # an earlier dataset's at this prefix
+                os.remove(path)
         os.replace(self._tmp_idx, self.idx_path)
         self._done = True
 
     def abort(self) -> None:
         """Drop what was written; files under the final names are left untouched."""
         self._file.close()
-        for path in (self._tmp_bin, self._tmp_idx, self._tmp_record):
+        if self._mask is not None:
+            self._mask.close()
+        for path in (self._tmp_bin, self._tmp_idx, self._tmp_record, self._tmp_mask):
             if os.path.exists(path):
                 os.remove(path)
         self._done = True
@@ -200,12 +225,22 @@ class IndexedDataset:
         # The tokens as one flat array: sequence i is [pointer_i / itemsize, + size_i).
         flat = np.memmap(self.bin_path, dtype=np.uint8, mode="r") if bin_size else np.zeros(0, np.uint8)
         self._tokens = np.frombuffer(flat, dtype=self.dtype, count=self.num_tokens)
+        self.loss_mask_path, self._loss_mask = None, None
+        if os.path.isfile(loss_mask_path(prefix)):
+            self.loss_mask_path = loss_mask_path(prefix)
+            mask_size = os.path.getsize(self.loss_mask_path)
+            if mask_size != self.num_tokens:
+                raise DataError(f"{self.loss_mask_path}: {mask_size} bytes, but {self.idx_path} describes "
+                                f"{self.num_tokens} tokens (one byte each); the loss mask does not belong to this "
+                                "dataset: re-run meshtrain preprocess, or delete the file to train on every token")
+            self._loss_mask = (np.memmap(self.loss_mask_path, dtype=np.uint8, mode="r") if mask_size
+                               else np.zeros(0, np.uint8))
 
     @classmethod
     def in_memory(cls, documents, dtype, name: str) -> "IndexedDataset":
         """The dataset interface over token arrays held in memory, one sequence per document."""
         self = cls.__new__(cls)
-        self.prefix = self.bin_path = self.idx_path = None
+        self.prefix = self.bin_path = self.idx_path = self.loss_mask_path = self._loss_mask = None
         self.name = name
         self.dtype = np.dtype(dtype)
         arrays = [np.asarray(d, dtype=self.dtype) for d in documents]
@@ -263,6 +298,22 @@ class IndexedDataset:
 
     def get(self, i: int, offset: int = 0, length: int | None = None) -> np.ndarray:
         """Tokens [offset, offset + length) of sequence i (to its end when length is None)."""
+        start, length = self._span(i, offset, length)
+        return self._tokens[start:start + length]
+
+    @property
+    def has_loss_mask(self) -> bool:
+        return self._loss_mask is not None
+
+    def get_loss_mask(self, i: int, offset: int = 0, length: int | None = None) -> np.ndarray:
+        """get's tokens' loss mask (True: a training target); all True without a mask file."""
+        start, length = self._span(i, offset, length)
+        if self._loss_mask is None:
+            return np.ones(length, dtype=bool)
+        return self._loss_mask[start:start + length].astype(bool)
+
+    def _span(self, i: int, offset: int, length: int | None) -> tuple[int, int]:
+        """(first token in the flat array, count) of get's slice."""
         n = len(self.sizes)
         if not -n <= i < n:
             raise IndexError(f"sequence {i} out of range: {self.name} has {n} sequences")
@@ -272,8 +323,7 @@ class IndexedDataset:
         if offset < 0 or length < 0 or offset + length > size:
             raise IndexError(f"tokens [{offset}, {offset + length}) out of range: sequence {i} of {self.name} "
                              f"has {size}")
-        start = int(self.pointers[i]) // self.dtype.itemsize + offset
-        return self._tokens[start:start + length]
+        return int(self.pointers[i]) // self.dtype.itemsize + offset, length
 
     def token_range(self) -> tuple[int, int] | None:
         """(smallest, largest) token id, scanning the tokens in chunks; None when empty."""

@@ -27,6 +27,11 @@ class Tokenizer(Protocol):
 
     def encode(self, text: str) -> list[int]: ...
 
+    def encode_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """encode's ids and each token's [start, end) characters of `text` (empty for a
+        special token)."""
+        ...
+
     def decode(self, ids) -> str: ...
 
 
@@ -42,6 +47,12 @@ class ByteTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return [self.bos_id, *text.encode("utf-8")]
+
+    def encode_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        offsets = [(0, 0)]  # BOS
+        for i, char in enumerate(text):
+            offsets += [(i, i + 1)] * len(char.encode("utf-8"))
+        return self.encode(text), offsets
 
     def decode(self, ids) -> str:
         return bytes(int(t) for t in ids if 0 <= int(t) < 256).decode("utf-8", errors="replace")
@@ -133,6 +144,11 @@ class HFTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=True).ids
+
+    def encode_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        encoding = self._tok.encode(text, add_special_tokens=True)
+        special = encoding.special_tokens_mask
+        return encoding.ids, [(0, 0) if special[i] else tuple(o) for i, o in enumerate(encoding.offsets)]
 
     def decode(self, ids) -> str:
         return self._tok.decode([int(t) for t in ids], skip_special_tokens=True)

@@ -300,13 +300,14 @@ class _Run:
         """This rank's rows of the global batch of samples [start, start + global_batch)."""
         d, t = self.cfg.data, self.cfg.train
         documents = tuple(key for key, on in (("segments", d.document_mask), ("positions", d.reset_positions),
-                                              ("eod_mask_loss", d.eod_mask_loss)) if on)
+                                              ("eod_mask_loss", d.eod_mask_loss),
+                                              ("loss_mask", self.data.loss_mask)) if on)
         batch: dict = {}
         for micro in range(self.accumulation):
             part = self.rows.read(source, start + micro * self.micro_rows, self.data.eod, documents)
             for key, value in part.items():
                 batch.setdefault(key, []).append(self.rows.wrap(value.to(self.device)))
-        if not d.eod_mask_loss:  # every target of a packed sample is a real token: no count needed
+        if not (d.eod_mask_loss or self.data.loss_mask):  # every target is a real token: no count needed
             batch["num_targets"] = t.global_batch * t.seq_len
         return batch
 
@@ -369,10 +370,12 @@ class _Run:
         options = [t.precision + (f" {t.fp8_recipe}" if t.precision == "fp8" else "")]
         options += ["compiled"] * bool(t.compile)
         options += [f"{t.activation_checkpointing} recompute"] * (t.activation_checkpointing != "none")
+        masks = sum(p.has_loss_mask for p in self.data.train.parts)
         return (f"[bold]meshtrain fit[/] {cfg.model.arch} {_count(n_params)} params -> {self.run_dir}\n"
                 f"  world {self.ranks.world} ({mesh}) on {self.device.type}, {', '.join(options)}\n"
                 f"  batch {t.global_batch} x {t.seq_len} tokens: {self.accumulation} micro-step(s) of "
-                f"{t.micro_batch} x {self.dp_size} data-parallel rank(s)")
+                f"{t.micro_batch} x {self.dp_size} data-parallel rank(s)"
+                + (f"; loss masks from {masks} of {len(self.data.names)} dataset(s)" if masks else ""))
 
 
 def _count(n: int) -> str:

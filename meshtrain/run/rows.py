@@ -31,9 +31,14 @@ class RowSlice:
     def read(self, source, start: int, eod: int | None = None, documents: tuple[str, ...] = ()) -> dict:
         """This rank's "tokens" and "targets" of the micro-batch starting at row `start`,
         and the `documents` asked for, found from the EOD tokens `eod` of whole rows:
-        "segments", "positions", and "eod_mask_loss" (targets after an EOD ignored)."""
+        "segments", "positions", "eod_mask_loss" (targets after an EOD ignored), and
+        "loss_mask" (targets the data's loss mask leaves out ignored)."""
         window = source.batch(start + self.offset[0], self.local[0])
         out = {"tokens": window[:, :-1], "targets": window[:, 1:]}
+        if "loss_mask" in documents:
+            mask = source.loss_mask(start + self.offset[0], self.local[0])
+            if mask is not None:
+                out["targets"] = torch.where(mask[:, 1:], out["targets"], -1)
         if "segments" in documents:
             out["segments"] = document_segments(out["tokens"], eod)
         if "positions" in documents:
