@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -46,8 +47,11 @@ def sft(tmp_path_factory):
     return root / "sft"
 
 
-def test_the_mask_marks_the_tokens_of_the_spans_and_the_eod_after_a_trained_end(sft):
+def test_the_mask_marks_the_tokens_of_the_spans_and_the_eod_after_a_trained_end(sft, tmp_path):
     data, tok = IndexedDataset(sft), ByteTokenizer()
+    # Worker processes write the same bytes.
+    preprocess(sft.parent / "sft.jsonl", tmp_path / "two", append_eod=True, loss_mask_key="train", workers=2)
+    assert Path(loss_mask_path(tmp_path / "two")).read_bytes() == Path(loss_mask_path(sft)).read_bytes()
     for i, line in enumerate(_sft_lines()):
         text, spans = line["text"], line["train"]
         trained = {c for s, e in spans for c in range(s, e)}
