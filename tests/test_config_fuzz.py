@@ -98,7 +98,8 @@ def schema_fields() -> list[tuple[str, str]]:
 
 
 INT_MIN = {"seed": 0, "model.head_dim": 2, "train.warmup_steps": 0, "train.eval_every": 0, "train.max_skipped": 0,
-           "train.stop_at": 0, "checkpoint.every": 0, "model.moe.shared_experts": 0, "parallel.prefetch": 0}
+           "train.stop_at": 0, "checkpoint.every": 0, "model.moe.shared_experts": 0, "parallel.prefetch": 0,
+           "data.mean_doc_len": 0}
 FILL_AXES = ("parallel.dp", "parallel.fsdp", "parallel.tp")  # may be -1
 HUGE_IS_VALID = {"seed", "train.steps", "train.global_batch", "train.log_every", "train.eval_every",
                  "train.eval_batches", "train.max_skipped", "train.stop_at", "checkpoint.every", "checkpoint.keep_last"}

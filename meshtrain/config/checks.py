@@ -162,6 +162,7 @@ def _validate_data(d: DataConfig) -> None:
                           "below 1 (e.g. 0.01)")
     for key in ("document_mask", "reset_positions", "eod_mask_loss"):
         check_bool(getattr(d, key), f"data.{key}")
+    _check_int(d.mean_doc_len, "data.mean_doc_len", minimum=0, maximum=2**31 - 1)
 
 
 def _validate_checkpoint(c: CheckpointConfig) -> None:

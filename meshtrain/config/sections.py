@@ -193,6 +193,8 @@ class DataConfig:
     """Positions restart at 0 at each document's start (Megatron's --reset-position-ids): RoPE angles and GPT-2's learned positions. With document_mask on, RoPE sees only distances within a document, so this changes only GPT-2."""
     eod_mask_loss: bool = False
     """No loss on the token after an end-of-document token (Megatron's --eod-mask-loss): the next document's first token is not predicted from the last one's end. The loss is the mean over the global batch's remaining targets."""
+    mean_doc_len: int = 0
+    """For meshtrain plan with document_mask on: the mean document length in tokens, which sets the step's attention FLOPs and the eager attention's mask memory; 0: documents as long as train.seq_len. Training finds the documents in the data and ignores this."""
 
 
 @dataclass

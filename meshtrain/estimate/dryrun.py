@@ -3,9 +3,10 @@
 From a RunConfig and a world size alone (no process group, no memory: parameters are
 specs), `dry_run` gives the parameter count, the mesh and which ranks share a node on
 each axis, every parameter's sharding, per-rank memory of the most loaded rank
-(`step_memory.py`) and every collective of one step by mesh axis and phase (`comms.py`),
-with warnings for layouts that will be slow and, for one that does not fit the chosen
-GPU, an error and the layouts that fit (`advice.py`); `dryrun_view.py` prints it. Ranks
+(`step_memory.py`), the step's model FLOPs (`compute.py`) and every collective of one
+step by mesh axis and phase (`comms.py`), with warnings for layouts that will be slow
+and, for one that does not fit the chosen GPU, an error and the layouts that fit
+(`advice.py`); `dryrun_view.py` prints it. Ranks
 are numbered in mesh order (pp, dp, fsdp, cp, tp: tp innermost), as `MeshSpec.build`
 lays them out and as torchrun places consecutive ranks on one node.
 """
@@ -23,6 +24,7 @@ from ..parallel.plan import Plan, placement_str, without_pp
 from ..parallel.plan_table import human_bytes
 from .advice import Fit, layouts_that_fit, nothing_fits, search_space
 from .comms import expert_exchange, step_collectives
+from .compute import step_compute
 from .dryrun_view import renderables
 from .step_memory import GPU_MEMORY, MEMORY_KEYS, step_memory
 
@@ -48,6 +50,7 @@ class DryRun:
     lowest: Fit | None = None  # with no layout that fits: the lowest peak the advice planned
     search: str = ""  # what the advice tried, in words
     buckets: dict | None = None  # bucket_summary: parallel.bucket's unit, count, largest bucket's bytes
+    compute: dict = field(default_factory=dict)  # compute.step_compute: the step's model FLOPs
 
     @property
     def fits(self) -> bool | None:
@@ -75,6 +78,7 @@ class DryRun:
             "memory_detail": {k: v for k, v in self.memory.items() if k not in MEMORY_KEYS},
             "collectives": self.collectives,
             "buckets": self.buckets,
+            "compute": self.compute,
             "params": [{"name": p.name, "shape": list(p.spec.shape),
                         "placements": [placement_str(x) for x in p.placements],
                         "local_shape": list(p.local_shape)} for p in self.plan.params.values()],
@@ -149,7 +153,11 @@ def dry_run(cfg, world: int | None = None, gpu: str | None = None, *, suggest: b
     total, active = _param_counts(model)
     run = DryRun(world, gpus_per_node, plan, memory, collectives, axis_nodes, gpu, pipeline=pipeline,
                  expert_exchange=experts, model=_describe(cfg.model), setup=_setup(t), total_params=total,
-                 active_params=active, buckets=bucket_summary(plan, p.bucket))
+                 active_params=active, buckets=bucket_summary(plan, p.bucket),
+                 compute=step_compute(cfg, model, world))
+    if cfg.data.mean_doc_len and not cfg.data.document_mask:
+        run.warnings.append(f"data.mean_doc_len={cfg.data.mean_doc_len} counts for nothing without "
+                            "data.document_mask: attention spans the whole row; turn data.document_mask on")
     for axis in ("tp", "cp"):
         if axis_nodes.get(axis, 1) > 1:
             run.warnings.append(f"parallel.{axis}={plan.mesh.size(axis)} spans {axis_nodes[axis]} nodes: its "

@@ -39,6 +39,8 @@ def verdict(run) -> list:
              f"world {run.world} = {nodes} node(s) x {run.gpus_per_node} GPUs, mesh "
              + " x ".join(f"{a}={mesh.size(a)}" for a in mesh.axes),
              f"peak memory {human_bytes(peak)} per rank ({where})"]
+    if run.compute:
+        lines.append(_compute_line(run.compute))
     if run.gpu is None:
         return ["\n".join(lines + ["add --gpu h100 (or h200, a100) to check it against a device"])]
     capacity = GPU_MEMORY[run.gpu]
@@ -56,6 +58,18 @@ def verdict(run) -> list:
     for fit in run.advice:
         advice.add_row(f"  {human_bytes(fit.peak)}", fit.flags)
     return ["\n".join(lines), advice]
+
+
+def _compute_line(c: dict) -> str:
+    """The step's model FLOPs, and the attention's share of them over documents."""
+    line = (f"model FLOPs {c['step_flops_per_rank'] / 1e12:,.1f} TFLOP per rank per step "
+            f"({c['model_flops_per_token'] / 1e9:,.3g} GFLOP per token, attention "
+            f"{c['attention_flops_per_token'] / c['model_flops_per_token']:.0%})")
+    whole = c["attention_flops_per_token_whole_row"]
+    if c["attention_flops_per_token"] < whole:
+        line += (f"; documents of {c['attention_span']} tokens: attention "
+                 f"{c['attention_flops_per_token'] / whole:.2g}x of the whole row's")
+    return line
 
 
 def count(n: int) -> str:

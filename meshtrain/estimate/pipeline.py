@@ -108,9 +108,10 @@ def pipeline_estimate(plan: Plan, model, *, pp_schedule: str, virtual: int, layo
                       micro_batch: int, seq_len: int, micro_steps: int, precision: str = "fp32",
                       compiled: bool = False, activation_checkpointing: str = "none",
                       device: str = "cuda", bucket: str | float = "block", prefetch: int = 1,
-                      reshard_after_forward: bool = True) -> PipelineEstimate:
+                      reshard_after_forward: bool = True,
+                      mask_keys: tuple[float, int] = (0, 0)) -> PipelineEstimate:
     """bucket, prefetch, reshard_after_forward: the stages' parameter traffic, as
-    make_pipeline_step takes them."""
+    make_pipeline_step takes them; mask_keys: as per_rank_memory's."""
     pp = plan.mesh.pp
     stages = partition(model, pp, virtual, layout, seq_len=seq_len, micro_batch=micro_batch)
     sched = build_pipeline_schedule(pp_schedule, pp, micro_steps, virtual)
@@ -132,7 +133,8 @@ def pipeline_estimate(plan: Plan, model, *, pp_schedule: str, virtual: int, layo
                                  activation_checkpointing=activation_checkpointing,
                                  reshard_after_forward=reshard_after_forward, device=device, names=names,
                                  layers=list(range(*max(mine, key=lambda st: st.n_layers).layers)),
-                                 embedding=first, head=has_head, in_flight=max(1, timing.peak_in_flight[r]))
+                                 embedding=first, head=has_head, in_flight=max(1, timing.peak_in_flight[r]),
+                                 mask_keys=mask_keys)
         # The last stage reduces each micro-step's loss over the token-splitting dims (the
         # pipeline step's cross_entropy_sum), not the step's once.
         collectives = [e for e in step_collectives(sub, model, micro_batch_rows=micro_batch * data, seq_len=seq_len,

@@ -8,6 +8,7 @@ and compile setting.
 
 from __future__ import annotations
 
+from .compute import mask_keys
 from .memory import per_rank_memory
 from .pipeline import pipeline_estimate
 
@@ -27,10 +28,12 @@ def step_memory(cfg, plan, model) -> tuple[dict, object | None]:
                                      micro_batch=t.micro_batch, seq_len=t.seq_len, micro_steps=micro_steps,
                                      precision=t.precision, compiled=bool(t.compile),
                                      activation_checkpointing=t.activation_checkpointing, bucket=p.bucket,
-                                     prefetch=p.prefetch, reshard_after_forward=p.reshard_after_forward)
+                                     prefetch=p.prefetch, reshard_after_forward=p.reshard_after_forward,
+                                     mask_keys=mask_keys(cfg, plan.mesh.cp))
         return {**pipeline.most_loaded["memory"], "pp_rank": pipeline.most_loaded["pp_rank"]}, pipeline
     memory = per_rank_memory(plan, model, micro_batch=t.micro_batch, seq_len=t.seq_len, precision=t.precision,
                              activation_checkpointing=t.activation_checkpointing,
                              reshard_after_forward=p.reshard_after_forward, device="cuda",
+                             mask_keys=mask_keys(cfg, plan.mesh.cp),
                              fsdp_accumulate=p.fsdp_accumulate if micro_steps > 1 else "sharded")  # a plan is for GPUs: fused attention kernels
     return memory, None

@@ -1,0 +1,52 @@
+"""Model FLOPs of a training step, for `meshtrain plan`: train/metrics.py's count (what fit's
+MFU divides by), with attention over documents where data.document_mask is on.
+
+Per token, 6 x the weight-matrix parameters plus 12 x layers x dim x the keys a query's
+attention spans, counted over the full square as Megatron and TorchTitan count it (causal
+masking halves the work actually done, in both cases alike). Over the whole row that span
+is train.seq_len; over packed documents of data.mean_doc_len tokens it is that length: a
+row holds seq_len / mean_doc_len documents, each attending within itself, so the work
+grows with the sum of the documents' squared lengths (the pieces a row's ends cut off
+are not counted apart).
+"""
+
+from __future__ import annotations
+
+from ..models.attention import TILE
+from ..train.metrics import flops_per_token
+
+
+def attention_span(cfg) -> int:
+    """Keys per query in the FLOP count: the mean document length when documents are
+    masked and it is given, else the sequence."""
+    d, seq = cfg.data, cfg.train.seq_len
+    return min(d.mean_doc_len, seq) if d.document_mask and d.mean_doc_len else seq
+
+
+def mask_keys(cfg, cp: int) -> tuple[float, int]:
+    """Keys per query of the document masks attention keeps for backward (data.document_mask;
+    measured on CPU, see estimate/memory.py): (per layer, eager: the tiles of
+    models/attention.py, each over its queries' documents' span, about a tile plus half a
+    document; once per micro-batch, compiled: one dense mask over the row, which every
+    layer shares). (0, 0) without document_mask or under cp, whose blocks rebuild their
+    masks in backward from the segment ids."""
+    if not cfg.data.document_mask or cp > 1:
+        return 0, 0
+    seq = cfg.train.seq_len
+    if cfg.train.compile:
+        return 0, seq
+    tile = min(TILE, seq)
+    return tile + max(0, min(attention_span(cfg), seq - tile)) / 2, 0
+
+
+def step_compute(cfg, model, world: int) -> dict:
+    """The step's model FLOPs: per token (with the attention term apart, masked and over the
+    whole row), per step and per rank (the step's over the world)."""
+    m, t = cfg.model, cfg.train
+    span = attention_span(cfg)
+    per_token = flops_per_token(model.specs, m.n_layers, m.dim, span, m.tie_embeddings, m.moe)
+    step = per_token * t.global_batch * t.seq_len
+    return {"attention_span": span, "model_flops_per_token": per_token,
+            "attention_flops_per_token": 12.0 * m.n_layers * m.dim * span,
+            "attention_flops_per_token_whole_row": 12.0 * m.n_layers * m.dim * t.seq_len,
+            "step_flops": step, "step_flops_per_rank": step / world}

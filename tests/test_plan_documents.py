@@ -1,0 +1,99 @@
+"""`meshtrain plan` over packed documents (issue 24, item 4): with data.document_mask and
+data.mean_doc_len the step's attention FLOPs are the documents', and the activation
+memory counts the masks the attention keeps, checked against the bytes a real forward
+keeps (CPU, fp32) eager and compiled."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+import yaml
+from torch.profiler import ProfilerActivity, profile
+
+from meshtrain.config import RunConfig
+from meshtrain.estimate.dryrun import dry_run
+from meshtrain.models.context import Documents, LocalContext
+from meshtrain.models.spec import init_slice
+from meshtrain.train.metrics import flops_per_token
+from meshtrain.train.peak_memory import _allocation_events
+from test_cli import TINY, _small_cfg, run_cli
+
+SEQ, DOC, LAYERS = 1024, 100, 4  # documents that do not align with the 128-query tiles
+
+
+def _cfg(tmp_path, compile=False, **data):
+    cfg = _small_cfg(tmp_path)
+    cfg.model = dataclasses.replace(cfg.model, n_layers=LAYERS, max_seq_len=SEQ)
+    cfg.train = dataclasses.replace(cfg.train, seq_len=SEQ, global_batch=2, micro_batch=1, compile=compile)
+    cfg.data = dataclasses.replace(cfg.data, **data)
+    return cfg.validate()
+
+
+def test_attention_flops_are_the_documents_and_the_cli_reports_them(tmp_path):
+    out = tmp_path / "plan.json"
+    done = run_cli("plan", "--config", str(TINY), "--world", "1", "--data.document_mask", "true",
+                   "--data.mean_doc_len", "16", "--json", str(out))
+    assert done.returncode == 0, done.stderr
+    compute = json.loads(out.read_text())["compute"]
+    tiny = RunConfig.from_dict(yaml.safe_load(TINY.read_text())).validate()
+    m, t, specs = tiny.model, tiny.train, tiny.model_def().specs
+    seq = t.seq_len
+    want = flops_per_token(specs, m.n_layers, m.dim, 16, m.tie_embeddings, m.moe)
+    assert compute["attention_span"] == 16
+    assert compute["attention_flops_per_token"] == 12 * m.n_layers * m.dim * 16
+    assert compute["attention_flops_per_token_whole_row"] == 12 * m.n_layers * m.dim * seq
+    assert compute["model_flops_per_token"] == want
+    assert compute["step_flops_per_rank"] == want * t.global_batch * seq
+    assert f"documents of 16 tokens: attention {16 / seq:.2g}x of the whole row's" in done.stdout
+    # Without the mask the documents change nothing, and the plan says so.
+    done = run_cli("plan", "--config", str(TINY), "--world", "1", "--data.mean_doc_len", "16")
+    assert done.returncode == 0 and "counts for nothing without data.document_mask" in done.stdout, done.stdout
+    assert f"{flops_per_token(specs, m.n_layers, m.dim, seq, m.tie_embeddings, m.moe) / 1e9:,.3g} GFLOP" in done.stdout
+    bad = run_cli("plan", "--config", str(TINY), "--data.mean_doc_len", "-5")
+    assert bad.returncode == 2 and "data.mean_doc_len=-5" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def _kept_by_forward(cfg, docs, compiled: bool) -> int:
+    """Bytes a forward (to a scalar) leaves allocated: what it keeps for backward."""
+    model = cfg.model_def()
+    params = {n: init_slice(s, n, seed=0).requires_grad_() for n, s in model.specs.items()}
+    tokens = torch.randint(0, cfg.model.vocab_size, (1, SEQ), generator=torch.Generator().manual_seed(0))
+    fn = lambda: model.forward(params, tokens, LocalContext(), docs).sum()  # noqa: E731
+    if compiled:
+        torch._dynamo.reset()
+        fn = torch.compile(fn, backend="aot_eager")
+        fn()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        out = fn()
+    live = {}
+    for _, ptr, size in sorted(_allocation_events(prof)):
+        if size > 0:
+            live[ptr] = size
+        else:
+            live.pop(ptr, None)
+    del out
+    return sum(live.values())
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_the_document_masks_memory_is_what_a_forward_keeps(tmp_path, one_thread, compiled):
+    """Eager: per layer, the tiles' fp32 masks (about a tile plus half a document of keys
+    per query) and the joined output; compiled: one mask over the row for all layers."""
+    plain, masked = _cfg(tmp_path, compiled), _cfg(tmp_path, compiled, document_mask=True, mean_doc_len=DOC)
+    estimate = {name: dry_run(cfg, 1).memory for name, cfg in (("plain", plain), ("masked", masked))}
+    added = estimate["masked"]["activations"] - estimate["plain"]["activations"]
+    if compiled:
+        assert estimate["masked"]["document_mask_once"] == 4 * SEQ * SEQ and added == 4 * SEQ * SEQ
+    else:
+        assert estimate["masked"]["document_mask_per_layer"] > 0 and added == LAYERS * estimate["masked"][
+            "document_mask_per_layer"]
+    segments = (torch.arange(SEQ) // DOC)[None]
+    docs = Documents(segments, torch.arange(SEQ)[None] - segments * DOC)
+    measured = _kept_by_forward(masked, docs, compiled) - _kept_by_forward(masked, None, compiled)
+    assert measured == pytest.approx(added, rel=0.05), (measured, added)
+    # The plan is no estimate for cp, whose blocks keep no mask.
+    cp = dataclasses.replace(masked, parallel=dataclasses.replace(masked.parallel, cp=2))
+    assert dry_run(cp.validate(), 2).memory["document_mask_per_layer"] == 0
