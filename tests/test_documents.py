@@ -167,3 +167,30 @@ def test_context_parallel_fit_with_documents_matches_one_process(tmp_path):
                        *on, "--run_dir", str(runs[name]))
         assert proc.returncode == 0, proc.stdout + proc.stderr
     torch.testing.assert_close(losses(runs["cp2"]), losses(runs["one"]), rtol=1e-5, atol=0)
+
+
+def test_document_keys_with_a_tokenizer_without_eos_are_refused_before_training(tmp_path):
+    """Documents are found by their EOS: a tokenizer without one stops fit at once (exit 2,
+    one line naming the keys and the fix), before anything is written."""
+    import json
+
+    pytest.importorskip("tokenizers")
+    from meshtrain.data import preprocess
+    from meshtrain.data.tokenizer import ByteTokenizer
+    from test_cli import SMALL, TINY, run_cli
+
+    files = ByteTokenizer().hf_files()
+    tokenizer = json.loads(files["tokenizer.json"])
+    tokenizer["added_tokens"] = [t for t in tokenizer["added_tokens"] if t["content"] != "<eos>"]
+    (tmp_path / "tokenizer.json").write_text(json.dumps(tokenizer))
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": f"document {i} " * 20}) + "\n"
+                                                 for i in range(20)))
+    preprocess(tmp_path / "docs.jsonl", tmp_path / "docs", tokenizer=str(tmp_path / "tokenizer.json"))
+    run_dir = tmp_path / "run"
+    done = run_cli("fit", "--config", str(TINY), *SMALL, "--data.paths", str(tmp_path / "docs"),
+                   "--data.tokenizer", str(tmp_path / "tokenizer.json"), "--data.document_mask", "true",
+                   "--data.eod_mask_loss", "true", "--run_dir", str(run_dir))
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stdout + done.stderr
+    assert "data.document_mask finds documents by their end-of-document token" in done.stderr
+    assert "set data.document_mask and data.eod_mask_loss to false" in done.stderr
+    assert not run_dir.exists()

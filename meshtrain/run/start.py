@@ -11,6 +11,7 @@ from pathlib import Path
 from .. import checkpoint
 from ..config import RunConfig
 from ..data import DataError, build_data
+from ..data.tokenizer import EOS_TOKENS
 from ..errors import ConfigError
 from ..interop.hf import check_same_model
 
@@ -18,9 +19,15 @@ from ..interop.hf import check_same_model
 def open_data(cfg: RunConfig):
     d, t = cfg.data, cfg.train
     try:
-        return build_data(d.paths, d.tokenizer, t.seq_len, cfg.seed, cfg.model.vocab_size, d.valid_fraction)
+        data = build_data(d.paths, d.tokenizer, t.seq_len, cfg.seed, cfg.model.vocab_size, d.valid_fraction)
     except DataError as e:
         raise DataError(f"data.paths={d.paths!r}: {e}") from None
+    keys = [k for k in ("document_mask", "reset_positions", "eod_mask_loss") if getattr(d, k)]
+    if keys and data.eod is None:
+        raise DataError(f"data.{keys[0]} finds documents by their end-of-document token, but data.tokenizer="
+                        f"{d.tokenizer!r} has none (looked for {', '.join(EOS_TOKENS)}); set "
+                        f"{' and '.join('data.' + k for k in keys)} to false, or use a tokenizer with one")
+    return data
 
 
 def check_writable(run_dir: Path) -> None:
