@@ -63,13 +63,18 @@ def verdict(run) -> list:
 def _compute_line(c: dict) -> str:
     """The step's model FLOPs, and the attention's share of them over documents."""
     line = (f"model FLOPs {c['step_flops_per_rank'] / 1e12:,.1f} TFLOP per rank per step "
-            f"({c['model_flops_per_token'] / 1e9:,.3g} GFLOP per token, attention "
+            f"({_gflop(c['model_flops_per_token'])} GFLOP per token, attention "
             f"{c['attention_flops_per_token'] / c['model_flops_per_token']:.0%})")
     whole = c["attention_flops_per_token_whole_row"]
     if c["attention_flops_per_token"] < whole:
         line += (f"; documents of {c['attention_span']} tokens: attention "
                  f"{c['attention_flops_per_token'] / whole:.2g}x of the whole row's")
     return line
+
+
+def _gflop(flops: float) -> str:
+    g = flops / 1e9
+    return f"{g:,.0f}" if g >= 100 else f"{g:.3g}"
 
 
 def count(n: int) -> str:
