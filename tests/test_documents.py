@@ -152,6 +152,27 @@ def test_tiled_document_attention_equals_one_mask(heads, kv_heads):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6 * float(b.abs().max()))
 
 
+def test_the_tile_masks_are_built_once_per_micro_batch(monkeypatch):
+    """Every layer of one forward shares the first layer's masks; the next micro-batch (a
+    new segments tensor) builds its own, and the forward is the same as without sharing."""
+    from meshtrain.models import attention
+
+    built = []
+    real = attention.tile_masks
+    monkeypatch.setattr(attention, "tile_masks", lambda *a, **k: built.append(1) or real(*a, **k))
+    model = build("llama", LLAMA)
+    params = {n: init_slice(s, n, seed=0) for n, s in model.specs.items()}
+    tokens = packed_rows()
+    outs = []
+    for _ in range(2):
+        docs = Documents(document_segments(tokens, EOD), document_positions(tokens, EOD))
+        outs.append(model.forward(params, tokens, LocalContext(), docs))
+    assert len(built) == 2 and LLAMA.n_layers > 1
+    monkeypatch.setattr(attention, "_cached_tile_masks", lambda s, d, t, key: real(s, d, t))  # built per layer
+    again = model.forward(params, tokens, LocalContext(), docs)
+    assert torch.equal(again, outs[1]) and torch.equal(outs[0], outs[1])
+
+
 @pytest.mark.slow
 def test_context_parallel_fit_with_documents_matches_one_process(tmp_path):
     """Through the CLI: configs/tiny-cp2.yaml (2 self-launched ranks, ring) with the three

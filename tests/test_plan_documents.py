@@ -80,20 +80,22 @@ def _kept_by_forward(cfg, docs, compiled: bool) -> int:
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_the_document_masks_memory_is_what_a_forward_keeps(tmp_path, one_thread, compiled):
-    """Eager: per layer, the tiles' fp32 masks (about a tile plus half a document of keys
-    per query) and the joined output; compiled: one mask over the row for all layers."""
+    """Eager: the tiles' fp32 masks once (about a tile plus half a document of keys per
+    query; every layer shares them) and per layer the joined output; compiled: one mask
+    over the row for all layers."""
     plain, masked = _cfg(tmp_path, compiled), _cfg(tmp_path, compiled, document_mask=True, mean_doc_len=DOC)
     estimate = {name: dry_run(cfg, 1).memory for name, cfg in (("plain", plain), ("masked", masked))}
     added = estimate["masked"]["activations"] - estimate["plain"]["activations"]
+    detail = estimate["masked"]
     if compiled:
-        assert estimate["masked"]["document_mask_once"] == 4 * SEQ * SEQ and added == 4 * SEQ * SEQ
-    else:
-        assert estimate["masked"]["document_mask_per_layer"] > 0 and added == LAYERS * estimate["masked"][
-            "document_mask_per_layer"]
+        assert detail["document_masks"] == 4 * SEQ * SEQ and added == 4 * SEQ * SEQ
+    else:  # the masks once (each layer shares them), the joined tiles per layer
+        assert detail["document_masks"] > 0 and added == detail["document_masks"] + LAYERS * detail[
+            "tiles_joined_per_layer"]
     segments = (torch.arange(SEQ) // DOC)[None]
     docs = Documents(segments, torch.arange(SEQ)[None] - segments * DOC)
     measured = _kept_by_forward(masked, docs, compiled) - _kept_by_forward(masked, None, compiled)
     assert measured == pytest.approx(added, rel=0.05), (measured, added)
     # The plan is no estimate for cp, whose blocks keep no mask.
     cp = dataclasses.replace(masked, parallel=dataclasses.replace(masked.parallel, cp=2))
-    assert dry_run(cp.validate(), 2).memory["document_mask_per_layer"] == 0
+    assert dry_run(cp.validate(), 2).memory["document_masks"] == 0

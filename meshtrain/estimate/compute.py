@@ -23,20 +23,21 @@ def attention_span(cfg) -> int:
     return min(d.mean_doc_len, seq) if d.document_mask and d.mean_doc_len else seq
 
 
-def mask_keys(cfg, cp: int) -> tuple[float, int]:
-    """Keys per query of the document masks attention keeps for backward (data.document_mask;
-    measured on CPU, see estimate/memory.py): (per layer, eager: the tiles of
-    models/attention.py, each over its queries' documents' span, about a tile plus half a
-    document; once per micro-batch, compiled: one dense mask over the row, which every
-    layer shares). (0, 0) without document_mask or under cp, whose blocks rebuild their
-    masks in backward from the segment ids."""
+def mask_keys(cfg, cp: int) -> tuple[float, bool]:
+    """(keys per query of the document masks attention keeps for backward, once per
+    micro-batch: every layer shares them; whether attention runs in tiles, which join
+    their outputs into one more tensor per layer). Compiled: one dense mask over the row;
+    eager: the tiles of models/attention.py, each over its queries' documents' span,
+    about a tile plus half a document. (0, False) without data.document_mask or under
+    cp, whose blocks rebuild their masks in backward from the segment ids. Measured on
+    CPU: see estimate/memory.py."""
     if not cfg.data.document_mask or cp > 1:
-        return 0, 0
+        return 0, False
     seq = cfg.train.seq_len
     if cfg.train.compile:
-        return 0, seq
+        return seq, False
     tile = min(TILE, seq)
-    return tile + max(0, min(attention_span(cfg), seq - tile)) / 2, 0
+    return tile + max(0, min(attention_span(cfg), seq - tile)) / 2, True
 
 
 def step_compute(cfg, model, world: int) -> dict:

@@ -83,17 +83,17 @@ keeps q and k expanded to Hq heads (GQA), v expanded, the probabilities (B, Hq, 
 and a contiguous copy of the output; it is selected with attention="math" and is what
 CUDA runs for fp32 GQA (no fused kernel takes fp32 + GQA there).
 
-Packed documents (data.document_mask): the attention kernel keeps its mask for backward
-as an additive mask in the compute dtype (c per query and key), shared by the heads.
-Eager, per layer: a mask per tile of 128 queries over its documents' span (about a tile
-plus half a document of keys per query; models/attention.py), and the tiles' outputs
-joined into one tensor (c*hd*Hq per token) beside the ones each tile keeps. Compiled,
-once per micro-batch: one dense mask over the row (S keys per query), which the layers
-share (the compiled graph computes it once). Under cp none: its blocks rebuild their
-masks in backward from the segment ids. Measured on CPU (fp32; `tests/test_plan_documents.py`
-checks the estimate against the bytes a forward keeps); `mask_keys` gives the keys per
-query; the segment ids and positions (int64 per token, once) are left out like the
-tokens.
+Packed documents (data.document_mask): attention keeps its masks for backward as
+additive masks in the compute dtype (c per query and key), shared by the heads and, once
+per micro-batch, by every layer. Compiled: one dense mask over the row (S keys per
+query; the compiled graph computes it once). Eager: a mask per tile of 128 queries over
+its documents' span (about a tile plus half a document of keys per query;
+models/attention.py builds them at the first layer), and per layer the tiles' outputs
+joined into one tensor (c*hd*Hq per token) beside the ones each tile keeps. Under cp
+none: its blocks rebuild their masks in backward from the segment ids. Measured on CPU
+(fp32; `tests/test_plan_documents.py` checks the estimate against the bytes a forward
+keeps); `mask_keys` gives the keys per query; the segment ids and positions (int64 per
+token, once) are left out like the tokens.
 
 Weights kept for backward (`saved_weights`, part of activations): matmuls and norm
 scales save the weight they multiply by. Parameters that are not gathered are saved as
@@ -238,7 +238,7 @@ def per_rank_memory(plan: Plan, model, *, micro_batch: int, seq_len: int, precis
                     activation_checkpointing: str = "none", reshard_after_forward: bool = True,
                     fsdp_accumulate: str = "sharded", device: str = "cpu", attention: str | None = None, names=None, layers: int | None = None,
                     embedding: bool = True, head: bool = True, in_flight: int = 1,
-                    mask_keys: tuple[float, int] = (0, 0)) -> dict:
+                    mask_keys: tuple[float, bool] = (0, False)) -> dict:
     """Bytes on the most loaded rank for one training step (see the module docstring for
     what is counted). micro_batch: sequences per data-parallel rank per micro-step.
     device: "cpu" | "cuda" picks the attention kernel unless `attention` ("flash" |
@@ -249,9 +249,8 @@ def per_rank_memory(plan: Plan, model, *, micro_batch: int, seq_len: int, precis
     layers per micro-batch, the embedding and the head/loss only where it holds them, and
     keeps the activations of `in_flight` micro-batches at once (the schedule's peak).
 
-    mask_keys: with data.document_mask, the keys per query of the masks attention keeps
-    (estimate.compute.mask_keys): per layer (eager tiles), once per micro-batch
-    (compiled)."""
+    mask_keys: with data.document_mask, (keys per query of the masks attention keeps once
+    per micro-batch, whether it runs in tiles): estimate.compute.mask_keys."""
     if precision not in _DTYPE_BYTES:
         raise ValueError(f"precision={precision!r}: choose fp32, bf16 or fp8")
     if activation_checkpointing not in ("none", "full", "selective"):
@@ -276,11 +275,11 @@ def per_rank_memory(plan: Plan, model, *, micro_batch: int, seq_len: int, precis
 
     # One layer, nothing recomputed.
     queries = _local(plan, (B, S), ("batch", None))  # this rank's: every head shares a query's mask
-    mask = 0
-    if mask_keys[0]:  # the tiles' masks, and their outputs joined into one tensor
-        mask = int(c * mask_keys[0] * queries) + c * _local(plan, (B, S, Hq, hd), ("batch", "seq", "q_heads", None))
+    joined = 0  # tiled attention: the tiles' outputs joined into one more tensor
+    if mask_keys[1]:
+        joined = c * _local(plan, (B, S, Hq, hd), ("batch", "seq", "q_heads", None))
     attn = (_norm(plan, B, S, D, c) + c * x_full + _attention_saved(plan, B, S, Hq, Hkv, hd, c, attention)
-            + mask)
+            + joined)
     mlp_saved = _norm(plan, B, S, D, c) + c * x_full + family.costs.mlp_saved * c * mlp
     layer_none = attn + mlp_saved
     if activation_checkpointing == "none":
@@ -291,7 +290,7 @@ def per_rank_memory(plan: Plan, model, *, micro_batch: int, seq_len: int, precis
         q = _local(plan, (B, S, Hq, hd), ("batch", "seq", "q_heads", None))
         kv = _local(plan, (B, S, Hkv, hd), ("batch", "seq", "kv_heads", None))
         lse = _local(plan, (B, Hq, S), ("batch", "q_heads", "seq"))
-        layer = c * (2 * x_res + q + 2 * kv + q) + FP32 * lse + 2 * c * mlp + mask
+        layer = c * (2 * x_res + q + 2 * kv + q) + FP32 * lse + 2 * c * mlp + joined
     recompute = 0 if activation_checkpointing == "none" else max(0, layer_none - layer)
     moe_cfg = getattr(cfg, "moe", None)
     moe_ids = set(cfg.moe_layers) if moe_cfg is not None else set()
@@ -306,7 +305,8 @@ def per_rank_memory(plan: Plan, model, *, micro_batch: int, seq_len: int, precis
     # Once per micro-batch: the family's per-sequence tensors (RoPE tables, position ids),
     # embedding, final norm, loss.
     once = sum(nbytes * _local(plan, shape, axes) for shape, axes, nbytes in family.costs.per_sequence(cfg, S, c))
-    once += c * mask_keys[1] * queries  # the compiled step's one document mask
+    masks = int(c * mask_keys[0] * queries)  # the documents' masks, which every layer shares
+    once += masks
     if embedding and any(a for a in plan.params["tok_emb"].layout.dim_axes[0] if a not in GATHERED_AXES):
         once += tokens * (INT64 + BOOL)  # vocab-parallel lookup: clamped ids, in-slice mask
     elif embedding and mesh.cp > 1:
@@ -373,7 +373,6 @@ def per_rank_memory(plan: Plan, model, *, micro_batch: int, seq_len: int, precis
         "gathered_weights": gathered_weights, "recompute": recompute, "transient": transient,
         "unsharded_grads": unsharded_grads,
         "transient_layer_weights": max(layer_weights.values(), default=0), "logits": loss_logits,
-        "attention_kernel": attention, "document_mask_per_layer": mask,
-        "document_mask_once": c * mask_keys[1] * queries,
+        "attention_kernel": attention, "document_masks": masks, "tiles_joined_per_layer": joined,
         **({"activations_per_moe_layer": moe_layer} if moe_layer is not None else {}),
     }

@@ -8,14 +8,22 @@ documents the spans are short: the cost is about tile x (document length + tile)
 tile, against sequence^2 / 2 for one causal mask over the row. The span bounds are read
 on the host, so this runs eager; a compiled graph takes the dense mask
 (`dense_document_attention`), which gives the same numbers.
+
+The tiles' masks are built once per micro-batch, not per layer: every layer passes the
+same `key` (the batch's segments object), and the last micro-batch's masks are kept, as
+additive masks in the compute dtype, so each layer's kernel keeps a reference to them for
+backward rather than a converted copy of its own.
 """
 
 from __future__ import annotations
+
+import weakref
 
 import torch
 import torch.nn.functional as F
 
 TILE = 128  # queries per tile: long enough for the matmuls, short against a document
+_LAST: list = []  # [(weakref to the key, dtype, tile, tiles)]: the last micro-batch's tile masks
 
 
 def document_mask(segments: torch.Tensor, q_start: int = 0, k_start: int = 0, q_len: int | None = None,
@@ -37,9 +45,10 @@ def dense_document_attention(q, k, v, segments):
                                           enable_gqa=k.shape[1] != q.shape[1])
 
 
-def tiled_document_attention(q, k, v, segments, tile: int = TILE):
-    """As `dense_document_attention`, each tile of queries over its documents' span only."""
-    batch, _, seq, _ = q.shape
+def tile_masks(segments, dtype: torch.dtype, tile: int = TILE) -> list[list[tuple[int, int, int, torch.Tensor]]]:
+    """Per row, per tile of queries [a, e): (a, e, the first key lo, the (1, 1, e - a,
+    e - lo) additive mask in `dtype`: 0 where the query sees the key, -inf elsewhere)."""
+    batch, seq = segments.shape
     # Where each position's document starts (segments grow along a row).
     index = torch.arange(seq, device=segments.device).expand(batch, seq)
     first = torch.ones_like(segments, dtype=torch.bool)
@@ -50,15 +59,40 @@ def tiled_document_attention(q, k, v, segments, tile: int = TILE):
         tiles = []
         for t, lo in enumerate(starts[b]):
             a, e = t * tile, min(seq, (t + 1) * tile)
-            mask = document_mask(segments[b:b + 1], a, lo, e - a, e - lo)
-            tiles.append(F.scaled_dot_product_attention(q[b:b + 1, :, a:e], k[b:b + 1, :, lo:e], v[b:b + 1, :, lo:e],
-                                                        attn_mask=mask, enable_gqa=k.shape[1] != q.shape[1]))
-        rows.append(torch.cat(tiles, dim=2))
+            sees = document_mask(segments[b:b + 1], a, lo, e - a, e - lo)
+            tiles.append((a, e, lo, torch.zeros(sees.shape, dtype=dtype, device=sees.device).masked_fill(
+                ~sees, float("-inf"))))
+        rows.append(tiles)
+    return rows
+
+
+def _cached_tile_masks(segments, dtype, tile: int, key):
+    """tile_masks of the micro-batch `key` stands for, built at its first layer."""
+    if key is None:
+        return tile_masks(segments, dtype, tile)
+    if _LAST and _LAST[0][0]() is key and _LAST[0][1:3] == (dtype, tile):
+        return _LAST[0][3]
+    tiles = tile_masks(segments, dtype, tile)
+    _LAST[:] = [(weakref.ref(key), dtype, tile, tiles)]
+    return tiles
+
+
+def tiled_document_attention(q, k, v, segments, tile: int = TILE, key=None):
+    """As `dense_document_attention`, each tile of queries over its documents' span only.
+    `key`: an object that stays the same for every layer of one micro-batch (and lives
+    as long as it), so the masks are built once; None builds them for this call."""
+    gqa = k.shape[1] != q.shape[1]
+    rows = []
+    for b, tiles in enumerate(_cached_tile_masks(segments, q.dtype, tile, key)):
+        rows.append(torch.cat([F.scaled_dot_product_attention(q[b:b + 1, :, a:e], k[b:b + 1, :, lo:e],
+                                                              v[b:b + 1, :, lo:e], attn_mask=mask, enable_gqa=gqa)
+                               for a, e, lo, mask in tiles], dim=2))
     return torch.cat(rows)
 
 
-def document_attention(q, k, v, segments):
-    """Block-diagonal causal attention, heads first; tiled when eager."""
+def document_attention(q, k, v, segments, key=None):
+    """Block-diagonal causal attention, heads first; tiled when eager (`key`: see
+    tiled_document_attention)."""
     if torch.compiler.is_compiling():
         return dense_document_attention(q, k, v, segments)
-    return tiled_document_attention(q, k, v, segments)
+    return tiled_document_attention(q, k, v, segments, key=key)

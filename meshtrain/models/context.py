@@ -92,13 +92,14 @@ class ModelContext(Protocol):
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     segments: torch.Tensor | None = None) -> torch.Tensor:
+                     segments: torch.Tensor | None = None, key=None) -> torch.Tensor:
     """Reference causal attention on local tensors in (batch, seq, heads, head_dim);
     with `segments` (batch, seq), block-diagonal causal: a query sees the keys before it
-    in its own segment (models/attention.py)."""
+    in its own segment (models/attention.py; `key`, the object every layer of a
+    micro-batch passes, defaults to `segments`)."""
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
     if segments is not None:
-        return document_attention(q, k, v, segments).transpose(1, 2)
+        return document_attention(q, k, v, segments, segments if key is None else key).transpose(1, 2)
     out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
     return out.transpose(1, 2)
 

@@ -555,7 +555,7 @@ class ShardedContext:
             out = context_parallel_attention(q.to_local(), k.to_local(), v.to_local(),
                                              self.mesh.get_group(self._cp_dim), self.plan.cp_comm, local)
         else:
-            out = causal_attention(q.to_local(), k.to_local(), v.to_local(), local)
+            out = causal_attention(q.to_local(), k.to_local(), v.to_local(), local, key=segments)
         # Contiguous, as the stride it is declared with says (the heads are flattened next,
         # which would copy a transposed kernel output anyway).
         return DTensor.from_local(out.contiguous(), self.mesh, q.placements, run_check=False,
