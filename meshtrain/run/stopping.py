@@ -15,6 +15,7 @@ launcher prints the one line); otherwise rank 0 prints it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -86,7 +87,8 @@ class StopRequest:
                     if signal.getsignal(sig) is _caught:
                         self._handle(sig)
                     elif self.relay_mark is not None:
-                        self.relay_mark.touch()
+                        with contextlib.suppress(OSError):  # the launch ended meanwhile
+                            self.relay_mark.touch()
 
     def _handle(self, sig: int) -> None:
         now = time.monotonic()
