@@ -103,7 +103,7 @@ def _attention(cfg, p, prefix, x, ctx, segments):
     hd = cfg.head_dim
     q, k, v = (ctx.constrain(ctx.linear(h, p, prefix + f"attn.w{w}", p[prefix + f"attn.b{w}"]).unflatten(-1, (-1, hd)),
                              ("batch", "seq", "q_heads", None)) for w in ("q", "k", "v"))
-    out = ctx.attention(q, k, v, **({} if segments is None else {"segments": segments})).flatten(-2)
+    out = ctx.attention(q, k, v, segments).flatten(-2)
     return ctx.constrain(ctx.linear(out, p, prefix + "attn.wo"), ("batch", "seq_sp", None)) + p[prefix + "attn.bo"]
 
 

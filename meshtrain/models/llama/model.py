@@ -119,8 +119,7 @@ def _attention(cfg, p, prefix, x, cos, sin, ctx, segments):
     if cfg.qk_norm:
         q = rms_norm(q, p[prefix + "attn.q_norm"], cfg.norm_eps)
         k = rms_norm(k, p[prefix + "attn.k_norm"], cfg.norm_eps)
-    out = ctx.attention(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v,
-                        **({} if segments is None else {"segments": segments})).flatten(-2)
+    out = ctx.attention(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, segments).flatten(-2)
     return ctx.constrain(ctx.linear(out, p, prefix + "attn.wo"), ("batch", "seq_sp", None))
 
 
