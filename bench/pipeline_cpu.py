@@ -18,8 +18,9 @@ Every schedule must reproduce one process's losses (rtol 1e-5) before its time c
 Reported: median step time over --steps timed steps (after --warmup), the ratio to the
 prediction, both bubbles, the closed form, and the speed-up over one process.
 
-Then 1F1B again with compiled stages (`--compile`, inductor by default), in the same run:
-its step time against the eager 1F1B's, and both builds' peak memory per rank over one
+Then 1F1B and zero-bubble again with compiled stages (`--compile`, inductor by default;
+zero-bubble's backward graphs split in input and weight halves), in the same run: each
+one's step time against its eager row's, and both builds' peak memory per rank over one
 more step's forward and backward (meshtrain.train.peak_memory, up to the optimizer).
 
     python bench/pipeline_cpu.py                  # ~3 min on 2 cores
@@ -142,7 +143,7 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=None, help="timed steps per schedule (default 5, tiny 2)")
     ap.add_argument("--json", type=Path, default=None)
-    ap.add_argument("--compile", default="inductor", help="backend of the compiled 1F1B run (inductor, aot_eager)")
+    ap.add_argument("--compile", default="inductor", help="backend of the compiled runs (inductor, aot_eager)")
     a = ap.parse_args()
     steps = a.steps or (2 if a.tiny else 5)
     cfg, seq, micro, m = _config(a.tiny)
@@ -185,10 +186,10 @@ def main() -> int:
         print(f"{name + (f' v{v}' if v > 1 else ''):<14}{measured:>9.3f}{predicted.step_time:>13.3f}"
               f"{row['ratio_to_prediction']:>11.2f}{row['bubble']:>9.1%}{predicted.bubble:>11.1%}"
               f"{'-' if closed is None else f'{closed:.1%}':>13}{row['speedup']:>10.2f}")
-    compiled = _compiled_1f1b(cfg, seq, micro, m, a.warmup, steps, a.compile, ref_losses,
-                              next(r for r in rows if r["schedule"] == "1f1b"))
+    compiled = {name: _compiled(name, cfg, seq, micro, m, a.warmup, steps, a.compile, ref_losses,
+                                next(r for r in rows if r["schedule"] == name)) for name in ("1f1b", "zb")}
     if a.json:
-        a.json.write_text(json.dumps({"compiled": compiled, "model": {"dim": cfg.dim, "n_layers": cfg.n_layers, "vocab": cfg.vocab_size},
+        a.json.write_text(json.dumps({"compiled": compiled["1f1b"], "compiled_zb": compiled["zb"], "model": {"dim": cfg.dim, "n_layers": cfg.n_layers, "vocab": cfg.vocab_size},
                                       "seq_len": seq, "micro_batch": micro, "micro_batches": m, "pp": 2,
                                       "one_process_s": ref, "two_at_once_s": at_once,
                                       "machine_capacity": 2 * ref / at_once, "schedules": rows, "machine": platform.processor()
@@ -197,10 +198,10 @@ def main() -> int:
     return 0
 
 
-def _compiled_1f1b(cfg, seq, micro, m, warmup, steps, backend, ref_losses, eager: dict) -> dict:
-    """1F1B with compiled stages against the eager 1F1B row of the same run: step time
-    and peak memory per rank (the most loaded rank's)."""
-    results = run_ranks(_pipelined, 2, cfg, seq, micro, m, "1f1b", 1, warmup, steps, backend)
+def _compiled(name, cfg, seq, micro, m, warmup, steps, backend, ref_losses, eager: dict) -> dict:
+    """Schedule `name` with compiled stages against its eager row of the same run: step
+    time and peak memory per rank (the most loaded rank's)."""
+    results = run_ranks(_pipelined, 2, cfg, seq, micro, m, name, 1, warmup, steps, backend)
     for _, losses, _, _ in results:
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
     measured = statistics.median(max(r[0][i] for r in results) for i in range(steps))
@@ -208,7 +209,7 @@ def _compiled_1f1b(cfg, seq, micro, m, warmup, steps, backend, ref_losses, eager
     out = {"backend": backend, "step_s": measured, "eager_step_s": eager["step_s"],
            "speedup_over_eager": eager["step_s"] / measured, "peak_bytes": peak,
            "eager_peak_bytes": eager["peak_bytes"], "peak_ratio": peak / eager["peak_bytes"]}
-    print(f"1f1b compiled ({backend}): {measured:.3f} s/step, {out['speedup_over_eager']:.2f}x the eager 1f1b; "
+    print(f"{name} compiled ({backend}): {measured:.3f} s/step, {out['speedup_over_eager']:.2f}x the eager {name}; "
           f"peak {peak / 2**20:.2f} MiB per rank, {out['peak_ratio']:.3f}x eager's "
           f"({eager['peak_bytes'] / 2**20:.2f} MiB)")
     return out

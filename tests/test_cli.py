@@ -304,7 +304,6 @@ PP2 = ["--parallel.pp", "2", "--parallel.nproc_per_node", "2"]
      "parallel.pp_schedule=interleaved"),  # 3 micro-batches on 2 ranks
     ([*PP2, "--parallel.pp_schedule", "zb1"], "parallel.pp_schedule"),
     (["--data.eod_mask_loss", "sometimes"], "data.eod_mask_loss"),
-    ([*PP2, "--parallel.pp_schedule", "zb", "--train.compile", "true"], "train.compile"),  # zb runs eager
 ])
 def test_bad_values_exit_2_without_a_traceback(args, key):
     proc = run_cli("fit", "--config", str(TINY), *args)

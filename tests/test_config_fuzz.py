@@ -339,7 +339,6 @@ CROSS = [
     _x("tiny-pp2", "parallel.pp_virtual=4", "parallel.pp_schedule=interleaved"),
     _x("tiny", "parallel.pp_schedule=interleaved", "parallel.pp_virtual=2", "parallel.pp=2",
        "parallel.nproc_per_node=4", "train.global_batch=24", key="train.global_batch", value="24"),
-    _x("tiny-pp2", "train.compile=true", "parallel.pp_schedule=zb"),
     # compile (MoE with ep, and with selective checkpointing, compiles on a mesh now)
     _x("tiny-4proc", "train.compile=true", "train.activation_checkpointing=full", key="train.activation_checkpointing",
        value="full"),

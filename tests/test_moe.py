@@ -245,23 +245,25 @@ def test_compiled_expert_parallel_layouts_match_single_process(references, world
         _check(name + " compiled", balance, run, references[balance])
 
 
-def _compiled_pipeline(world: int):
+def _compiled_pipeline(world: int, schedule: str):
     before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-    run = _pipelined({"pp": 2, "fsdp": 2, "ep": 2}, "1f1b", "aux", world, compile="aot_eager")
+    run = _pipelined({"pp": 2, "fsdp": 2, "ep": 2}, schedule, "aux", world, compile="aot_eager")
     return run, torch._dynamo.utils.counters["stats"]["unique_graphs"] - before
 
 
 @pytest.mark.slow
-def test_compiled_expert_parallel_pipeline_matches_single_process(references):
-    """Compiled stages with experts inside: pp2 x fsdp2 x ep2 (1F1B, aux), each rank's
-    stage one graph over 4 steps of 4 micro-batches (the update runs eager in a pipeline
-    step), equal to one process on the parameters each rank holds."""
+@pytest.mark.parametrize("schedule", ["1f1b", "zb"])
+def test_compiled_expert_parallel_pipeline_matches_single_process(references, schedule):
+    """Compiled stages with experts inside: pp2 x fsdp2 x ep2 (aux; zero-bubble: the
+    stages' backward graphs split, the all-to-alls' unbacked sizes crossing the halves),
+    each rank's stage one graph over 4 steps of 4 micro-batches (the update runs eager in
+    a pipeline step), equal to one process on the parameters each rank holds."""
     held = {}
-    for (metrics, final, grads), graphs in run_ranks(_compiled_pipeline, 4, 4):
+    for (metrics, final, grads), graphs in run_ranks(_compiled_pipeline, 4, 4, schedule):
         assert graphs == 1, graphs
         ref_metrics, ref_params, ref_grads = references["aux"]
         held.update(final)
-        _check("pp2_fsdp2_ep2 compiled", "aux", (metrics, final, grads),
+        _check(f"pp2_fsdp2_ep2 {schedule} compiled", "aux", (metrics, final, grads),
                (ref_metrics, {n: ref_params[n] for n in final}, ref_grads))
     assert sorted(held) == sorted(references["aux"][1])
 

@@ -276,10 +276,6 @@ def _validate_pipeline(cfg: "RunConfig") -> None:
     schedule fits the micro-batch count (with fsdp=-1 the count is rechecked once the
     world size is known)."""
     p, t = cfg.parallel, cfg.train
-    if t.compile and p.pp_schedule == "zb":
-        raise ConfigError(f"parallel.pp={p.pp} with parallel.pp_schedule zb and train.compile true: the zero-bubble "
-                          "split of backward runs eager; set parallel.pp_schedule 1f1b (or gpipe, interleaved) or "
-                          "train.compile false")
     if p.pp_virtual > 1 and p.pp_schedule != "interleaved":
         raise ConfigError(f"parallel.pp_virtual={p.pp_virtual} needs parallel.pp_schedule interleaved "
                           f"({p.pp_schedule} runs one stage per rank); set pp_virtual 1 or pp_schedule interleaved")

@@ -106,9 +106,9 @@ class ParallelConfig:
     cp_comm: str = "allgather"
     """How attention exchanges the sequence over cp: allgather (K/V all-gathered; any head count) | ring (K/V blocks passed around the cp ranks point to point, overlapped with compute) | a2a (Ulysses all-to-all to a head split; n_heads and n_kv_heads per tp rank must divide by cp)."""
     ep: int = 1
-    """Expert parallelism (needs model.moe): each expert's weights live on one of ep ranks, drawn from the fsdp x cp ranks (folded, so ep is not a factor of the world size and must divide fsdp x cp); tokens reach their experts by all-to-all. Expert weights are fsdp-sharded over the fsdp x cp / ep ranks left and split over tp on their hidden dim. Eager only (train.compile false)."""
+    """Expert parallelism (needs model.moe): each expert's weights live on one of ep ranks, drawn from the fsdp x cp ranks (folded, so ep is not a factor of the world size and must divide fsdp x cp); tokens reach their experts by all-to-all. Expert weights are fsdp-sharded over the fsdp x cp / ep ranks left and split over tp on their hidden dim."""
     pp: int = 1
-    """Pipeline parallelism: the layers split into pp x pp_virtual stages over pp groups of ranks (outermost mesh axis). The micro-batches of a step (global_batch / (micro_batch x dp x fsdp)) flow through the stages; eager (train.compile false)."""
+    """Pipeline parallelism: the layers split into pp x pp_virtual stages over pp groups of ranks (outermost mesh axis). The micro-batches of a step (global_batch / (micro_batch x dp x fsdp)) flow through the stages; with train.compile each stage is compiled once."""
     pp_schedule: str = "1f1b"
     """Pipeline schedule: gpipe | 1f1b | interleaved (needs pp_virtual >= 2 and a micro-batch count divisible by pp) | zb (zero-bubble ZB-H1: backward split into input and weight gradients)."""
     pp_virtual: int = 1

@@ -12,9 +12,10 @@ block, and between two ranks sends and recvs match in posting order.
 
 Backward: B runs the stage's full backward. The zero-bubble split runs BI as the input
 gradient only, keeping the gradients that flow into the weight-consuming nodes, and BW as
-the weight gradients from those (torch.distributed.pipelining's graph split); on the first
-stage, whose input (token ids) needs no gradient, the whole backward is weight work: BI
-does nothing and BW runs it, where the schedule put it to fill a bubble.
+the weight gradients from those (eager: torch.distributed.pipelining's split of the
+autograd graph; compiled: the stage's backward graph split in two, train/split_backward.py);
+on the first stage, whose input (token ids) needs no gradient, the whole backward is
+weight work: BI does nothing and BW runs it, where the schedule put it to fill a bubble.
 
 Loss and gradients are those of the non-pipelined step: every micro-batch's loss sum is
 divided by the number of target tokens of the whole global batch, so gradients accumulate
@@ -50,6 +51,7 @@ from ..pipeline.partition import Stage
 from ..pipeline.schedule import B, BI, BW, F, RECV_B, RECV_F, SEND_B, SEND_F, PipelineSchedule, forward_only
 from .optim import AdamW, local
 from .schedule import LRSchedule
+from .split_backward import SplitBackward
 from .step import (InspectGrads, MoeTerms, TrainState, check_compile, compiled, count_targets, documents, full_value,
                    make_update, moe_step)
 
@@ -81,7 +83,7 @@ class _Pipe:
     """This rank's place in the pipeline: its context, pp peers and the boundary layout."""
 
     def __init__(self, model: ModelDef, stages: list[Stage], pp: int, plan, device_mesh, policy: Policy,
-                 compile: bool | str = False, **traffic):
+                 compile: bool | str = False, split_backward: bool = False, **traffic):
         self.model, self.stages = model, stages
         if plan is None or device_mesh is None or plan.mesh.pp != pp or pp < 2:
             raise ConfigError(f"a pipeline step needs the plan and device mesh of a layout with parallel.pp={pp} "
@@ -95,9 +97,18 @@ class _Pipe:
         # One function per stage: compiled, each is traced once (micro-batches and steps
         # share its graphs); the last stage's takes the loss in its graph too.
         prefetch = traffic.get("prefetch", 1) if self.mesh is not None else 0
-        self._stage_fns = {stage.index: (compiled(self._stage_fn(stage), compile, prefetch) if compile
-                                         else self._stage_fn(stage))
+        # Compiled with the zero-bubble schedule, each stage's backward graph is split in
+        # its input and weight halves, which BI and BW run.
+        self.split = SplitBackward() if compile and split_backward else None
+        self._stage_fns = {stage.index: self._compiled(self._stage_fn(stage), compile, prefetch)
                            for stage in stages if stage.rank == self.rank}
+
+    def _compiled(self, fn, compile: bool | str, prefetch: int):
+        if not compile:
+            return fn
+        if self.split is None:
+            return compiled(fn, compile, prefetch)
+        return torch.compile(fn, fullgraph=True, dynamic=False, backend=self.split.backend(compile, prefetch))
 
     def peer(self, pp_rank: int) -> int:
         """The global rank of pp rank `pp_rank` at this rank's coordinates on the other axes."""
@@ -208,6 +219,12 @@ def _run(pipe: _Pipe, actions, params: dict, tokens, targets, n_tokens: int, *, 
                                           extras.pop(key, None))
             if s == 0:  # no input gradient: the whole backward is weight work, deferred to BW
                 split[key] = (outs, grads)
+            elif pipe.split is not None:  # compiled: the node keeps what its weight half needs
+                x = inputs.pop(key)
+                with pipe.split.input_half(key):
+                    torch.autograd.backward(outs, grads, inputs=[x], retain_graph=True)
+                split[key] = (outs, grads)
+                in_grads[key] = x.grad
             else:
                 x = inputs.pop(key)
                 _, split[key] = stage_backward_input(outs, grads, [x], iter(weights(stages[s])))
@@ -215,6 +232,9 @@ def _run(pipe: _Pipe, actions, params: dict, tokens, targets, n_tokens: int, *, 
         elif a.kind == BW:
             if s == 0:
                 torch.autograd.backward(*split.pop(key))
+            elif pipe.split is not None:
+                with pipe.split.weight_half(key):
+                    torch.autograd.backward(*split.pop(key), inputs=weights(stages[s]))
             else:
                 stage_backward_weight(iter(weights(stages[s])), split.pop(key))
         if a.kind == SEND_F and not train:
@@ -244,23 +264,22 @@ def make_pipeline_step(model: ModelDef, stages: list[Stage], pipeline_schedule: 
     bucket, prefetch, reshard_after_forward: the stages' parameter traffic, as for
     make_train_step; fsdp_accumulate must be "sharded" (each micro-batch is reduced as
     its backward ends). `compile` as for make_train_step: each stage's forward (the last
-    one's with its loss) and its backward are compiled graphs, traced once per stage;
-    what they leave partial over the data-parallel replicas is reduced once per step,
-    after the last backward. The zero-bubble schedule runs eager (its split backward
-    needs the autograd graph of each op, which a compiled stage is one node of)."""
+    one's with its loss) and its backward are compiled graphs, traced once per stage
+    (zero-bubble: the backward as two, its input and its weight half); what they leave
+    partial over the data-parallel replicas is reduced once per step, after the last
+    backward."""
     if fsdp_accumulate != "sharded":
         raise ConfigError(f"fsdp_accumulate={fsdp_accumulate!r}: a pipeline step reduces every micro-batch; use "
                           "sharded")
     split_backward = any(a.kind == BI for rank in pipeline_schedule.ranks for a in rank)
-    if split_backward and compile:
-        raise ConfigError(f"pipeline schedule {pipeline_schedule.name} with compile: the zero-bubble split of "
-                          "backward runs eager; use compile False or another schedule")
+    # Eager selective checkpoints serve two backwards through a block (input, then weight
+    # gradients); a compiled stage's recompute is in its backward graph, split with it.
     policy = dataclasses.replace(Policy.of(precision, fp8_recipe, activation_checkpointing),
-                                 backward_twice=split_backward)
+                                 backward_twice=split_backward and not compile)
     if compile:
         check_compile(policy.checkpointing, sharded=plan is not None and plan.mesh.world > plan.mesh.pp)
-    pipe = _Pipe(model, stages, pipeline_schedule.pp, plan, device_mesh, policy, compile, bucket=bucket,
-                 prefetch=prefetch, reshard_after_forward=reshard_after_forward)
+    pipe = _Pipe(model, stages, pipeline_schedule.pp, plan, device_mesh, policy, compile, split_backward,
+                 bucket=bucket, prefetch=prefetch, reshard_after_forward=reshard_after_forward)
     apply_update = make_update(optimizer, lr_schedule or LRSchedule(lr=optimizer.lr, kind="constant"), grad_clip,
                                inspect_grads=inspect_grads)
     actions = pipeline_schedule.ranks[pipe.rank]
