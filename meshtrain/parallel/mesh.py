@@ -105,7 +105,35 @@ class MeshSpec:
         """The DeviceMesh over the current process group (sizes must be resolved)."""
         from torch.distributed.device_mesh import init_device_mesh
 
-        return init_device_mesh(device_type, self.shape, mesh_dim_names=self.axes)
+        mesh = init_device_mesh(device_type, self.shape, mesh_dim_names=self.axes)
+        forget_earlier_meshes()
+        return mesh
+
+
+def sub_mesh(device_mesh, axes: tuple[str, ...]):
+    """`device_mesh[axes]`, the same object on every call: two equal slices would each
+    meet the other's placements through DTensor's caches (see forget_earlier_meshes), as
+    a pipeline's evaluation and its step did."""
+    memo = device_mesh.__dict__.setdefault("_meshtrain_sub_meshes", {})
+    if axes not in memo:
+        memo[axes] = device_mesh[axes]
+    return memo[axes]
+
+
+def forget_earlier_meshes() -> None:
+    """Clear DTensor's sharding-propagation caches. They key on the DeviceMesh by value
+    (its layout and names, not its process groups) and hand back output placements that
+    hold the mesh they were first computed on; a graph traced on a new, equal mesh then
+    finds among its outputs a mesh that is none of its inputs', which AOTAutograd takes
+    from a tangent and refuses ("Node tangents_2 was invalid, but is output": Known gap
+    13 in docs/parallelism.md)."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    clear = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
+    if clear is not None:
+        clear()
+    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
 
 
 @dataclass(frozen=True)

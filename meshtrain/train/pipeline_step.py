@@ -46,6 +46,7 @@ from ..models import ModelDef
 from ..models.context import LocalContext
 from ..models.policy import Policy
 from ..parallel.context import ShardedContext
+from ..parallel.mesh import sub_mesh
 from ..parallel.plan import without_pp
 from ..pipeline.partition import Stage
 from ..pipeline.schedule import B, BI, BW, F, RECV_B, RECV_F, SEND_B, SEND_F, PipelineSchedule, forward_only
@@ -76,7 +77,7 @@ def local_stage_layout(plan, device_mesh, stages: list[Stage]):
     rest = tuple(a for a in device_mesh.mesh_dim_names if a != "pp")
     if not rest:
         return names, None, None
-    return names, without_pp(plan), device_mesh[rest]
+    return names, without_pp(plan), sub_mesh(device_mesh, rest)
 
 
 class _Pipe:
