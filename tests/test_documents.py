@@ -14,6 +14,7 @@ import torch
 
 from meshtrain import build
 from meshtrain.data.documents import document_positions, document_segments, mask_after_eod
+from meshtrain.models.attention import document_window
 from meshtrain.models.context import Documents, LocalContext
 from meshtrain.models.gpt2 import GPT2Config
 from meshtrain.models.llama import LlamaConfig
@@ -150,6 +151,86 @@ def test_tiled_document_attention_equals_one_mask(heads, kv_heads):
         outs.append((out, *grads))
     for a, b in zip(*outs):  # k/v gradients sum over queries tile by tile: rounding of the largest
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6 * float(b.abs().max()))
+
+
+def _rows(lengths: list[list[int]], seq: int) -> torch.Tensor:
+    """Segment ids of rows packed with documents of these lengths, repeated to fill `seq`."""
+    rows = []
+    for row in lengths:
+        ids = [d for d, n in enumerate(row * seq) for _ in range(n)]
+        rows.append(ids[:seq])
+    return torch.tensor(rows)
+
+
+def test_the_window_covers_each_tiles_documents():
+    """From each tile's last query back to its first query's document's start, rounded up
+    to 128 x a power of two; None when that is the whole row or the row is not whole tiles,
+    0 when no row has a boundary."""
+    assert document_window(_rows([[128]], 1024)) == 128  # every tile a document
+    assert document_window(_rows([[1], [100, 37]], 1024)) == 256  # a document starting at 99 reaches tile 2's end
+    assert document_window(_rows([[300, 5]], 1024)) == 512
+    assert document_window(_rows([[600]], 1024)) is None  # 600 + a tile: the whole row
+    assert document_window(_rows([[1]], 1000)) is None  # not whole tiles
+    assert document_window(_rows([[1024], [2000]], 1024)) == 0  # no boundary: plain causal
+
+
+@pytest.mark.parametrize("lengths", [[[100, 37], [1, 128]], [[300, 5], [64, 64]], [[1], [255, 1]]],
+                         ids=["short", "long", "single-token"])
+def test_the_windowed_attention_equals_one_mask(lengths):
+    """The compiled path's static-shape windows against one dense mask, fp64: outputs and
+    q/k/v gradients, GQA, documents that cross tiles and of length 1."""
+    from meshtrain.models.attention import dense_document_attention, windowed_document_attention
+
+    g = torch.Generator().manual_seed(0)
+    segments = _rows(lengths, 1024)
+    window = document_window(segments)
+    assert window is not None and window < 1024
+    q = torch.randn(2, 4, 1024, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(2, 2, 1024, 8, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    outs = []
+    for fn in (lambda *a: windowed_document_attention(*a, window), dense_document_attention):
+        out = fn(q, k, v, segments)
+        outs.append((out, *torch.autograd.grad(out.square().sum(), (q, k, v))))
+    for a, b in zip(*outs):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
+def test_a_compiled_forward_takes_the_window_and_equals_eager():
+    """A compiled Llama forward and backward over packed documents runs the windowed
+    attention (its attention sees `window` keys per 128-query tile, not the row) and
+    equals the eager tiles; another window is another graph, the same window none."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cfg = dataclasses.replace(LLAMA, max_seq_len=512)
+    model = build("llama", cfg)
+    params = {n: init_slice(s, n, seed=0).requires_grad_() for n, s in model.specs.items()}
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(2, cfg.vocab_size, (2, 512), generator=g)
+    tokens[:, 99::100] = EOD  # documents of 100 tokens: a window of 256
+
+    def run(fn, docs):
+        loss = fn(params, tokens, docs).square().mean()
+        grads = torch.autograd.grad(loss, list(params.values()))
+        return loss, grads
+
+    docs = Documents(document_segments(tokens, EOD), document_positions(tokens, EOD))
+    docs = docs._replace(window=document_window(docs.segments))
+    assert docs.window == 256
+    forward = lambda p, t, d: model.forward(p, t, LocalContext(), d)  # noqa: E731
+    torch._dynamo.reset()
+    compiled = torch.compile(forward, backend="aot_eager", fullgraph=True, dynamic=False)
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        got = run(compiled, docs)
+    want = run(forward, docs)
+    for a, b in zip((got[0], *got[1]), (want[0], *want[1])):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    keys = {e.input_shapes[1][2] for e in prof.events() if "scaled_dot_product" in e.name
+            and "backward" not in e.name and e.input_shapes and len(e.input_shapes[1]) == 4}
+    assert keys == {256}, keys  # every layer's keys: the window, not the 512-token row
+    traced = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    run(compiled, docs)
+    run(compiled, docs._replace(window=None))  # one dense mask: a graph of its own
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == traced + 1
 
 
 def test_the_tile_masks_are_built_once_per_micro_batch(monkeypatch):

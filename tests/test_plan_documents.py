@@ -15,6 +15,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from meshtrain.config import RunConfig
 from meshtrain.estimate.dryrun import dry_run
+from meshtrain.models.attention import document_window
 from meshtrain.models.context import Documents, LocalContext
 from meshtrain.models.spec import init_slice
 from meshtrain.train.metrics import flops_per_token
@@ -81,21 +82,33 @@ def _kept_by_forward(cfg, docs, compiled: bool) -> int:
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_the_document_masks_memory_is_what_a_forward_keeps(tmp_path, one_thread, compiled):
     """Eager: the tiles' fp32 masks once (about a tile plus half a document of keys per
-    query; every layer shares them) and per layer the joined output; compiled: one mask
-    over the row for all layers."""
+    query; every layer shares them) and per layer the joined output; compiled: one
+    window's mask for all layers (documents of 100 tokens: 256 keys per query) and per
+    layer the padded keys and values, or, without the window, one mask over the row."""
     plain, masked = _cfg(tmp_path, compiled), _cfg(tmp_path, compiled, document_mask=True, mean_doc_len=DOC)
     estimate = {name: dry_run(cfg, 1).memory for name, cfg in (("plain", plain), ("masked", masked))}
     added = estimate["masked"]["activations"] - estimate["plain"]["activations"]
     detail = estimate["masked"]
+    window = 256
     if compiled:
-        assert detail["document_masks"] == 4 * SEQ * SEQ and added == 4 * SEQ * SEQ
-    else:  # the masks once (each layer shares them), the joined tiles per layer
-        assert detail["document_masks"] > 0 and added == detail["document_masks"] + LAYERS * detail[
-            "tiles_joined_per_layer"]
+        pads = 2 * 4 * (window - 128) * masked.model.n_kv_heads * (masked.model.dim // masked.model.n_heads)
+        assert detail["document_masks"] == 4 * SEQ * window and detail["window_pads_per_layer"] == pads
+        assert detail["tiles_joined_per_layer"] == 0
+    else:
+        assert detail["window_pads_per_layer"] == 0
+    # the masks once (each layer shares them), per layer the joined tiles (eager) or padded windows
+    assert detail["document_masks"] > 0 and added == detail["document_masks"] + LAYERS * (
+        detail["tiles_joined_per_layer"] + detail["window_pads_per_layer"])
     segments = (torch.arange(SEQ) // DOC)[None]
-    docs = Documents(segments, torch.arange(SEQ)[None] - segments * DOC)
+    docs = Documents(segments, None, document_window(segments))  # masks only, as the config says
+    assert docs.window == window
     measured = _kept_by_forward(masked, docs, compiled) - _kept_by_forward(masked, None, compiled)
     assert measured == pytest.approx(added, rel=0.05), (measured, added)
+    if compiled:  # a batch whose window would be the row: one dense mask, as the plan of long documents says
+        long = _cfg(tmp_path, compiled, document_mask=True, mean_doc_len=SEQ // 2)
+        assert dry_run(long, 1).memory["document_masks"] == 4 * SEQ * SEQ
+        dense = _kept_by_forward(masked, docs._replace(window=None), compiled) - _kept_by_forward(masked, None, compiled)
+        assert dense == pytest.approx(4 * SEQ * SEQ, rel=0.05), dense
     # The plan is no estimate for cp, whose blocks keep no mask.
     cp = dataclasses.replace(masked, parallel=dataclasses.replace(masked.parallel, cp=2))
     assert dry_run(cp.validate(), 2).memory["document_masks"] == 0

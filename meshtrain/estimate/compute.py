@@ -12,7 +12,9 @@ are not counted apart).
 
 from __future__ import annotations
 
-from ..models.attention import TILE
+from typing import NamedTuple
+
+from ..models.attention import TILE, window_for
 from ..train.metrics import flops_per_token
 
 
@@ -23,21 +25,28 @@ def attention_span(cfg) -> int:
     return min(d.mean_doc_len, seq) if d.document_mask and d.mean_doc_len else seq
 
 
-def mask_keys(cfg, cp: int) -> tuple[float, bool]:
-    """(keys per query of the document masks attention keeps for backward, once per
-    micro-batch: every layer shares them; whether attention runs in tiles, which join
-    their outputs into one more tensor per layer). Compiled: one dense mask over the row;
-    eager: the tiles of models/attention.py, each over its queries' documents' span,
-    about a tile plus half a document. (0, False) without data.document_mask or under
-    cp, whose blocks rebuild their masks in backward from the segment ids. Measured on
-    CPU: see estimate/memory.py."""
+class MaskKeys(NamedTuple):
+    """What the document masks of models/attention.py keep for backward, per query."""
+
+    keys: float = 0  # keys of the masks, once per micro-batch: every layer shares them
+    tiled: bool = False  # eager tiles, which join their outputs into one more tensor per layer
+    padded: int = 0  # compiled windows: positions of keys and values each layer pads in front
+
+
+def mask_keys(cfg, cp: int) -> MaskKeys:
+    """Eager: the tiles, each over its queries' documents' span, about a tile plus half a
+    document of keys. Compiled: a window per tile, a tile plus a document rounded up to a
+    tile x a power of two (documents of data.mean_doc_len tokens), or one dense mask over
+    the row. None without data.document_mask or under cp, whose blocks rebuild their
+    masks in backward from the segment ids. Measured on CPU: see estimate/memory.py."""
     if not cfg.data.document_mask or cp > 1:
-        return 0, False
+        return MaskKeys()
     seq = cfg.train.seq_len
     if cfg.train.compile:
-        return seq, False
+        window = window_for(TILE + attention_span(cfg) - 1, seq) if seq % TILE == 0 and seq > TILE else None
+        return MaskKeys(seq) if window is None else MaskKeys(window, padded=window - TILE)
     tile = min(TILE, seq)
-    return tile + max(0, min(attention_span(cfg), seq - tile)) / 2, True
+    return MaskKeys(tile + max(0, min(attention_span(cfg), seq - tile)) / 2, tiled=True)
 
 
 def step_compute(cfg, model, world: int) -> dict:

@@ -85,8 +85,11 @@ CUDA runs for fp32 GQA (no fused kernel takes fp32 + GQA there).
 
 Packed documents (data.document_mask): attention keeps its masks for backward as
 additive masks in the compute dtype (c per query and key), shared by the heads and, once
-per micro-batch, by every layer. Compiled: one dense mask over the row (S keys per
-query; the compiled graph computes it once). Eager: a mask per tile of 128 queries over
+per micro-batch, by every layer. Compiled: a window of W keys per query (W: a tile plus a
+document, rounded up to 128 x a power of two; the compiled graph computes the mask
+once), and per layer the keys and values padded with W - 128 positions in front of the
+row (2*c*(W - 128)*hd*Hkv per row), or, where W would reach the row, one dense mask (S
+keys per query). Eager: a mask per tile of 128 queries over
 its documents' span (about a tile plus half a document of keys per query;
 models/attention.py builds them at the first layer), and per layer the tiles' outputs
 joined into one tensor (c*hd*Hq per token) beside the ones each tile keeps. Under cp
@@ -133,6 +136,7 @@ from ..models.losses import CHUNK_ROWS
 from ..models.policy import keeps_fp32
 from ..parallel.mesh import GATHERED_AXES
 from ..parallel.plan import Plan
+from .compute import MaskKeys
 
 _DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp8": 2}  # fp8: bf16 activations, fp8 GEMM operands transient
 FP32, INT64, BOOL = 4, 8, 1
@@ -238,7 +242,7 @@ def per_rank_memory(plan: Plan, model, *, micro_batch: int, seq_len: int, precis
                     activation_checkpointing: str = "none", reshard_after_forward: bool = True,
                     fsdp_accumulate: str = "sharded", device: str = "cpu", attention: str | None = None, names=None, layers: int | None = None,
                     embedding: bool = True, head: bool = True, in_flight: int = 1,
-                    mask_keys: tuple[float, bool] = (0, False)) -> dict:
+                    mask_keys=None) -> dict:
     """Bytes on the most loaded rank for one training step (see the module docstring for
     what is counted). micro_batch: sequences per data-parallel rank per micro-step.
     device: "cpu" | "cuda" picks the attention kernel unless `attention` ("flash" |
@@ -249,8 +253,8 @@ def per_rank_memory(plan: Plan, model, *, micro_batch: int, seq_len: int, precis
     layers per micro-batch, the embedding and the head/loss only where it holds them, and
     keeps the activations of `in_flight` micro-batches at once (the schedule's peak).
 
-    mask_keys: with data.document_mask, (keys per query of the masks attention keeps once
-    per micro-batch, whether it runs in tiles): estimate.compute.mask_keys."""
+    mask_keys: with data.document_mask, what the masks attention keeps
+    (estimate.compute.mask_keys; None: no masks)."""
     if precision not in _DTYPE_BYTES:
         raise ValueError(f"precision={precision!r}: choose fp32, bf16 or fp8")
     if activation_checkpointing not in ("none", "full", "selective"):
@@ -275,11 +279,14 @@ def per_rank_memory(plan: Plan, model, *, micro_batch: int, seq_len: int, precis
 
     # One layer, nothing recomputed.
     queries = _local(plan, (B, S), ("batch", None))  # this rank's: every head shares a query's mask
-    joined = 0  # tiled attention: the tiles' outputs joined into one more tensor
-    if mask_keys[1]:
+    mask_keys = mask_keys or MaskKeys()
+    joined = pads = 0  # per layer: eager tiles' outputs joined into one more tensor; compiled
+    if mask_keys.tiled:  # windows' keys and values padded in front of the row
         joined = c * _local(plan, (B, S, Hq, hd), ("batch", "seq", "q_heads", None))
+    if mask_keys.padded:
+        pads = 2 * c * _local(plan, (B, mask_keys.padded, Hkv, hd), ("batch", None, "kv_heads", None))
     attn = (_norm(plan, B, S, D, c) + c * x_full + _attention_saved(plan, B, S, Hq, Hkv, hd, c, attention)
-            + joined)
+            + joined + pads)
     mlp_saved = _norm(plan, B, S, D, c) + c * x_full + family.costs.mlp_saved * c * mlp
     layer_none = attn + mlp_saved
     if activation_checkpointing == "none":
@@ -290,7 +297,7 @@ def per_rank_memory(plan: Plan, model, *, micro_batch: int, seq_len: int, precis
         q = _local(plan, (B, S, Hq, hd), ("batch", "seq", "q_heads", None))
         kv = _local(plan, (B, S, Hkv, hd), ("batch", "seq", "kv_heads", None))
         lse = _local(plan, (B, Hq, S), ("batch", "q_heads", "seq"))
-        layer = c * (2 * x_res + q + 2 * kv + q) + FP32 * lse + 2 * c * mlp + joined
+        layer = c * (2 * x_res + q + 2 * kv + q) + FP32 * lse + 2 * c * mlp + joined + pads
     recompute = 0 if activation_checkpointing == "none" else max(0, layer_none - layer)
     moe_cfg = getattr(cfg, "moe", None)
     moe_ids = set(cfg.moe_layers) if moe_cfg is not None else set()
@@ -305,7 +312,7 @@ def per_rank_memory(plan: Plan, model, *, micro_batch: int, seq_len: int, precis
     # Once per micro-batch: the family's per-sequence tensors (RoPE tables, position ids),
     # embedding, final norm, loss.
     once = sum(nbytes * _local(plan, shape, axes) for shape, axes, nbytes in family.costs.per_sequence(cfg, S, c))
-    masks = int(c * mask_keys[0] * queries)  # the documents' masks, which every layer shares
+    masks = int(c * mask_keys.keys * queries)  # the documents' masks, which every layer shares
     once += masks
     if embedding and any(a for a in plan.params["tok_emb"].layout.dim_axes[0] if a not in GATHERED_AXES):
         once += tokens * (INT64 + BOOL)  # vocab-parallel lookup: clamped ids, in-slice mask
@@ -374,5 +381,6 @@ def per_rank_memory(plan: Plan, model, *, micro_batch: int, seq_len: int, precis
         "unsharded_grads": unsharded_grads,
         "transient_layer_weights": max(layer_weights.values(), default=0), "logits": loss_logits,
         "attention_kernel": attention, "document_masks": masks, "tiles_joined_per_layer": joined,
+        "window_pads_per_layer": pads,
         **({"activations_per_moe_layer": moe_layer} if moe_layer is not None else {}),
     }

@@ -109,7 +109,7 @@ def pipeline_estimate(plan: Plan, model, *, pp_schedule: str, virtual: int, layo
                       compiled: bool = False, activation_checkpointing: str = "none",
                       device: str = "cuda", bucket: str | float = "block", prefetch: int = 1,
                       reshard_after_forward: bool = True,
-                      mask_keys: tuple[float, bool] = (0, False)) -> PipelineEstimate:
+                      mask_keys=None) -> PipelineEstimate:
     """bucket, prefetch, reshard_after_forward: the stages' parameter traffic, as
     make_pipeline_step takes them; mask_keys: as per_rank_memory's."""
     pp = plan.mesh.pp

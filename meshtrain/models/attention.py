@@ -6,8 +6,12 @@ time: a tile's visible keys lie between the start of its first query's document 
 last query, so each tile attends over that span only (a dense mask inside it). For short
 documents the spans are short: the cost is about tile x (document length + tile) per
 tile, against sequence^2 / 2 for one causal mask over the row. The span bounds are read
-on the host, so this runs eager; a compiled graph takes the dense mask
-(`dense_document_attention`), which gives the same numbers.
+on the host, so this runs eager. A compiled graph needs static shapes: there each tile
+looks back over one window of keys for the whole micro-batch, the longest span rounded up
+to a tile x a power of two (`document_window`, read on the host with the batch; each
+window seen is a graph of its own, at most log2(seq / 128) + 1), through strided views of
+the keys (`windowed_document_attention`); a window that would reach the whole row takes
+one dense mask (`dense_document_attention`). All give the same numbers.
 
 The tiles' masks are built once per micro-batch, not per layer: every layer passes the
 same `key` (the batch's segments object), and the last micro-batch's masks are kept, as
@@ -90,9 +94,72 @@ def tiled_document_attention(q, k, v, segments, tile: int = TILE, key=None):
     return torch.cat(rows)
 
 
-def document_attention(q, k, v, segments, key=None):
+def document_window(segments: torch.Tensor, tile: int = TILE) -> int | None:
+    """The keys every tile of `tile` queries of these rows must look back over to see its
+    documents (from its last query back to its first query's document's start), rounded
+    up to `tile` x a power of two, so a compiled graph meets few distinct windows (each
+    is a graph of its own); None when that is the whole row (or the row is not whole
+    tiles): one dense mask then costs no more; 0 when no row holds a document boundary:
+    plain causal attention. Read on the host, once per micro-batch."""
+    batch, seq = segments.shape
+    first = torch.ones_like(segments, dtype=torch.bool)
+    first[:, 1:] = segments[:, 1:] != segments[:, :-1]
+    if not first[:, 1:].any():
+        return 0
+    if seq % tile or seq <= tile:
+        return None
+    index = torch.arange(seq, device=segments.device).expand(batch, seq)
+    starts = torch.where(first, index, 0).cummax(1).values[:, ::tile]  # each tile's first query's document start
+    return window_for(int((torch.arange(tile, seq + 1, tile, device=segments.device) - starts).max()), seq, tile)
+
+
+def window_for(span: int, seq: int, tile: int = TILE) -> int | None:
+    """`span` keys rounded up to `tile` x a power of two; None if that reaches `seq`."""
+    window = tile
+    while window < span:
+        window *= 2
+    return window if window < seq else None
+
+
+def window_mask(segments: torch.Tensor, window: int, dtype: torch.dtype, tile: int = TILE) -> torch.Tensor:
+    """(batch x tiles, 1, tile, window) additive mask of windowed_document_attention: key
+    j of tile t's window is position (t + 1) x tile - window + j."""
+    batch, seq = segments.shape
+    n = seq // tile
+    keys = F.pad(segments, (window - tile, 0), value=-1).unfold(1, window, tile)  # (batch, n, window); -1: before the row
+    queries = segments.view(batch, n, tile)
+    i = torch.arange(tile, device=segments.device)[:, None]
+    j = torch.arange(window, device=segments.device)[None, :]
+    sees = (queries[..., :, None] == keys[..., None, :]) & (j <= i + window - tile)
+    return torch.zeros(sees.shape, dtype=dtype, device=sees.device).masked_fill(~sees, float("-inf")).flatten(0, 1)[:, None]
+
+
+def windowed_document_attention(q, k, v, segments, window: int, tile: int = TILE):
+    """As `dense_document_attention` with static shapes, for compiled graphs: each tile of
+    `tile` queries attends over the `window` keys that end at its last query (strided
+    views of the keys and values, no copies but one front padding), so the work is seq x
+    window, not seq^2. `window` must cover every tile's documents (document_window)."""
+    batch, heads, seq, dim = q.shape
+    n = seq // tile
+
+    def tiles(x, size):  # heads-first (batch, h, seq) -> (batch x n, h, size, dim) windows ending at each tile
+        x = F.pad(x.transpose(1, 2), (0, 0, 0, 0, size - tile, 0)) if size > tile else x.transpose(1, 2)
+        return x.unfold(1, size, tile).permute(0, 1, 2, 4, 3).flatten(0, 1)
+
+    out = F.scaled_dot_product_attention(tiles(q, tile), tiles(k, window), tiles(v, window),
+                                         attn_mask=window_mask(segments, window, q.dtype, tile),
+                                         enable_gqa=k.shape[1] != heads)
+    return out.view(batch, n, heads, tile, dim).permute(0, 2, 1, 3, 4).reshape(batch, heads, seq, dim)
+
+
+def document_attention(q, k, v, segments, key=None, window: int | None = None):
     """Block-diagonal causal attention, heads first; tiled when eager (`key`: see
-    tiled_document_attention)."""
+    tiled_document_attention), compiled over `window` keys per tile (document_window;
+    None: one dense mask; 0: rows of one document each, plain causal attention)."""
+    if window == 0:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
     if torch.compiler.is_compiling():
-        return dense_document_attention(q, k, v, segments)
+        if window is None:
+            return dense_document_attention(q, k, v, segments)
+        return windowed_document_attention(q, k, v, segments, window)
     return tiled_document_attention(q, k, v, segments, key=key)

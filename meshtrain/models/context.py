@@ -39,6 +39,9 @@ class Documents(NamedTuple):
 
     segments: torch.Tensor | None = None
     positions: torch.Tensor | None = None
+    # Keys each 128-query tile of a compiled attention looks back over (attention.py
+    # `document_window`); None: the whole row; 0: no row holds a boundary (causal).
+    window: int | None = None
 
 
 class ModelContext(Protocol):
@@ -65,11 +68,12 @@ class ModelContext(Protocol):
         """fn(*args), a transformer block, under the run's activation-checkpointing policy."""
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                  segments: torch.Tensor | None = None) -> torch.Tensor:
+                  segments: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
         """Causal attention; q (batch, seq, q_heads, head_dim), k/v (batch, seq, kv_heads,
         head_dim), GQA by grouping; with `segments` (batch, seq) (constrained as
-        ("batch", "seq")), a query sees only keys of its own segment. Returns (batch, seq,
-        q_heads, head_dim)."""
+        ("batch", "seq")), a query sees only keys of its own segment, and a compiled graph
+        looks back over `window` keys per tile of queries (Documents.window). Returns
+        (batch, seq, q_heads, head_dim)."""
 
     def cross_entropy_sum(self, logits: torch.Tensor, targets: torch.Tensor, reduce: bool = True) -> torch.Tensor:
         """Sum over tokens of -log softmax(logits)[target]; targets < 0 are ignored. With
@@ -92,14 +96,14 @@ class ModelContext(Protocol):
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     segments: torch.Tensor | None = None, key=None) -> torch.Tensor:
+                     segments: torch.Tensor | None = None, key=None, window: int | None = None) -> torch.Tensor:
     """Reference causal attention on local tensors in (batch, seq, heads, head_dim);
     with `segments` (batch, seq), block-diagonal causal: a query sees the keys before it
     in its own segment (models/attention.py; `key`, the object every layer of a
-    micro-batch passes, defaults to `segments`)."""
+    micro-batch passes, defaults to `segments`; `window`: see document_attention)."""
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
     if segments is not None:
-        return document_attention(q, k, v, segments, segments if key is None else key).transpose(1, 2)
+        return document_attention(q, k, v, segments, segments if key is None else key, window).transpose(1, 2)
     out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
     return out.transpose(1, 2)
 
@@ -149,8 +153,8 @@ class LocalContext:
     def embedding(self, ids, table):
         return F.embedding(ids, table)
 
-    def attention(self, q, k, v, segments=None):
-        return causal_attention(q, k, v, segments)
+    def attention(self, q, k, v, segments=None, window=None):
+        return causal_attention(q, k, v, segments, window=window)
 
     def cross_entropy_sum(self, logits, targets, reduce=True):
         return cross_entropy_sum(logits, targets)

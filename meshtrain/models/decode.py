@@ -74,7 +74,7 @@ class DecodeContext(LocalContext):
         super().__init__()
         self.cache, self.start_pos, self._layer = cache, start_pos, 0
 
-    def attention(self, q, k, v, segments=None):
+    def attention(self, q, k, v, segments=None, window=None):
         assert segments is None, "decoding generates one sequence per row: no packed documents"
         out = cached_attention(q, k, v, self.cache, self._layer, self.start_pos)
         self._layer += 1

@@ -541,10 +541,13 @@ class ShardedContext:
             fn = partial(_with_own_view, fn)
         return remat_recording(self.policy, self, fn, *args)
 
-    def attention(self, q: DTensor, k: DTensor, v: DTensor, segments: DTensor | None = None) -> DTensor:
+    def attention(self, q: DTensor, k: DTensor, v: DTensor, segments: DTensor | None = None,
+                  window: int | None = None) -> DTensor:
         """Causal attention on local shards: heads split by tp need nothing; a sequence
         split over cp (zigzag) is exchanged the plan's cp_comm way. `segments` (batch,
-        seq), as ("batch", "seq") lays them out: each rank's rows, every position."""
+        seq), as ("batch", "seq") lays them out: each rank's rows, every position;
+        `window` as for models.context.ModelContext.attention (cp ignores it: its blocks
+        skip what no local query sees)."""
         seq_dims = [i for i, p in enumerate(q.placements) if isinstance(p, Shard) and p.dim == 1]
         if any(i != self._cp_dim for i in seq_dims):
             raise ConfigError(f"attention: the sequence is split over mesh axis "
@@ -555,7 +558,7 @@ class ShardedContext:
             out = context_parallel_attention(q.to_local(), k.to_local(), v.to_local(),
                                              self.mesh.get_group(self._cp_dim), self.plan.cp_comm, local)
         else:
-            out = causal_attention(q.to_local(), k.to_local(), v.to_local(), local, key=segments)
+            out = causal_attention(q.to_local(), k.to_local(), v.to_local(), local, key=segments, window=window)
         # Contiguous, as the stride it is declared with says (the heads are flattened next,
         # which would copy a transposed kernel output anyway).
         return DTensor.from_local(out.contiguous(), self.mesh, q.placements, run_check=False,

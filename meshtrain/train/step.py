@@ -12,6 +12,7 @@ import torch
 
 from ..errors import ConfigError
 from ..models import ModelDef
+from ..models.attention import document_window
 from ..models.context import Documents, LocalContext
 from ..models.moe import expert_bias_step, imbalance
 from ..models.policy import Policy
@@ -291,12 +292,14 @@ def _loss_sum(model: ModelDef, ctx):
 
 def documents(batch: dict) -> list[Documents | None]:
     """Per micro-step, the batch's packed documents: its optional "segments" and
-    "positions" (each a list like "tokens", laid out as they are), or None."""
+    "positions" (each a list like "tokens", laid out as they are), or None; with
+    segments, the window a compiled attention looks back over (from this rank's rows)."""
     segments, positions = batch.get("segments"), batch.get("positions")
     n = len(batch["tokens"])
     if segments is None and positions is None:
         return [None] * n
-    return [Documents(None if segments is None else segments[m], None if positions is None else positions[m])
+    return [Documents(None if segments is None else segments[m], None if positions is None else positions[m],
+                      None if segments is None else document_window(local(segments[m])))
             for m in range(n)]
 
 

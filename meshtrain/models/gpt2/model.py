@@ -80,8 +80,9 @@ def forward_stage(cfg: GPT2Config, params: Mapping[str, torch.Tensor], x: torch.
             pos = ctx.constrain(ctx.embedding(positions, p["pos_emb"]), ("seq_sp", None))
         x = x + pos
     segments = None if docs is None or docs.segments is None else ctx.constrain(docs.segments, ("batch", "seq"))
+    window = None if docs is None else docs.window
     for i in range(*layers):
-        x = ctx.remat(_block, cfg, p, f"layers.{i}.", x, ctx, segments)
+        x = ctx.remat(_block, cfg, p, f"layers.{i}.", x, ctx, segments, window)
     return head(cfg, p, x, ctx) if last else x
 
 
@@ -92,18 +93,18 @@ def head(cfg: GPT2Config, p: Mapping[str, torch.Tensor], x: torch.Tensor, ctx: M
     return ctx.constrain(logits, ("batch", "seq", "vocab"))
 
 
-def _block(cfg, p, prefix, x, ctx, segments=None):
-    x = x + _attention(cfg, p, prefix, x, ctx, segments)
+def _block(cfg, p, prefix, x, ctx, segments=None, window=None):
+    x = x + _attention(cfg, p, prefix, x, ctx, segments, window)
     return x + _mlp(cfg, p, prefix, x, ctx)
 
 
-def _attention(cfg, p, prefix, x, ctx, segments):
+def _attention(cfg, p, prefix, x, ctx, segments, window):
     h = layer_norm(x, p[prefix + "attn_norm"], p[prefix + "attn_norm_bias"], cfg.norm_eps)
     h = ctx.constrain(h, ("batch", "seq", None))
     hd = cfg.head_dim
     q, k, v = (ctx.constrain(ctx.linear(h, p, prefix + f"attn.w{w}", p[prefix + f"attn.b{w}"]).unflatten(-1, (-1, hd)),
                              ("batch", "seq", "q_heads", None)) for w in ("q", "k", "v"))
-    out = ctx.attention(q, k, v, segments).flatten(-2)
+    out = ctx.attention(q, k, v, segments, window).flatten(-2)
     return ctx.constrain(ctx.linear(out, p, prefix + "attn.wo"), ("batch", "seq_sp", None)) + p[prefix + "attn.bo"]
 
 

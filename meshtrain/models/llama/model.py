@@ -90,8 +90,9 @@ def forward_stage(cfg: LlamaConfig, params: Mapping[str, torch.Tensor], x: torch
     else:
         cos, sin = (ctx.constrain(t.to(x.dtype), ("seq", None)) for t in (cos, sin))
     segments = None if docs is None or docs.segments is None else ctx.constrain(docs.segments, ("batch", "seq"))
+    window = None if docs is None else docs.window
     for i in range(*layers):
-        x = ctx.remat(_block, cfg, p, i, x, cos, sin, ctx, segments)
+        x = ctx.remat(_block, cfg, p, i, x, cos, sin, ctx, segments, window)
     return head(cfg, p, x, ctx) if last else x
 
 
@@ -102,15 +103,15 @@ def head(cfg: LlamaConfig, p: Mapping[str, torch.Tensor], x: torch.Tensor, ctx: 
     return ctx.constrain(logits, ("batch", "seq", "vocab"))
 
 
-def _block(cfg, p, i, x, cos, sin, ctx, segments=None):
+def _block(cfg, p, i, x, cos, sin, ctx, segments=None, window=None):
     prefix = f"layers.{i}."
-    x = x + _attention(cfg, p, prefix, x, cos, sin, ctx, segments)
+    x = x + _attention(cfg, p, prefix, x, cos, sin, ctx, segments, window)
     if i in cfg.moe_layers:
         return x + _moe(cfg, p, prefix, x, ctx)
     return x + _mlp(p, prefix, x, cfg.norm_eps, ctx)
 
 
-def _attention(cfg, p, prefix, x, cos, sin, ctx, segments):
+def _attention(cfg, p, prefix, x, cos, sin, ctx, segments, window):
     h = ctx.constrain(rms_norm(x, p[prefix + "attn_norm"], cfg.norm_eps), ("batch", "seq", None))
     hd = cfg.head_dim
     q = ctx.constrain(ctx.linear(h, p, prefix + "attn.wq").unflatten(-1, (-1, hd)), ("batch", "seq", "q_heads", None))
@@ -119,7 +120,7 @@ def _attention(cfg, p, prefix, x, cos, sin, ctx, segments):
     if cfg.qk_norm:
         q = rms_norm(q, p[prefix + "attn.q_norm"], cfg.norm_eps)
         k = rms_norm(k, p[prefix + "attn.k_norm"], cfg.norm_eps)
-    out = ctx.attention(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, segments).flatten(-2)
+    out = ctx.attention(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, segments, window).flatten(-2)
     return ctx.constrain(ctx.linear(out, p, prefix + "attn.wo"), ("batch", "seq_sp", None))
 
 
