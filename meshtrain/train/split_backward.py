@@ -143,10 +143,11 @@ def _slot(out, desc, x_at: set[int]) -> str | None:
     return "input" if plain and of.idx in x_at else "weight"
 
 
-def _zero(node: Node) -> torch.Tensor:
-    """A zero of a gradient's shape, dtype and device, holding no memory."""
-    val = node.meta["val"]
-    return torch.zeros((), dtype=val.dtype, device=val.device).expand(val.shape)
+def _zero(spec) -> torch.Tensor:
+    """A zero of a gradient's (shape, dtype, device), holding no memory; made when run (the
+    compiler may run under a fake-tensor mode)."""
+    shape, dtype, device = spec
+    return torch.zeros((), dtype=dtype, device=device).expand(shape)
 
 
 class _Halves:
@@ -207,7 +208,8 @@ class _Runner:
         self.split, self.halves, self.first, self.second, self.slots = split, halves, first, second, slots
         index = {n: i for i, n in enumerate(halves.placeholders)}
         self.opaque = {i: index[o] for i, (o, s) in enumerate(zip(outs, slots)) if s == "opaque"}
-        self.zeros = [_zero(o) if s in ("input", "weight") else None for o, s in zip(outs, slots)]
+        self.zeros = [(o.meta["val"].shape, o.meta["val"].dtype, o.meta["val"].device) if s in ("input", "weight")
+                      else None for o, s in zip(outs, slots)]
 
     def __call__(self, args: list):
         h, split = self.halves, self.split
@@ -235,5 +237,5 @@ class _Runner:
         for i, slot in enumerate(self.slots):
             if slot in produced:
                 source = produced[slot]
-                grads[i] = next(source) if source is not None else self.zeros[i]
+                grads[i] = next(source) if source is not None else _zero(self.zeros[i])
         return grads
