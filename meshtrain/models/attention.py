@@ -53,11 +53,7 @@ def tile_masks(segments, dtype: torch.dtype, tile: int = TILE) -> list[list[tupl
     """Per row, per tile of queries [a, e): (a, e, the first key lo, the (1, 1, e - a,
     e - lo) additive mask in `dtype`: 0 where the query sees the key, -inf elsewhere)."""
     batch, seq = segments.shape
-    # Where each position's document starts (segments grow along a row).
-    index = torch.arange(seq, device=segments.device).expand(batch, seq)
-    first = torch.ones_like(segments, dtype=torch.bool)
-    first[:, 1:] = segments[:, 1:] != segments[:, :-1]
-    starts = torch.where(first, index, 0).cummax(1).values[:, ::tile].tolist()
+    starts = _tile_starts(segments, _boundaries(segments), tile).tolist()
     rows = []
     for b in range(batch):
         tiles = []
@@ -101,16 +97,29 @@ def document_window(segments: torch.Tensor, tile: int = TILE) -> int | None:
     is a graph of its own); None when that is the whole row (or the row is not whole
     tiles): one dense mask then costs no more; 0 when no row holds a document boundary:
     plain causal attention. Read on the host, once per micro-batch."""
-    batch, seq = segments.shape
-    first = torch.ones_like(segments, dtype=torch.bool)
-    first[:, 1:] = segments[:, 1:] != segments[:, :-1]
+    seq = segments.shape[1]
+    first = _boundaries(segments)
     if not first[:, 1:].any():
         return 0
     if seq % tile or seq <= tile:
         return None
-    index = torch.arange(seq, device=segments.device).expand(batch, seq)
-    starts = torch.where(first, index, 0).cummax(1).values[:, ::tile]  # each tile's first query's document start
+    starts = _tile_starts(segments, first, tile)
     return window_for(int((torch.arange(tile, seq + 1, tile, device=segments.device) - starts).max()), seq, tile)
+
+
+def _boundaries(segments: torch.Tensor) -> torch.Tensor:
+    """(batch, seq) bool: the positions where a document starts."""
+    first = torch.ones_like(segments, dtype=torch.bool)
+    first[:, 1:] = segments[:, 1:] != segments[:, :-1]
+    return first
+
+
+def _tile_starts(segments: torch.Tensor, first: torch.Tensor, tile: int) -> torch.Tensor:
+    """(batch, tiles): where the document of each tile's first query starts (segments grow
+    along a row)."""
+    batch, seq = segments.shape
+    index = torch.arange(seq, device=segments.device).expand(batch, seq)
+    return torch.where(first, index, 0).cummax(1).values[:, ::tile]
 
 
 def window_for(span: int, seq: int, tile: int = TILE) -> int | None:
