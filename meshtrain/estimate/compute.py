@@ -37,8 +37,8 @@ def mask_keys(cfg, cp: int) -> MaskKeys:
     """Eager: the tiles, each over its queries' documents' span, about a tile plus half a
     document of keys. Compiled: a window per tile, a tile plus a document rounded up to a
     tile x a power of two (documents of data.mean_doc_len tokens), or one dense mask over
-    the row. None without data.document_mask or under cp, whose blocks rebuild their
-    masks in backward from the segment ids. Measured on CPU: see estimate/memory.py."""
+    the row. Nothing (MaskKeys()) without data.document_mask or under cp, whose blocks
+    rebuild their masks in backward from the segment ids. Measured on CPU: see estimate/memory.py."""
     if not cfg.data.document_mask or cp > 1:
         return MaskKeys()
     seq = cfg.train.seq_len

@@ -280,8 +280,10 @@ def per_rank_memory(plan: Plan, model, *, micro_batch: int, seq_len: int, precis
     # One layer, nothing recomputed.
     queries = _local(plan, (B, S), ("batch", None))  # this rank's: every head shares a query's mask
     mask_keys = mask_keys or MaskKeys()
-    joined = pads = 0  # per layer: eager tiles' outputs joined into one more tensor; compiled
-    if mask_keys.tiled:  # windows' keys and values padded in front of the row
+    # Per layer: eager tiles' outputs joined into one more tensor (joined); compiled
+    # windows' keys and values padded in front of the row (pads).
+    joined = pads = 0
+    if mask_keys.tiled:
         joined = c * _local(plan, (B, S, Hq, hd), ("batch", "seq", "q_heads", None))
     if mask_keys.padded:
         pads = 2 * c * _local(plan, (B, mask_keys.padded, Hkv, hd), ("batch", None, "kv_heads", None))
