@@ -4,10 +4,14 @@ Ranks of different pipeline stages hold different parameters and run different l
 so memory and collectives are estimated per pp rank and the most loaded one is reported:
 
 - memory: `per_rank_memory` on the stage plan (the mesh without pp) with the rank's
-  parameters, the layers of its largest stage, the embedding / head only where it holds
-  them, and as many micro-batches' activations as the schedule keeps in flight on that
-  rank at its peak (the simulator's count; for interleaved schedules an in-flight
-  micro-batch is counted at the rank's largest stage).
+  parameters: their state, the weights autograd keeps and the transients once, plus the
+  activations of the micro-batches in flight (from a stage's F until its B, or its W when
+  the backward is split: `simulate.in_flight`), each counted at its own stage: that
+  stage's layers and what every stage builds per micro-batch (RoPE tables, document
+  masks), the embedding's ids only on the first stage, the head and loss only on the
+  last. The moment counted is the one in the rank's action order where these bytes
+  are largest (with stages of different sizes not always the one with the most
+  micro-batches in flight).
 - collectives: `step_collectives` on the stage plan for the rank's layers and
   parameters (its buckets: those it holds whole; the loss per micro-step), less the
   backward gathers its schedule saves (a backward that starts with the bucket the
@@ -32,7 +36,7 @@ from .memory import per_rank_memory
 from ..parallel.plan import Plan, without_pp
 from ..pipeline.partition import Stage, partition
 from ..pipeline.schedule import B, BI, BW, F, PipelineSchedule, build_pipeline_schedule
-from ..pipeline.simulate import Result, simulate, stage_costs_from_partition
+from ..pipeline.simulate import Result, in_flight, simulate, stage_costs_from_partition
 
 RESIDUAL = ("batch", "seq_sp", None)
 
@@ -129,12 +133,22 @@ def pipeline_estimate(plan: Plan, model, *, pp_schedule: str, virtual: int, layo
         mine = [st for st in stages if st.rank == r]
         names = [n for st in mine for n in st.params + st.shared]
         first, has_head = any(st.has_embedding for st in mine), any(st.has_head for st in mine)
-        memory = per_rank_memory(sub, model, micro_batch=micro_batch, seq_len=seq_len, precision=precision,
-                                 activation_checkpointing=activation_checkpointing,
-                                 reshard_after_forward=reshard_after_forward, device=device, names=names,
-                                 layers=list(range(*max(mine, key=lambda st: st.n_layers).layers)),
-                                 embedding=first, head=has_head, in_flight=max(1, timing.peak_in_flight[r]),
-                                 mask_keys=mask_keys)
+        common = dict(micro_batch=micro_batch, seq_len=seq_len, precision=precision,
+                      activation_checkpointing=activation_checkpointing, reshard_after_forward=reshard_after_forward,
+                      device=device, names=names, mask_keys=mask_keys)
+        # State, saved weights and transients once (no micro-batch in flight); then what one
+        # micro-batch keeps on each stage, times the stage's micro-batches in flight at the
+        # moment the rank holds the most.
+        memory = per_rank_memory(sub, model, **common, layers=[i for st in mine for i in range(*st.layers)],
+                                 embedding=first, head=has_head, in_flight=0)
+        per_stage = {st.index: per_rank_memory(sub, model, **common, layers=list(range(*st.layers)),
+                                               embedding=st.has_embedding, head=st.has_head)
+                     for st in mine}
+        held = {s: m["activations_layers"] + m["activations_once"] + m["loss_saved"] for s, m in per_stage.items()}
+        at_peak = max(in_flight(sched.ranks[r]), key=lambda n: sum(k * held[s] for s, k in n.items()))
+        kept = sum(k * held[s] for s, k in at_peak.items())
+        memory.update(activations=memory["activations"] + kept, peak=memory["peak"] + kept,
+                      activations_layers=sum(k * per_stage[s]["activations_layers"] for s, k in at_peak.items()))
         # The last stage reduces each micro-step's loss over the token-splitting dims (the
         # pipeline step's cross_entropy_sum), not the step's once.
         collectives = [e for e in step_collectives(sub, model, micro_batch_rows=micro_batch * data, seq_len=seq_len,

@@ -14,7 +14,7 @@ sender nothing. Bubble fraction = idle time / (pp x step time).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from .schedule import B, BI, BW, COMM, COMPUTE, RECV_B, RECV_F, SEND_B, SEND_F, Action, F, PipelineSchedule
@@ -98,7 +98,6 @@ def _run(sched: PipelineSchedule, cost) -> Result:
     done: list[set] = [set() for _ in range(pp)]
     posted: dict[tuple[int, int], list[tuple[Action, float]]] = {}
     taken: dict[tuple[int, int], int] = {}
-    inflight, peak = [0] * pp, [0] * pp
     comm_cost = cost("comm", 0)
 
     def need(r: int, i: int, a: Action, key: tuple, why: str) -> None:
@@ -152,11 +151,6 @@ def _run(sched: PipelineSchedule, cost) -> Result:
                     c = cost(a.kind, s)
                     clock[r] += c
                     busy[r] += c
-                    if a.kind == F:
-                        inflight[r] += 1
-                        peak[r] = max(peak[r], inflight[r])
-                    elif a.kind in (B, BW):
-                        inflight[r] -= 1
                 done[r].add((a.kind, s, j))
                 pc[r] += 1
                 progressed = True
@@ -168,7 +162,21 @@ def _run(sched: PipelineSchedule, cost) -> Result:
             raise ScheduleError("deadlock: " + "; ".join(waits))
     step = max(clock) if clock else 0.0
     idle = sum(step - b for b in busy)
-    return Result(step, idle / (pp * step) if step else 0.0, tuple(busy), tuple(peak), tuple(clock))
+    peak = tuple(max((sum(held.values()) for held in in_flight(acts)), default=0) for acts in sched.ranks)
+    return Result(step, idle / (pp * step) if step else 0.0, tuple(busy), peak, tuple(clock))
+
+
+def in_flight(actions: Sequence[Action]) -> Iterator[dict[int, int]]:
+    """After each forward in a rank's `actions`: its micro-batches in flight per stage. A
+    micro-batch holds its activations on a stage from its F until its B, or its W when the
+    backward is split (the input half keeps what the weight half needs)."""
+    held: dict[int, int] = {}
+    for a in actions:
+        if a.kind == F:
+            held[a.stage] = held.get(a.stage, 0) + 1
+            yield dict(held)
+        elif a.kind in (B, BW):
+            held[a.stage] -= 1
 
 
 def check(sched: PipelineSchedule) -> None:
