@@ -262,8 +262,9 @@ def test_llama3_405b_at_16384_ranks():
     the tp-local parameter bytes (c = 4: ~2 x 4 x 405e9 / 8 ~ 0.4 TB). Each use's gradient
     is reduce-scattered once in fp32 (the same tp-local size x 4). The 2L + 1 SP boundaries
     each reduce-scatter and all-gather one fsdp rank's (B / fsdp) x S x d activations in
-    forward and in backward; the 2L + 1 norm gradients are all-reduced over tp as their
-    fsdp shard (d / fsdp elements, fp32)."""
+    forward and in backward, and (eager) all-gather once more in backward the normed
+    input they kept as its shard; the 2L + 1 norm gradients are all-reduced over tp as
+    their fsdp shard (d / fsdp elements, fp32)."""
     cfg = PRESETS["llama3-405b"]
     model = build("llama", cfg)
     world, tp, B, S = 16384, 8, 2048, 8192
@@ -293,7 +294,7 @@ def test_llama3_405b_at_16384_ranks():
         ("fwd", "reduce_scatter_sum", "tp"): (k, k * A),
         ("fwd", "all_gather", "tp"): (k, k * A),
         ("bwd", "reduce_scatter_sum", "tp"): (k, k * A),
-        ("bwd", "all_gather", "tp"): (k, k * A),
+        ("bwd", "all_gather", "tp"): (2 * k, 2 * k * A),
         ("bwd", "all_reduce_sum", "tp"): (k, k * 4 * d // fsdp),
         ("fwd", "all_reduce_max", "tp"): (1, 4 * (B // fsdp) * S),
         ("fwd", "all_reduce_sum", "tp"): (1, 2 * 4 * (B // fsdp) * S),

@@ -251,7 +251,7 @@ def _saved_bytes(model, plan, mesh, micro, seq):
     """Bytes autograd keeps for one forward + backward on this rank (saved-tensor hooks)."""
     from torch.distributed.tensor import DTensor
 
-    from meshtrain.parallel.context import ShardedContext
+    from meshtrain.parallel.context import ShardedContext, _FetchActivation
     from meshtrain.parallel.init import init_params
 
     def storage(t):
@@ -269,8 +269,11 @@ def _saved_bytes(model, plan, mesh, micro, seq):
     def pack(t):
         s = storage(t)
         ptr = s.data_ptr()
-        entry = ctx._gathered.get(ptr)  # a gathered weight: the runtime keeps its shard instead
-        if not (entry and entry[0]() is not None) and ptr not in before:
+        entry = ctx._gathered.get(ptr)  # gathered: the runtime keeps its shard instead
+        if entry and entry[0]() is not None:
+            if isinstance(entry[1], _FetchActivation):  # a weight's shard exists already
+                kept[storage(entry[1].shard).data_ptr()] = (storage(entry[1].shard).nbytes(), entry[1].shard)
+        elif ptr not in before:
             kept[ptr] = (s.nbytes(), t)  # hold the tensor: its address stays unique
         return t
 

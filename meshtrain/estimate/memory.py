@@ -18,25 +18,31 @@ input tokens) are not counted. With c = bytes of the compute dtype (4 fp32, 2 bf
 B x S local tokens, and each term taking the local size of its logical axes, Llama keeps
 per layer, per token:
 
-  attention norm   4*D  input in fp32 (x.float(); the residual itself in fp32)   [seq_sp]
+  attention norm   c*D  its input (models/layers.py: backward rebuilds the rest)  [seq_sp]
                    4    rsqrt (one fp32 per token)                                [seq_sp]
-                   c*D  normalised input, saved by `* weight`                     [seq_sp]
-  q/k/v matmuls    c*D  the normed input after the sp all-gather (one tensor)     [seq]
+  q/k/v matmuls    c*D  the normed input; under sp this rank's sequence shard,
+                        gathered again in backward (eager; parallel/context.py)   [seq_sp]
   attention        c*hd*(Hq + 2*Hkv)  rotated q, rotated k, v (flash/fused kernel)
                    c*hd*Hq + 4*Hq     output and log-sum-exp (the output is also wo's input)
-  mlp norm         4*D + 4 + c*D                                                 [seq_sp]
-  mlp matmuls      c*D  normed input after the all-gather                        [seq]
+  qk norms         c*hd + 4 per q and k head (qk_norm): the linears' outputs, rsqrt
+  mlp norm         c*D + 4                                                       [seq_sp]
+  mlp matmuls      c*D  normed input (its shard under sp)                         [seq_sp]
                    4*c*F  gate pre-activation (silu), silu output and up (the product),
                           the product (w_down's input)
 
-Once per micro-batch: RoPE cos and sin (S x hd each, c); the final norm (4*D + 4 + c*D)
-and the output matmul's input (c*D); the loss (models.losses), which never gathers the
+In bf16 (c = 2) and units of D bytes that is 12 + 4 g + 8 F / D per token, g = Hkv /
+Hq: Korthikanti et al.'s (2022) accounting for RMSNorm, GQA, SwiGLU and a fused
+attention kernel (41 for llama3-8b), plus 8 + 4 Hq bytes of fp32 row statistics; every
+term divided by tp under tp + sp (docs/plan.md derives it).
+
+Once per micro-batch: RoPE cos and sin (S x hd each, c); the final norm (c*D + 4)
+and the output matmul's input (c*D, its shard under sp); the loss (models.losses), which never gathers the
 vocab and makes no fp32 copy of the logits: the local logits slice itself (c*V/tp per
 token), the fp32 log-sum-exp per token, and under cp the targets (int64; this rank's
 zigzag copy); the vocab-parallel embedding's
 clamped ids (int64) and mask (bool). GPT-2 differs where its forward does: LayerNorm
-keeps the centred fp32 input (4*D), no GQA, learned positions, and the MLP keeps 2*F
-(GELU input, GELU output).
+keeps a mean besides the rsqrt (c*D + 8), no GQA, learned positions, and the MLP keeps
+2*F (GELU input, GELU output): 12 + 8 F / D per token in bf16.
 
 MoE blocks (llama `moe_layers`; the others stay dense) keep the attention half of a dense
 block, then, in place of the MLP, what ShardedContext.moe, routed_experts and the shared
@@ -46,9 +52,10 @@ top_k slots, K = T k rows (with a capacity factor, at most E x the capacity of t
 its experts receive N = K rows (as many as it sends). E experts, E_l = E / ep local, F_l
 = expert_ffn_dim / tp, Fs = shared_experts x expert_ffn_dim (split like an mlp), D dim:
 
-  mlp norm         4*D + 4 + c*D                                                 [seq_sp]
+  mlp norm         c*D + 4                                                       [seq_sp]
   block input      c*D when shared experts (their matmuls) or fp32 (the router's
-                   h.float() is h); 4*D under bf16 (the router's fp32 copy)       [seq]
+                   h.float() is h), its shard under sp; 4*D under bf16 (the
+                   router's fp32 copy)                                             [seq]
   router (fp32)    4*E scores (softmax / sigmoid output), 8*k chosen experts; sigmoid:
                    4 (their sum); norm_topk with k > 1: 4*k chosen scores + 4 their sum;
                    balance aux: 4*E per sequence (the counts); z-loss: 4*E logits + 4
@@ -165,10 +172,10 @@ def _is_gathered(plan: Plan, name: str) -> bool:
     return tuple(p.compute_placements()) != tuple(p.placements)
 
 
-def _norm(plan: Plan, B: int, S: int, D: int, c: int) -> int:
-    """fp32 input (or centred input), rsqrt, normalised input (c): residual layout."""
+def _norm(plan: Plan, B: int, S: int, D: int, c: int, stats: int) -> int:
+    """A norm on the residual stream: its input (c) and `stats` fp32 values per row."""
     res = ("batch", "seq_sp", None)
-    return _local(plan, (B, S, D), res) * (FP32 + c) + _local(plan, (B, S, 1), res) * FP32
+    return c * _local(plan, (B, S, D), res) + FP32 * stats * _local(plan, (B, S, 1), res)
 
 
 def _attention_saved(plan, B, S, Hq, Hkv, hd, c, kernel: str) -> int:
@@ -187,12 +194,12 @@ def _attention_saved(plan, B, S, Hq, Hkv, hd, c, kernel: str) -> int:
     return c * (4 * q + probs)  # q, k and v at Hq heads, output copy; probabilities
 
 
-def _moe_saved(plan: Plan, m, B: int, S: int, D: int, c: int, checkpointing: str) -> tuple[int, int]:
+def _moe_saved(plan: Plan, m, B: int, S: int, D: int, c: int, stats: int, checkpointing: str) -> tuple[int, int]:
     """(kept without checkpointing, kept with `checkpointing`) of one MoE block's feed-forward
     half (from the mlp norm on), at the uniform-routing expectation: each rank routes its T
     local tokens x top_k rows and receives as many; see the module docstring."""
     full = ("batch", "seq", None)
-    x_full = _local(plan, (B, S, D), full)
+    x_full, x_res = _local(plan, (B, S, D), full), _local(plan, (B, S, D), ("batch", "seq_sp", None))
     T = _local(plan, (B, S), ("batch", "seq"))
     Bl = _local(plan, (B, 1), ("batch", None))
     E, k = m.num_experts, m.top_k
@@ -209,7 +216,7 @@ def _moe_saved(plan: Plan, m, B: int, S: int, D: int, c: int, checkpointing: str
         if m.shared_experts else 0
     # Block input h: the shared experts' matmuls keep it; the fp32 router keeps h.float()
     # (h itself in fp32, a new fp32 copy otherwise).
-    kept = _norm(plan, B, S, D, c) + (c * x_full if m.shared_experts or c == FP32 else 0) \
+    kept = _norm(plan, B, S, D, c, stats) + (c * x_res if m.shared_experts or c == FP32 else 0) \
         + (FP32 * x_full if c != FP32 else 0)
     routing = FP32 * T * E + INT64 * T * k  # scores (softmax / sigmoid output), chosen experts
     if m.router == "sigmoid":
@@ -272,9 +279,10 @@ def per_rank_memory(plan: Plan, model, *, micro_batch: int, seq_len: int, precis
 
     B, S, D, hd, F = micro_batch * mesh.dp * mesh.fsdp, seq_len, cfg.dim, cfg.head_dim, cfg.ffn_dim
     V = cfg.vocab_size
-    res, full = ("batch", "seq_sp", None), ("batch", "seq", None)
+    stats = family.costs.norm_stats
+    res = ("batch", "seq_sp", None)
     mlp = _local(plan, (B, S, F), ("batch", "seq", "mlp"))
-    x_res, x_full = _local(plan, (B, S, D), res), _local(plan, (B, S, D), full)
+    x_res = _local(plan, (B, S, D), res)
     tokens = _local(plan, (B, S), ("batch", "seq"))
 
     # One layer, nothing recomputed.
@@ -287,9 +295,14 @@ def per_rank_memory(plan: Plan, model, *, micro_batch: int, seq_len: int, precis
         joined = c * _local(plan, (B, S, Hq, hd), ("batch", "seq", "q_heads", None))
     if mask_keys.padded:
         pads = 2 * c * _local(plan, (B, mask_keys.padded, Hkv, hd), ("batch", None, "kv_heads", None))
-    attn = (_norm(plan, B, S, D, c) + c * x_full + _attention_saved(plan, B, S, Hq, Hkv, hd, c, attention)
-            + joined + pads)
-    mlp_saved = _norm(plan, B, S, D, c) + c * x_full + family.costs.mlp_saved * c * mlp
+    qk_norms = 0
+    if getattr(cfg, "qk_norm", False):  # per-head norms keep q and k before them and a rsqrt per head
+        heads = _local(plan, (B, S, Hq), ("batch", "seq", "q_heads")) \
+            + _local(plan, (B, S, Hkv), ("batch", "seq", "kv_heads"))
+        qk_norms = (c * hd + FP32 * stats) * heads
+    attn = (_norm(plan, B, S, D, c, stats) + c * x_res + _attention_saved(plan, B, S, Hq, Hkv, hd, c, attention)
+            + qk_norms + joined + pads)
+    mlp_saved = _norm(plan, B, S, D, c, stats) + c * x_res + family.costs.mlp_saved * c * mlp
     layer_none = attn + mlp_saved
     if activation_checkpointing == "none":
         layer = layer_none
@@ -305,7 +318,7 @@ def per_rank_memory(plan: Plan, model, *, micro_batch: int, seq_len: int, precis
     moe_ids = set(cfg.moe_layers) if moe_cfg is not None else set()
     moe_layer = None
     if moe_ids:  # an MoE block: the attention half as a dense block's, then the routed experts
-        moe_none, moe_kept = _moe_saved(plan, moe_cfg, B, S, D, c, activation_checkpointing)
+        moe_none, moe_kept = _moe_saved(plan, moe_cfg, B, S, D, c, stats, activation_checkpointing)
         moe_layer_none = attn + moe_none
         moe_layer = moe_layer_none if activation_checkpointing == "none" else \
             layer if activation_checkpointing == "full" else layer - 2 * c * mlp + moe_kept
@@ -323,7 +336,7 @@ def per_rank_memory(plan: Plan, model, *, micro_batch: int, seq_len: int, precis
     logits = _local(plan, (B, S, V), ("batch", "seq", "vocab"))
     loss = 0
     if head:
-        once += _norm(plan, B, S, D, c) + c * x_full
+        once += _norm(plan, B, S, D, c, stats) + c * x_res
         loss = c * logits + tokens * (FP32 + (INT64 if mesh.cp > 1 else 0))
     names = set(plan.params if names is None else names)
     if layers is None:

@@ -31,17 +31,19 @@ class _Walker:
     """Accumulates (phase, op, axis) -> [count, bytes] while a family table walks the model.
 
     `eager`: gathered weights are dropped after forward and gathered again in backward
-    where autograd saved them (an eager step with reshard_after_forward). `recompute`: a
+    where autograd saved them (an eager step with reshard_after_forward). `keep_shards`:
+    an all-gathered activation autograd saves is kept as its shard and gathered again
+    in backward (any eager step, parallel/context.py `_FetchActivation`). `recompute`: a
     compiled step's, gathered again once per lookup whose weight backward needs (the
     gather under a recomputing checkpoint, parallel/context.py). Every parameter
     lookup is also kept in `events`, in order; `defer` leaves their traffic out of `out`,
     for `bucket_traffic` to replay them over the plan's buckets."""
 
     def __init__(self, plan: Plan, B: int, S: int, c: int, eager: bool, defer: bool = False,
-                 recompute: bool = False):
+                 recompute: bool = False, keep_shards: bool = False):
         self.plan, self.mesh = plan, plan.mesh
         self.B, self.S, self.c, self.eager, self.defer = B, S, c, eager, defer
-        self.recompute = recompute
+        self.recompute, self.keep_shards = recompute, keep_shards
         self.out: dict[tuple, list[int]] = defaultdict(lambda: [0, 0])
         self._acts: dict[tuple, tuple] = {}
         self.events: list[tuple] = []  # ("use" | "save", name, acts_on, saves, grad)
@@ -196,9 +198,15 @@ class _Walker:
         self.redistribute("bwd", shape, grad, first, spec.dtype.itemsize, mesh=mesh)
         self.redistribute("bwd", shape, first, stored, spec.dtype.itemsize, mesh=mesh)
 
-    def constrain(self, shape, src, dst, grad):
+    def constrain(self, shape, src, dst, grad, saved: bool = True):
+        """ctx.constrain from placements `src` to `dst`, its gradient arriving as `grad`.
+        `saved`: autograd keeps the output (the normed input the matmuls read), so with
+        keep_shards an all-gather is issued again in backward, once."""
         self.redistribute("fwd", shape, src, dst, self.c or 4)
         self.redistribute("bwd", shape, grad, tuple(R if p == P else p for p in src), self.c or 4)
+        gathers = src != dst and all(s == d or (s[0] == "S" and d == R) for s, d in zip(src, dst))
+        if saved and self.keep_shards and gathers:
+            self.redistribute("bwd", shape, src, dst, self.c or 4)
 
     def attention(self, hq: int, hkv: int, hd: int):
         """ctx.attention over a sequence split on cp (parallel/cp_attention.py, section 5 of

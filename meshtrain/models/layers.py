@@ -7,19 +7,89 @@ import math
 import torch
 
 
+def _upcast(x: torch.Tensor) -> torch.Tensor:
+    """x in fp32, or wider when it is wider."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+def _over_rows(t: torch.Tensor) -> tuple[int, ...]:
+    """The dims a per-feature weight's gradient sums over: all but the last."""
+    return tuple(range(t.ndim - 1))
+
+
+class _RMSNorm(torch.autograd.Function):
+    """Normalise in fp32 whatever the compute dtype (as the reference implementations do),
+    keeping for backward only the input in its own dtype and one fp32 rsqrt per row:
+    autograd of the plain ops would keep an fp32 copy of the input and the normalised
+    value besides (6 bytes per element under bf16 instead of 2).
+
+    The backward is the plain ops' term by term, so it rounds as they did (fp8 runs are
+    sensitive to it). Eager, x comes twice: in fp32, where the plain ops read x itself
+    twice, autograd adds each term to x's gradient on its own, after the residual's.
+    (Traced, once: dynamo refuses a tensor given twice, and the compiler orders sums its
+    own way.)"""
+
+    @staticmethod
+    def forward(ctx, x, x_again, weight, eps):
+        xf = _upcast(x)
+        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        ctx.terms_apart = x_again is not None and xf is x
+        ctx.save_for_backward(x, weight, rstd)
+        return (xf * rstd).to(x.dtype) * weight
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, rstd = ctx.saved_tensors
+        xf = _upcast(x)
+        grad_w = (grad * (xf * rstd).to(x.dtype)).sum(_over_rows(grad)).to(weight.dtype)
+        g = _upcast(grad * weight)
+        grad_scaled = g * rstd  # through x * rstd
+        grad_rstd = (g * xf).sum(-1, keepdim=True)
+        grad_sq = (-0.5 * grad_rstd * rstd.pow(3)).expand_as(xf) / xf.shape[-1]
+        grad_squared = grad_sq * (2 * xf)  # through x.pow(2)
+        if ctx.terms_apart:
+            return grad_scaled, grad_squared, grad_w, None
+        return (grad_scaled + grad_squared).to(x.dtype), None, grad_w, None
+
+
+class _LayerNorm(torch.autograd.Function):
+    """LayerNorm in fp32, keeping the input in its own dtype and the fp32 mean and rsqrt
+    per row; backward as _RMSNorm's (x comes three times: the plain ops read it thrice)."""
+
+    @staticmethod
+    def forward(ctx, x, x_again, x_thrice, weight, bias, eps):
+        xf = _upcast(x)
+        mean = xf.mean(-1, keepdim=True)
+        rstd = torch.rsqrt((xf - mean).pow(2).mean(-1, keepdim=True) + eps)
+        ctx.terms_apart = x_again is not None and xf is x
+        ctx.save_for_backward(x, weight, mean, rstd)
+        return ((xf - mean) * rstd).to(x.dtype) * weight + bias
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, mean, rstd = ctx.saved_tensors
+        xf = _upcast(x)
+        centred = xf - mean
+        rows, width = _over_rows(grad), x.shape[-1]
+        grad_w = (grad * (centred * rstd).to(x.dtype)).sum(rows).to(weight.dtype)
+        g = _upcast(grad * weight)
+        grad_out = g * rstd  # through the output's (x - mean)
+        grad_rstd = (g * centred).sum(-1, keepdim=True)
+        grad_var = (-0.5 * grad_rstd * rstd.pow(3)).expand_as(centred) / width
+        grad_in = grad_var * (2 * centred)  # through the variance's (x - mean)
+        grad_mean = ((-grad_in).sum(-1, keepdim=True) + (-grad_out).sum(-1, keepdim=True)).expand_as(centred) / width
+        if ctx.terms_apart:
+            return grad_out, grad_in, grad_mean, grad_w, grad.sum(rows), None
+        return (grad_out + grad_in + grad_mean).to(x.dtype), None, None, grad_w, grad.sum(rows), None
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # Normalise in fp32 whatever the compute dtype, as the reference implementations do.
-    xf = x.float()
-    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return y.to(x.dtype) * weight
+    return _RMSNorm.apply(x, None if torch.compiler.is_compiling() else x, weight, eps)
 
 
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
-    xf = x.float()
-    mean = xf.mean(-1, keepdim=True)
-    var = (xf - mean).pow(2).mean(-1, keepdim=True)
-    y = (xf - mean) * torch.rsqrt(var + eps)
-    return y.to(x.dtype) * weight + bias
+    again = None if torch.compiler.is_compiling() else x
+    return _LayerNorm.apply(x, again, again, weight, bias, eps)
 
 
 def rope_frequencies(head_dim: int, theta: float, scaling: dict | None = None) -> torch.Tensor:

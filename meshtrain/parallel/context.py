@@ -156,6 +156,32 @@ class _FetchParam:
             return _gather(self.shard, self.placements, self.dtype)._local_tensor
 
 
+class _FetchActivation:
+    """An activation all-gathered from shards (the sequence-parallel gather before the
+    q/k/v and MLP matmuls): autograd keeps this rank's shard instead, and backward
+    gathers again, once for consecutive uses of the same value (q, k and v read one
+    normed input), as Megatron's sequence parallelism does."""
+
+    def __init__(self, context: "ShardedContext", shard: DTensor, placements):
+        self.context, self.shard, self.placements, self.mesh = context, shard, placements, shard.device_mesh
+
+    def __call__(self) -> torch.Tensor:
+        last = self.context._regathered_activation
+        if last is not None and last[0] is self:
+            return last[1]
+        with torch.no_grad():
+            local = self.shard.redistribute(self.mesh, self.placements)._local_tensor
+        self.context._regathered_activation = (self, local)
+        return local
+
+
+def _only_gathers(source, target) -> bool:
+    """Does redistributing `source` to `target` placements only all-gather (no partial
+    sum, no new split)?"""
+    return source != target and all(
+        s == t or (isinstance(s, Shard) and t.is_replicate()) for s, t in zip(source, target))
+
+
 class _Kept(dict):
     """Bucket -> shards, for the buckets whose weights autograd kept in one forward;
     `done`: those backward has gathered again (never issued ahead a second time)."""
@@ -321,6 +347,7 @@ class ShardedContext:
         self._bucket_of = {n: b.index for b in buckets for n in b.names}
         self._gathered: dict[int, tuple] = {}  # storage of a gathered parameter -> how to fetch it again
         self._regathered: dict[int, list] = {}  # backward: buckets gathered again (the current, the next)
+        self._regathered_activation: tuple | None = None  # backward: (_FetchActivation, its gathered value)
         self._pending_bwd: dict[int, tuple] = {}
         self._cp_dim = plan.mesh.axes.index("cp") if "cp" in plan.mesh.axes else None
         self._moe = MoeRecords()
@@ -332,6 +359,7 @@ class ShardedContext:
     def regather_in_backward(self):
         """Scope of one forward: autograd keeps shards, not gathered parameters."""
         self._gathered, self._regathered, self._pending_bwd = {}, {}, {}
+        self._regathered_activation = None
 
         def pack(t):
             local = t._local_tensor if isinstance(t, DTensor) else t
@@ -431,7 +459,10 @@ class ShardedContext:
     def constrain(self, x: torch.Tensor, axes: Sequence[str | None]) -> DTensor:
         placements = self.plan.activation(axes).placements
         if isinstance(x, DTensor):
-            return _Constrain.apply(x, placements)
+            out = _Constrain.apply(x, placements)
+            if not torch.compiler.is_compiling() and _only_gathers(tuple(x.placements), tuple(placements)):
+                self._keep_shard(x, out, placements)
+            return out
         # A plain tensor is the full value on every rank: keep this rank's slice, no comms.
         # A dim split over cp takes this rank's zigzag chunks (mesh dims run outer to inner,
         # so it is still whole here): that is the order every cp-sharded sequence is in.
@@ -445,6 +476,19 @@ class ShardedContext:
                 else:
                     local = local.chunk(n, p.dim)[rank]
         return DTensor.from_local(local, self.mesh, placements, run_check=False, shape=x.shape, stride=x.stride())
+
+    def _keep_shard(self, shard: DTensor, gathered: DTensor, placements) -> None:
+        """Eager: should autograd save `gathered`, the pack hook (regather_in_backward)
+        keeps `shard` and gathers again in backward. The entry goes when `gathered` dies,
+        so a shard nothing saved the gathered value for is not held to the end of forward."""
+        local = gathered._local_tensor
+        ptr = local.untyped_storage().data_ptr()
+
+        def forget(ref):
+            if self._gathered.get(ptr, (None,))[0] is ref:
+                del self._gathered[ptr]
+
+        self._gathered[ptr] = (weakref.ref(local, forget), _FetchActivation(self, shard, placements))
 
     def embedding(self, ids: DTensor, table: DTensor) -> DTensor:
         """Vocab-parallel lookup: each rank returns the rows it holds and zeros elsewhere,

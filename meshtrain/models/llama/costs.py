@@ -67,7 +67,8 @@ def walk_moe_block(w, cfg, p: str):
     shared = [e + "shared.w_gate", e + "shared.w_up"] if m.shared_experts else []
     # The routed path's gradient reaches h whole (tp copies all-reduced in ctx.moe); the
     # shared experts' column-parallel linears leave theirs Partial over tp.
-    w.constrain((B, S, d), x, h, w.grad_in(h, shared))
+    # h is saved by the shared experts' matmuls, or in fp32 by the router (bf16: its copy).
+    w.constrain((B, S, d), x, h, w.grad_in(h, shared), saved=bool(shared) or w.c is None)
     out = w.moe(m, e, h, d)
     if shared:
         out = w.summed(out, _swiglu(w, h, e + "shared."))
