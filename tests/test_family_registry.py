@@ -35,6 +35,7 @@ from meshtrain.testing import run_ranks
 from meshtrain.train.optim import AdamW
 from meshtrain.train.step import TrainState, make_train_step
 from test_comms_estimate import assert_same, estimate, run_model_step, totals
+from test_memory_estimate import kept_instead
 
 
 # ----------------------------------------------------------------------------- the family
@@ -251,7 +252,7 @@ def _saved_bytes(model, plan, mesh, micro, seq):
     """Bytes autograd keeps for one forward + backward on this rank (saved-tensor hooks)."""
     from torch.distributed.tensor import DTensor
 
-    from meshtrain.parallel.context import ShardedContext, _FetchActivation
+    from meshtrain.parallel.context import ShardedContext
     from meshtrain.parallel.init import init_params
 
     def storage(t):
@@ -269,11 +270,10 @@ def _saved_bytes(model, plan, mesh, micro, seq):
     def pack(t):
         s = storage(t)
         ptr = s.data_ptr()
-        entry = ctx._gathered.get(ptr)  # gathered: the runtime keeps its shard instead
-        if entry and entry[0]() is not None:
-            if isinstance(entry[1], _FetchActivation):  # a weight's shard exists already
-                kept[storage(entry[1].shard).data_ptr()] = (storage(entry[1].shard).nbytes(), entry[1].shard)
-        elif ptr not in before:
+        instead = kept_instead(ctx, t)  # gathered: the runtime keeps the shard instead
+        if instead and instead[0] == "shard":  # (a weight's shard exists already)
+            kept[storage(instead[1]).data_ptr()] = (storage(instead[1]).nbytes(), instead[1])
+        elif not instead and ptr not in before:
             kept[ptr] = (s.nbytes(), t)  # hold the tensor: its address stays unique
         return t
 

@@ -13,13 +13,14 @@ compare it with (docs/features.md lists it as an estimate).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
 import torch
 
 from meshtrain import MeshSpec, Rules, build, init_params, make_plan
-from meshtrain.models import llama
+from meshtrain.models import gpt2, llama
 from meshtrain.estimate.memory import per_rank_memory
 from meshtrain.testing import run_ranks
 
@@ -28,12 +29,16 @@ CFG = llama.LlamaConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128
 UNEVEN_CFG = llama.LlamaConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=130,
                                max_seq_len=64)
 UNEVEN = {"tok_emb": {"vocab": ("fsdp",), "embed": ()}, "output": {"vocab": ("fsdp",), "embed": ()}}
+QK_CFG = dataclasses.replace(CFG, qk_norm=True)
+GPT2_CFG = gpt2.GPT2Config(dim=64, n_layers=2, n_heads=4, ffn_dim=128, vocab_size=128, max_seq_len=64)
 MICRO, SEQ = 2, 24  # sequences per data-parallel rank; seq != head_dim keeps shapes apart
 
 # name: (mesh sizes, sequence parallel, rule overrides, config)
 LAYOUTS = {
-    1: {"single": ({}, False, None, CFG)},
+    1: {"single": ({}, False, None, CFG), "single_qk_norm": ({}, False, None, QK_CFG),
+        "single_gpt2": ({}, False, None, GPT2_CFG)},
     2: {"fsdp2": ({"fsdp": 2}, False, None, CFG), "tp2": ({"tp": 2}, False, None, CFG),  # sp: fsdp2_tp2_sp
+        "tp2_sp_qk_norm": ({"tp": 2}, True, None, QK_CFG), "tp2_sp_gpt2": ({"tp": 2}, True, None, GPT2_CFG),
         "cp2_allgather": ({"cp": 2}, False, None, CFG), "cp2_ring": ({"cp": 2}, False, None, CFG),
         "cp2_a2a": ({"cp": 2}, False, None, CFG)},
     4: {"fsdp2_tp2_sp": ({"fsdp": 2, "tp": 2}, True, None, CFG), "dp2_fsdp2": ({"dp": 2, "fsdp": 2}, False, None, CFG),
@@ -46,7 +51,7 @@ PRECISIONS = {"fp32": None, "bf16": torch.bfloat16}
 
 def _plan(name, world):
     sizes, sp, overrides, cfg = LAYOUTS[world][name]
-    model = build("llama", cfg)
+    model = build("gpt2" if isinstance(cfg, gpt2.GPT2Config) else "llama", cfg)
     return model, make_plan(model.specs, Rules(Rules.default(sp=sp).mapping, overrides or {}), MeshSpec(**sizes),
                             world=world, cp_comm=CP_COMM.get(name, "allgather"))
 
@@ -58,9 +63,29 @@ def _storage(t):
     return t.untyped_storage()
 
 
+def kept_instead(ctx, t):
+    """What the eager runtime keeps for backward in place of the saved tensor `t` (the
+    ShardedContext's pack hook, regather_in_backward): ("shard", the shard DTensor) for
+    an all-gathered activation, ("weight", None) for a gathered weight it gathers again
+    from the shard it holds anyway, None when it keeps `t` itself."""
+    from torch.distributed.tensor import DTensor
+
+    from meshtrain.parallel.context import _FetchActivation
+
+    local = t._local_tensor if isinstance(t, DTensor) else t
+    if type(local) is not torch.Tensor:  # a pending collective's result: no storage of its own
+        return None
+    ptr = local.untyped_storage().data_ptr()
+    entry = ctx._gathered.get(ptr)
+    alive = entry[0]() if entry else None
+    if alive is None or alive.untyped_storage().data_ptr() != ptr:
+        return None
+    return ("shard", entry[1].shard) if isinstance(entry[1], _FetchActivation) else ("weight", None)
+
+
 def measure(world: int):
     """On every rank: each layout x precision, one forward + backward of one micro-batch."""
-    from meshtrain.parallel.context import ShardedContext, _FetchActivation
+    from meshtrain.parallel.context import ShardedContext
     from meshtrain.train.optim import init_state, local
 
     out = {}
@@ -81,14 +106,11 @@ def measure(world: int):
             def pack(t):
                 s = _storage(t)
                 ptr = s.data_ptr()
-                entry = ctx._gathered.get(ptr)
-                alive = entry[0]() if entry else None
-                if alive is not None and alive.untyped_storage().data_ptr() == ptr:
-                    if isinstance(entry[1], _FetchActivation):  # the sequence shard is kept
-                        shard = entry[1].shard
-                        kept[_storage(shard).data_ptr()] = (_storage(shard).nbytes(), shard)
-                    else:
-                        regathered[ptr] = s.nbytes()  # the runtime keeps the shard instead
+                instead = kept_instead(ctx, t)
+                if instead and instead[0] == "shard":
+                    kept[_storage(instead[1]).data_ptr()] = (_storage(instead[1]).nbytes(), instead[1])
+                elif instead:
+                    regathered[ptr] = s.nbytes()
                 elif ptr not in before:
                     kept[ptr] = (s.nbytes(), t)  # hold the tensor: its address stays unique
                 return t
@@ -233,9 +255,10 @@ def measure_moe(model, plan, precision, monkeypatch):
 
         def pack(t):
             s = storage(t)
-            entry = ctx._gathered.get(s.data_ptr())
-            alive = entry[0]() if entry else None
-            if alive is not None and alive.untyped_storage().data_ptr() == s.data_ptr():  # as the runtime: plain too
+            instead = kept_instead(ctx, t)  # as the runtime: plain tensors too
+            if instead and instead[0] == "shard":
+                kept[storage(instead[1]).data_ptr()] = (storage(instead[1]).nbytes(), instead[1])
+            elif instead:
                 regathered[s.data_ptr()] = s.nbytes()
             elif s.data_ptr() not in before:
                 kept[s.data_ptr()] = (s.nbytes(), t)
