@@ -44,7 +44,10 @@ tokens of one rank's batch shard, B x S / (dp x fsdp x cp)):
            vocab-parallel output projection), and the vocab-parallel cross entropy: three
            all-reduces of T fp32 (row max, sum of exponentials, target logit).
   tp + sp  each all-reduce becomes an all-gather and a reduce-scatter of the same total
-           bytes (the gathered input is kept for the weight gradient, not re-gathered);
+           bytes (here with the gathered input kept for the weight gradient; the step
+           keeps its sequence shard instead and gathers it again in backward, as
+           Megatron does: a known excess of (2L + 1) ag(tp) T d b that divides the
+           layer's activation memory by tp);
            the 2L + 1 norm weights now see a sequence shard, so their gradients are
            all-reduced over tp (as the fsdp shard: ar(tp) (2L + 1) d / fsdp b).
   cp       the fsdp x cp ZeRO-3 terms, and per layer K and V of the local batch rows and
@@ -343,12 +346,17 @@ def analytic_minimum(cfg: LlamaConfig, layout: Layout, batch: int, seq: int) -> 
 def known_excess(cfg: LlamaConfig, layout: Layout, batch: int, seq: int) -> dict[str, Fraction]:
     """Bytes an algorithm sends above the minimum by design, derived like the minimum (a
     measured excess that these terms do not account for exactly is reported as such)."""
+    out = {}
+    if layout.sp and layout.size("tp") > 1:
+        T = batch // (layout.size("dp") * layout.size("fsdp")) * seq // layout.size("cp")
+        out["sp: the kept sequence shards gathered again in backward (activations / tp)"] = \
+            (2 * cfg.n_layers + 1) * ring_bytes("all_gather", layout.size("tp"), T * cfg.dim * FP32)
     if layout.size("cp") == 1 or layout.cp_comm != "ring":
-        return {}
+        return out
     cp, tp, rows = layout.size("cp"), layout.size("tp"), batch // (layout.size("dp") * layout.size("fsdp"))
     block = 2 * rows * seq // cp * cfg.n_kv_heads // tp * (cfg.dim // cfg.n_heads) * FP32  # one rank's K/V
     L = cfg.n_layers
-    return {"ring: K/V sent around again in backward (no gathered K/V kept: memory O(S/cp))":
+    return {**out, "ring: K/V sent around again in backward (no gathered K/V kept: memory O(S/cp))":
             Fraction(L * (cp - 1) * block),
             "ring: each dK/dV accumulator takes cp hops home, not cp-1 (it starts at the block's owner)":
             Fraction(L * block)}

@@ -307,6 +307,8 @@ def closed_form(kind: str, cfg: LlamaConfig, B: int, S: int, m: int = 1, c: int 
             for phase in ("fwd", "bwd"):
                 out[(phase, "reduce_scatter_sum", "tp")] = (m * k, m * k * A)
                 out[(phase, "all_gather", "tp")] = (m * k, m * k * A)
+            # Eager: each gathered normed input is kept as its shard and gathered again.
+            out[("bwd", "all_gather", "tp")] = (2 * m * k, 2 * m * k * A)
             out[("fwd", "all_reduce_sum", "tp")] = (m, m * 2 * b * Tl)  # [sum_exp, target_logit]
             norm = d // 2 if fsdp else d  # norm-weight grads, as the fsdp shard
             # param: one per norm (2 per block, the final one); block: one per bucket with norms.
@@ -359,6 +361,7 @@ def per_message(kind: str, cfg: LlamaConfig, B: int, S: int, m: int = 1, c: int 
             for phase in ("fwd", "bwd"):
                 out[Msg(phase, "reduce_scatter_sum", "tp", A)] += m * k
                 out[Msg(phase, "all_gather", "tp", A)] += m * k
+            out[Msg("bwd", "all_gather", "tp", A)] += m * k  # the kept shards gathered again
             norm = b * (d // 2 if with_fsdp else d)
             if bucket == "param":  # each norm's gradient, every micro-step
                 out[Msg("bwd", "all_reduce_sum", "tp", norm)] += m * k

@@ -312,7 +312,11 @@ def per_rank_memory(plan: Plan, model, *, micro_batch: int, seq_len: int, precis
         q = _local(plan, (B, S, Hq, hd), ("batch", "seq", "q_heads", None))
         kv = _local(plan, (B, S, Hkv, hd), ("batch", "seq", "kv_heads", None))
         lse = _local(plan, (B, Hq, S), ("batch", "q_heads", "seq"))
-        layer = c * (2 * x_res + q + 2 * kv + q) + FP32 * lse + 2 * c * mlp + joined + pads
+        # The layer input; q, k, v, the attention output; wo's and w_down's outputs as
+        # reduced over tp (a sequence shard under sp: ShardedContext's row-parallel
+        # matmuls are recomputed, their reductions kept); the MLP's up (and gate) outputs.
+        layer = c * (3 * x_res + q + 2 * kv + q) + FP32 * lse + family.costs.mlp_matmuls * c * mlp \
+            + joined + pads
     recompute = 0 if activation_checkpointing == "none" else max(0, layer_none - layer)
     moe_cfg = getattr(cfg, "moe", None)
     moe_ids = set(cfg.moe_layers) if moe_cfg is not None else set()
@@ -321,7 +325,8 @@ def per_rank_memory(plan: Plan, model, *, micro_batch: int, seq_len: int, precis
         moe_none, moe_kept = _moe_saved(plan, moe_cfg, B, S, D, c, stats, activation_checkpointing)
         moe_layer_none = attn + moe_none
         moe_layer = moe_layer_none if activation_checkpointing == "none" else \
-            layer if activation_checkpointing == "full" else layer - 2 * c * mlp + moe_kept
+            layer if activation_checkpointing == "full" else \
+            layer - (family.costs.mlp_matmuls * mlp + x_res) * c + moe_kept
         recompute = max(recompute, 0 if activation_checkpointing == "none" else max(0, moe_layer_none - moe_layer))
 
     # Once per micro-batch: the family's per-sequence tensors (RoPE tables, position ids),
@@ -365,11 +370,12 @@ def per_rank_memory(plan: Plan, model, *, micro_batch: int, seq_len: int, precis
             layer_weights[group] = layer_weights.get(group, 0) + n * width
         if not new_copy or not family.costs.weight_saved(cfg, name):
             continue
+        # A block's checkpoint gathers or casts its weights again in the recompute.
+        recast = activation_checkpointing != "none" and name.startswith("layers.")
         if gathered:
-            kept = not reshard_after_forward and (activation_checkpointing == "none"
-                                                  or not name.startswith("layers."))
+            kept = not reshard_after_forward and not recast
             gathered_weights += n * width if kept else 0
-        else:
+        elif not recast:
             saved_weights += n * width
 
     # Per layer: a dense block's, or an MoE block's where every layer run is MoE.

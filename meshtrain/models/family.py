@@ -30,6 +30,8 @@ class Costs:
 
     mlp_saved: (tokens x ffn_dim) tensors a dense MLP keeps for backward (SwiGLU: gate
       pre-activation, its silu, up, their product = 4; GELU: pre-activation, output = 2).
+    mlp_matmuls: (tokens x ffn_dim) matmul outputs a dense MLP keeps under selective
+      checkpointing (SwiGLU: gate and up = 2; GELU: up = 1).
     norm_stats: fp32 values per row a norm keeps besides its input (models/layers.py:
       RMSNorm its rsqrt = 1; LayerNorm its mean and rsqrt = 2).
     per_sequence(cfg, seq_len, itemsize): tensors kept once per micro-batch besides the
@@ -51,6 +53,7 @@ class Costs:
     walk_embed: Callable
     walk_head: Callable
     walk_moe_block: Callable | None = None
+    mlp_matmuls: int = 2
     norm_stats: int = 1
 
 

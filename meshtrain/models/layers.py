@@ -17,25 +17,33 @@ def _over_rows(t: torch.Tensor) -> tuple[int, ...]:
     return tuple(range(t.ndim - 1))
 
 
+def _rms(xf, weight, eps, dtype):
+    rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (xf * rstd).to(dtype) * weight, rstd
+
+
+def _layer(xf, weight, bias, eps, dtype):
+    mean = xf.mean(-1, keepdim=True)
+    rstd = torch.rsqrt((xf - mean).pow(2).mean(-1, keepdim=True) + eps)
+    return ((xf - mean) * rstd).to(dtype) * weight + bias, mean, rstd
+
+
 class _RMSNorm(torch.autograd.Function):
-    """Normalise in fp32 whatever the compute dtype (as the reference implementations do),
-    keeping for backward only the input in its own dtype and one fp32 rsqrt per row:
-    autograd of the plain ops would keep an fp32 copy of the input and the normalised
-    value besides (6 bytes per element under bf16 instead of 2).
+    """RMSNorm keeping for backward only its input in its own dtype and one fp32 rsqrt
+    per row: autograd of the plain ops would keep an fp32 copy of the input and the
+    normalised value besides (6 bytes per element under bf16 instead of 2).
 
     The backward is the plain ops' term by term, so it rounds as they did (fp8 runs are
-    sensitive to it). Eager, x comes twice: in fp32, where the plain ops read x itself
-    twice, autograd adds each term to x's gradient on its own, after the residual's.
-    (Traced, once: dynamo refuses a tensor given twice, and the compiler orders sums its
-    own way.)"""
+    sensitive to it); x comes twice because in fp32 the plain ops read x itself twice,
+    and autograd adds each term to x's gradient on its own, after the residual's."""
 
     @staticmethod
     def forward(ctx, x, x_again, weight, eps):
         xf = _upcast(x)
-        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-        ctx.terms_apart = x_again is not None and xf is x
+        y, rstd = _rms(xf, weight, eps, x.dtype)
+        ctx.terms_apart = xf is x
         ctx.save_for_backward(x, weight, rstd)
-        return (xf * rstd).to(x.dtype) * weight
+        return y
 
     @staticmethod
     def backward(ctx, grad):
@@ -53,23 +61,21 @@ class _RMSNorm(torch.autograd.Function):
 
 
 class _LayerNorm(torch.autograd.Function):
-    """LayerNorm in fp32, keeping the input in its own dtype and the fp32 mean and rsqrt
-    per row; backward as _RMSNorm's (x comes three times: the plain ops read it thrice)."""
+    """LayerNorm keeping its input in its own dtype and the fp32 mean and rsqrt per row;
+    backward as _RMSNorm's (x comes three times: the plain ops read it thrice)."""
 
     @staticmethod
     def forward(ctx, x, x_again, x_thrice, weight, bias, eps):
         xf = _upcast(x)
-        mean = xf.mean(-1, keepdim=True)
-        rstd = torch.rsqrt((xf - mean).pow(2).mean(-1, keepdim=True) + eps)
-        ctx.terms_apart = x_again is not None and xf is x
+        y, mean, rstd = _layer(xf, weight, bias, eps, x.dtype)
+        ctx.terms_apart = xf is x
         ctx.save_for_backward(x, weight, mean, rstd)
-        return ((xf - mean) * rstd).to(x.dtype) * weight + bias
+        return y
 
     @staticmethod
     def backward(ctx, grad):
         x, weight, mean, rstd = ctx.saved_tensors
-        xf = _upcast(x)
-        centred = xf - mean
+        centred = _upcast(x) - mean
         rows, width = _over_rows(grad), x.shape[-1]
         grad_w = (grad * (centred * rstd).to(x.dtype)).sum(rows).to(weight.dtype)
         g = _upcast(grad * weight)
@@ -83,13 +89,20 @@ class _LayerNorm(torch.autograd.Function):
         return (grad_out + grad_in + grad_mean).to(x.dtype), None, None, grad_w, grad.sum(rows), None
 
 
+# Normalised in fp32 whatever the compute dtype, as the reference implementations do.
+# Traced, the plain ops: the compiler picks what to keep and what to recompute itself
+# (and dynamo refuses a tensor given twice to a Function).
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return _RMSNorm.apply(x, None if torch.compiler.is_compiling() else x, weight, eps)
+    if torch.compiler.is_compiling():
+        return _rms(_upcast(x), weight, eps, x.dtype)[0]
+    return _RMSNorm.apply(x, x, weight, eps)
 
 
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
-    again = None if torch.compiler.is_compiling() else x
-    return _LayerNorm.apply(x, again, again, weight, bias, eps)
+    if torch.compiler.is_compiling():
+        return _layer(_upcast(x), weight, bias, eps, x.dtype)[0]
+    return _LayerNorm.apply(x, x, x, weight, bias, eps)
 
 
 def rope_frequencies(head_dim: int, theta: float, scaling: dict | None = None) -> torch.Tensor:

@@ -76,11 +76,14 @@ class Policy:
         ops) and recomputes the rest (norms, RoPE, activations, casts, gathers)."""
         if self.checkpointing == "none":
             return fn(*args)
+        # The blocks draw no random numbers (no dropout): no RNG state to keep per block
+        # (5 KB of CPU generator state each, measured by bench/layer_memory.py).
         if self.checkpointing == "full":
-            return checkpoint(fn, *args, use_reentrant=False)
+            return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=False)
         # A partial, not a lambda: dynamo traces checkpoint only with such a context_fn.
         contexts = _reusable_contexts if self.backward_twice else create_selective_checkpoint_contexts
-        return checkpoint(fn, *args, use_reentrant=False, context_fn=partial(contexts, _save_expensive))
+        return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=False,
+                          context_fn=partial(contexts, _save_expensive))
 
 
 class _KeepFirst(dict):
@@ -108,8 +111,18 @@ _EXPENSIVE_ATEN = {_aten.mm.default, _aten.addmm.default, _aten.bmm.default, _at
                    _aten._scaled_dot_product_flash_attention_for_cpu.default}
 
 
+# A row-parallel matmul's output is a partial sum of the whole sequence: keep its reduction
+# instead (under sequence parallelism a sequence shard, tp times smaller), and recompute
+# the matmul where backward needs what follows it (wo's: the MLP's input).
+_PARTIAL_SUMS = {"meshtrain::row_parallel_linear"}
+_REDUCTIONS = {"_c10d_functional::reduce_scatter_tensor", "_c10d_functional::all_reduce"}
+
+
 def _save_expensive(ctx, op, *args, **kwargs):
     # Our own ops (meshtrain::grouped_linear, meshtrain::cp_attention) are GEMM and
     # attention kernels too.
-    expensive = op in _EXPENSIVE_ATEN or getattr(op, "namespace", None) == "meshtrain"
+    name = op.name() if hasattr(op, "name") else ""
+    if name in _PARTIAL_SUMS:
+        return CheckpointPolicy.PREFER_RECOMPUTE
+    expensive = op in _EXPENSIVE_ATEN or getattr(op, "namespace", None) == "meshtrain" or name in _REDUCTIONS
     return CheckpointPolicy.MUST_SAVE if expensive else CheckpointPolicy.PREFER_RECOMPUTE

@@ -49,6 +49,31 @@ from .mesh import device_mesh_for
 from .plan import Plan
 
 
+@torch.library.custom_op("meshtrain::row_parallel_linear", mutates_args=())
+def _row_parallel_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x @ w.T on local shards split on the in features: a partial sum. An op of its own
+    so selective checkpointing can tell it from the other matmuls (models/policy.py): it
+    keeps the reduced sum (a sequence shard under sp), not this (the whole sequence)."""
+    return torch.nn.functional.linear(x, w)
+
+
+@_row_parallel_linear.register_fake
+def _(x, w):
+    return x.new_empty((*x.shape[:-1], w.shape[0]))
+
+
+def _row_parallel_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _row_parallel_backward(ctx, grad):
+    x, w = ctx.saved_tensors
+    return grad @ w, grad.flatten(0, -2).T @ x.flatten(0, -2)
+
+
+_row_parallel_linear.register_autograd(_row_parallel_backward, setup_context=_row_parallel_setup)
+
+
 class _Constrain(torch.autograd.Function):
     """Redistribute to `placements`. The gradient goes back to the source layout with any
     pending partial sums resolved on the way (Partial -> Replicate is the all-reduce of a
@@ -518,6 +543,12 @@ class ShardedContext:
             if out is None:
                 raise ConfigError(f"fp8 linear: unsupported layout of input {x.placements} and weight "
                                   f"{w.placements}: use train.precision bf16 for this plan")
+        elif self.policy.checkpointing == "selective" and any(
+                isinstance(px, Shard) and px.dim == x.ndim - 1 and isinstance(pw, Shard) and pw.dim == 1
+                for px, pw in zip(x.placements, w.placements)):
+            out = self._local_linear(x, w, lambda a, b, *_: _row_parallel_linear(a, b))
+            if out is None:
+                out = torch.nn.functional.linear(x, w)
         elif any(isinstance(p, Shard) and 0 < p.dim < x.ndim - 1 for p in x.placements):
             # The sequence dim is split (cp): DTensor's linear flattens it with the batch
             # dim into a strided shard, which a traced step beside another mesh axis

@@ -42,6 +42,28 @@ def peak_cpu_bytes(fn: Callable[..., Any], *args: Any, before: str | None = None
     return result, peak_from_events(events)
 
 
+def held_cpu_bytes(fn: Callable[..., Any], *args: Any) -> tuple[Any, int]:
+    """(fn(*args), bytes that fn allocated in torch's CPU allocator and still holds when
+    it returns): after a forward, what autograd keeps for backward plus the outputs.
+    A block freed by another thread (one whose last reference a gloo worker drops after
+    a collective) has no free event and counts as held: measure collectives on the fake
+    process group, which runs them on the calling thread."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        result = fn(*args)
+    return result, held_from_events(_allocation_events(prof))
+
+
+def held_from_events(events: list[tuple[int, int, int]]) -> int:
+    """The running sum of `peak_from_events` at the end of the events."""
+    live: dict[int, int] = {}
+    for _, ptr, size in sorted(events, key=lambda e: (e[0], e[2] < 0)):
+        if size > 0:
+            live[ptr] = size
+        else:
+            live.pop(ptr, None)
+    return sum(live.values())
+
+
 def peak_from_events(events: list[tuple[int, int, int]]) -> int:
     """Peak of the running sum over (time_ns, ptr, signed bytes) allocation events (frees
     negative), counting only frees of blocks allocated within the events. At equal times

@@ -65,4 +65,4 @@ def walk_head(w, cfg, table_used: bool):
 
 
 COSTS = Costs(mlp_saved=2, per_sequence=per_sequence, weight_saved=weight_saved, walk_block=walk_block,
-              walk_embed=walk_embed, walk_head=walk_head, norm_stats=2)
+              walk_embed=walk_embed, walk_head=walk_head, mlp_matmuls=1, norm_stats=2)
