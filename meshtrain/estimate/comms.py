@@ -127,7 +127,7 @@ def step_collectives(plan: Plan, model: ModelDef, *, micro_batch_rows: int, seq_
 
     def walk():
         return _Walker(plan, micro_batch_rows, seq_len, c, eager=not compiled and reshard_after_forward,
-                       defer=bucketed, recompute=compiled and reshard_after_forward, keep_shards=not compiled)
+                       defer=bucketed, recompute=compiled and reshard_after_forward, keep_shards=True)
 
     parts, rest, events = _walk_model(model, kinds, walk, embedding, head)
     if bucketed:  # the parameters' traffic: every lookup of one forward, over the buckets

@@ -33,7 +33,8 @@ class _Walker:
     `eager`: gathered weights are dropped after forward and gathered again in backward
     where autograd saved them (an eager step with reshard_after_forward). `keep_shards`:
     an all-gathered activation autograd saves is kept as its shard and gathered again
-    in backward (any eager step, parallel/context.py `_FetchActivation`). `recompute`: a
+    in backward, once (parallel/context.py: eager `_FetchActivation`, compiled a
+    recomputing checkpoint). `recompute`: a
     compiled step's, gathered again once per lookup whose weight backward needs (the
     gather under a recomputing checkpoint, parallel/context.py). Every parameter
     lookup is also kept in `events`, in order; `defer` leaves their traffic out of `out`,

@@ -484,10 +484,18 @@ class ShardedContext:
     def constrain(self, x: torch.Tensor, axes: Sequence[str | None]) -> DTensor:
         placements = self.plan.activation(axes).placements
         if isinstance(x, DTensor):
-            out = _Constrain.apply(x, placements)
-            if not torch.compiler.is_compiling() and _only_gathers(tuple(x.placements), tuple(placements)):
+            if not _only_gathers(tuple(x.placements), tuple(placements)):
+                return _Constrain.apply(x, placements)
+            if not torch.compiler.is_compiling():
+                out = _Constrain.apply(x, placements)
                 self._keep_shard(x, out, placements)
-            return out
+                return out
+            # Traced: the gather under a checkpoint that recomputes it, so backward gathers
+            # again from the shard (hooks cannot be traced); a checkpointed block
+            # recomputes it anyway. (A pure gather's gradient needs no _Constrain.)
+            if self.policy.checkpointing == "none":
+                return _recomputed(_gather, x, placements, None)
+            return _Constrain.apply(x, placements)
         # A plain tensor is the full value on every rank: keep this rank's slice, no comms.
         # A dim split over cp takes this rank's zigzag chunks (mesh dims run outer to inner,
         # so it is still whole here): that is the order every cp-sharded sequence is in.
