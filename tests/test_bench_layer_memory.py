@@ -1,8 +1,8 @@
 """bench/layer_memory.py --tiny in a subprocess: the bytes one layer keeps for backward,
 measured by the allocator for llama and gpt2, none / selective / full checkpointing,
 fp32 and bf16, one process and tp2 + sp, equal the planner's and the textbook constant
-of docs/plan.md within 1% (measured: equal to the byte but for 1 KiB of one row at
-times; the issue asks 5%)."""
+of docs/plan.md to the byte (the issue asks 5%; the runs are deterministic: one thread,
+collectives on the fake process group)."""
 
 import json
 import os
@@ -25,10 +25,9 @@ def test_a_layer_keeps_what_the_planner_and_the_textbook_say(tmp_path):
         for tp in (1, 2)}
     for r in rows:
         assert r["measured"] > 0, r
-        assert abs(r["planner_ratio"] - 1) < 0.01 and abs(r["textbook_ratio"] - 1) < 0.01, r
-    # Sequence parallelism divides every term but wo's and w_down's outputs under
-    # selective checkpointing (partial sums over the whole sequence) by tp.
+        assert r["measured"] == r["planner"] == r["textbook"], r
+    # Sequence parallelism divides every term by tp.
     by = {(r["family"], r["mode"], r["precision"], r["tp"]): r["measured"] for r in rows}
     for f in ("llama", "gpt2"):
-        assert by[(f, "full", "fp32", 2)] * 2 == by[(f, "full", "fp32", 1)]
-        assert by[(f, "none", "fp32", 2)] * 2 == by[(f, "none", "fp32", 1)]
+        for mode in ("none", "selective", "full"):
+            assert by[(f, mode, "fp32", 2)] * 2 == by[(f, mode, "fp32", 1)], (f, mode)

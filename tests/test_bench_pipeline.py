@@ -27,8 +27,10 @@ def test_pipeline_bench_tiny(tmp_path):
         assert len(costs) == 2 * row["virtual"] and all(c["F"] > 0 and c["B"] > 0 for c in costs.values())
     assert data["schedules"][2]["stage_costs_s"]["1"]["W"] > 0  # zb ran split backwards
     # 1F1B and zero-bubble with inductor-compiled stages trained the same model (the bench
-    # asserts it); their peaks per rank stay within 10% of the eager runs' (measured at
-    # --tiny: 0.85x for 1F1B).
-    for compiled in data["compiled"], data["compiled_zb"]:
+    # asserts it); their peaks per rank against the eager runs' (measured at --tiny,
+    # 2026-11-27: 0.91x for 1F1B; 1.125x for zb, whose eager stages keep the textbook
+    # minimum since issue 25 (a norm keeps its input only; before, 0.94x) while the
+    # compiled halves keep what the partitioner picks between BI and BW).
+    for compiled, bound in (data["compiled"], 1.10), (data["compiled_zb"], 1.15):
         assert compiled["backend"] == "inductor" and compiled["step_s"] > 0 and compiled["speedup_over_eager"] > 0
-        assert 0 < compiled["peak_ratio"] <= 1.10, compiled
+        assert 0 < compiled["peak_ratio"] <= bound, compiled

@@ -107,7 +107,8 @@ token, once) are left out like the tokens.
 
 Weights kept for backward (`saved_weights`, part of activations): matmuls and norm
 scales save the weight they multiply by. Parameters that are not gathered are saved as
-themselves in fp32 (no new memory) but as a new bf16 copy under bf16. Gathered (fsdp)
+themselves in fp32 (no new memory) but as a new bf16 copy under bf16, except a block's
+under full or selective checkpointing, whose recompute casts again. Gathered (fsdp)
 weights are gathered again in backward (ZeRO-3, parallel.reshard_after_forward, eager
 and compiled): nothing kept. Without resharding every gathered weight autograd saves is
 kept from forward to backward (`gathered_weights`), except a block's under full or
@@ -118,10 +119,13 @@ models/policy.py):
   full       each layer keeps only its input (c*D, [seq_sp]); backward recomputes one
              layer at a time, so one layer's activations come back as a transient.
   selective  op-level (torchtitan's "op" policy): keep the layer input, the outputs of
-             the matmuls (q, k, v before RoPE, wo's output [seq_sp], gate and up
-             pre-activations) and of attention (output, log-sum-exp); recompute norms,
-             RoPE, activation functions and products. With the math kernel the
-             (S x S) probabilities are recomputed too (Korthikanti et al. 2022).
+             the matmuls (q, k, v before RoPE, gate and up pre-activations: GPT-2 up
+             alone, Costs.mlp_matmuls) and of attention (output, log-sum-exp), and wo's
+             and w_down's outputs as reduced over tp ([seq_sp]: the row-parallel matmul
+             is recomputed, its reduce-scatter kept); recompute norms, RoPE,
+             activation functions and products. With the math kernel the (S x S)
+             probabilities are recomputed too (Korthikanti et al. 2022). MoE blocks'
+             selective figure is an estimate (not measured).
 
 Peak = params + grads + optimizer + activations + recompute (+ `unsharded_grads`: the
 whole fp32 gradients of the gathered parameters, held between micro-steps under
