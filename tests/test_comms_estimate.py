@@ -480,3 +480,32 @@ def test_moe_plan_with_every_block_moe():
     run = dry_run(single.validate())
     assert not run.collectives and run.expert_exchange is None and "expert_all_to_all" not in run.to_dict()
     assert run.memory["activations_per_moe_layer"] > 0
+
+
+# Activation checkpointing: id, family, layout, sp, cp_comm, batch, seq, world. Full
+# recomputes each block in backward, issuing its activation collectives again but the
+# last (the block output's reduction); selective recomputes the sp gathers in place of
+# the kept shards' re-gathers and keeps reductions and attention: no count changes.
+CHECKPOINT_CASES = [
+    ("tp2-sp", "llama", dict(tp=2), True, "allgather", 3, 10, 2),
+    ("tp2", "llama", dict(tp=2), False, "allgather", 3, 7, 2),
+    ("fsdp2", "llama", dict(fsdp=2), False, "allgather", 4, 7, 2),
+    ("fsdp2xtp2-sp", "llama", dict(fsdp=2, tp=2), True, "allgather", 4, 6, 4),
+    ("cp2-ring", "llama", dict(cp=2), False, "ring", 2, 8, 2),
+    ("cp2-allgather", "llama", dict(cp=2), False, "allgather", 2, 8, 2),
+    ("gpt2-tp2-sp", "gpt2", dict(tp=2), True, "allgather", 2, 8, 2),
+]
+
+
+@pytest.mark.parametrize("mode", ["selective", "full"])
+@pytest.mark.parametrize("bucket", BUCKETS)
+@pytest.mark.parametrize("case", CHECKPOINT_CASES, ids=[c[0] for c in CHECKPOINT_CASES])
+def test_checkpointed_estimate_equals_recorded_step(case, bucket, mode):
+    _, family, layout, sp, comm, B, S, world = case
+    model = llama(False) if family == "llama" else build("gpt2", GPT2_CFG)
+    rec = totals(run_model_step(model, layout, bucket=bucket, sp=sp, batch=B, seq=S, world=world, cp_comm=comm,
+                                activation_checkpointing=mode))
+    assert_same(estimate(model, layout, bucket=bucket, sp=sp, batch=B, seq=S, world=world, cp_comm=comm,
+                         activation_checkpointing=mode), rec)
+    if mode == "full" and (sp or "cp" in layout):  # the recompute's collectives are counted
+        assert estimate(model, layout, bucket=bucket, sp=sp, batch=B, seq=S, world=world, cp_comm=comm) != rec

@@ -52,9 +52,12 @@ the expert mesh (`plan.mesh.experts()`, fsdp x cp refolded as fsdp x ep): their
 collectives are named by its axes (its "fsdp" is the refolded group, counted under
 "fsdp" with the dense one).
 
-Not modelled: activation checkpointing's recompute (it repeats a block's activation
-collectives in backward), and the zero-bubble schedule's split backward (on stages
-after the first, both halves gather saved weights again).
+Activation checkpointing: full recomputes each block in backward, issuing its
+activation collectives again up to the last (its output's reduction: the recompute stops
+when backward has what it needs); selective changes no count. Not modelled: an MoE
+block's recompute (its all-to-alls under full checkpointing, the ones selective
+recomputes), and the zero-bubble schedule's split backward (on stages after the first,
+both halves gather saved weights again).
 
 Expert all-to-alls (axis "ep", MoE blocks with ep > 1) are routing-dependent; everything
 else in an MoE block is sized by the plan and counted exactly. Their count is exact: per
@@ -104,7 +107,8 @@ def step_collectives(plan: Plan, model: ModelDef, *, micro_batch_rows: int, seq_
                      precision: str = "fp32", compiled: bool = False, layers=None,
                      embedding: bool = True, head: bool = True, bucket: str | float = "block",
                      prefetch: int = 1, reshard_after_forward: bool = True, names=None,
-                     loss_once: bool = True, fsdp_accumulate: str = "sharded") -> list[dict]:
+                     loss_once: bool = True, fsdp_accumulate: str = "sharded",
+                     activation_checkpointing: str = "none") -> list[dict]:
     """The collectives of one optimizer step: dicts {axis, op, phase, count, bytes}, one per
     (axis, op, phase); bytes are the total per rank over the step. `micro_batch_rows` is
     the sequences of one micro-step over all data-parallel ranks (micro_batch x dp x fsdp).
@@ -117,7 +121,11 @@ def step_collectives(plan: Plan, model: ModelDef, *, micro_batch_rows: int, seq_
     meshtrain/estimate/pipeline.py, and its loss is reduced in every micro-step
     (`loss_once` False), not once per step. Dense and MoE blocks' activations are each
     walked once (their first layer) and multiplied by how many of them run; with buckets,
-    every layer's parameter lookups are replayed over the plan's buckets."""
+    every layer's parameter lookups are replayed over the plan's buckets.
+    `activation_checkpointing` "full": each block's recompute issues its activation
+    collectives again in backward, but for the last (the block output's reduction);
+    "selective" changes no count (the sp gathers it recomputes replace the re-gathers of
+    kept shards; reductions and attention are kept)."""
     if precision not in ("fp32", "bf16", "fp8"):
         raise ConfigError(f"train.precision={precision!r}: choose fp32, bf16 or fp8")
     unit = check_bucket(bucket)
@@ -129,7 +137,7 @@ def step_collectives(plan: Plan, model: ModelDef, *, micro_batch_rows: int, seq_
         return _Walker(plan, micro_batch_rows, seq_len, c, eager=not compiled and reshard_after_forward,
                        defer=bucketed, recompute=compiled and reshard_after_forward, keep_shards=True)
 
-    parts, rest, events = _walk_model(model, kinds, walk, embedding, head)
+    parts, rest, events = _walk_model(model, kinds, walk, embedding, head, recompute=activation_checkpointing == "full")
     if bucketed:  # the parameters' traffic: every lookup of one forward, over the buckets
         params = walk()
         held = set(names) if names is not None else _held(plan, model, kinds, embedding, head)
@@ -178,11 +186,11 @@ def step_collectives(plan: Plan, model: ModelDef, *, micro_batch_rows: int, seq_
             for (phase, op, axis), (n, nbytes) in sorted(total.items(), key=lambda kv: (list(PHASES).index(kv[0][0]), kv[0]))]
 
 
-def _walk_model(model: ModelDef, kinds: dict, walk, embedding: bool, head: bool):
+def _walk_model(model: ModelDef, kinds: dict, walk, embedding: bool, head: bool, recompute: bool = False):
     """The family's walks of one forward: ([(walker, times per micro-step)], the walker of
     the embedding and head, every parameter lookup in order). Dense and MoE blocks are
     walked once each (their first layer); the lookups of the others are that walk's,
-    renamed."""
+    renamed. `recompute`: blocks recomputed whole in backward (full checkpointing)."""
     costs = model.family.costs
     if kinds["moe"] and costs.walk_moe_block is None:
         raise ConfigError(f"collective estimate: the {model.family.name} family has no MoE block walk")
@@ -190,7 +198,10 @@ def _walk_model(model: ModelDef, kinds: dict, walk, embedding: bool, head: bool)
     for kind, table in (("dense", costs.walk_block), ("moe", costs.walk_moe_block)):
         if kinds[kind]:
             block = walk()
+            block.recompute_block = recompute
             table(block, model.cfg, f"layers.{kinds[kind][0]}.")
+            block.end_recomputed_block()
+            block.recompute_block = False
             parts.append((block, len(kinds[kind])))
             first[kind] = (block, kinds[kind][0])
     rest = walk()

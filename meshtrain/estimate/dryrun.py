@@ -146,7 +146,8 @@ def dry_run(cfg, world: int | None = None, gpu: str | None = None, *, suggest: b
                                        micro_steps=micro_steps, precision=t.precision, compiled=bool(t.compile),
                                        bucket=p.bucket, prefetch=p.prefetch,
                                        reshard_after_forward=p.reshard_after_forward,
-                                       fsdp_accumulate=p.fsdp_accumulate)
+                                       fsdp_accumulate=p.fsdp_accumulate,
+                                       activation_checkpointing=t.activation_checkpointing)
         experts = expert_exchange(plan, model, micro_batch_rows=t.micro_batch * dp_size, seq_len=t.seq_len,
                                   precision=t.precision)
     axis_nodes = {a: _nodes_spanned(plan.mesh, a, gpus_per_node) for a in plan.mesh.axes}

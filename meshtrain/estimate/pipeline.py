@@ -156,7 +156,8 @@ def pipeline_estimate(plan: Plan, model, *, pp_schedule: str, virtual: int, layo
                                                    layers=[i for st in mine for i in range(*st.layers)], embedding=first,
                                                    head=has_head, bucket=bucket, prefetch=prefetch,
                                                    reshard_after_forward=reshard_after_forward, names=names,
-                                                   loss_once=False)
+                                                   loss_once=False,
+                                                   activation_checkpointing=activation_checkpointing)
                        if not (e["phase"] == "optimizer" and e["op"] == "all_reduce_sum")]
         _kept_regathers(collectives, sched.ranks[r], {
             st.index: backward_regathers(sub, model, micro_batch_rows=micro_batch * data, seq_len=seq_len,

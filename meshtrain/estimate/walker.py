@@ -3,6 +3,7 @@ the runtime issues for each (the counting machinery of comms.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections import defaultdict
 
@@ -45,6 +46,10 @@ class _Walker:
         self.plan, self.mesh = plan, plan.mesh
         self.B, self.S, self.c, self.eager, self.defer = B, S, c, eager, defer
         self.recompute, self.keep_shards = recompute, keep_shards
+        # Full activation checkpointing, set while a block is walked: its recompute in
+        # backward issues the block's activation collectives again (`_recomputed`).
+        self.recompute_block = False
+        self._last_replay: dict = {}
         self.out: dict[tuple, list[int]] = defaultdict(lambda: [0, 0])
         self._acts: dict[tuple, tuple] = {}
         self.events: list[tuple] = []  # ("use" | "save", name, acts_on, saves, grad)
@@ -202,18 +207,51 @@ class _Walker:
     def constrain(self, shape, src, dst, grad, saved: bool = True):
         """ctx.constrain from placements `src` to `dst`, its gradient arriving as `grad`.
         `saved`: autograd keeps the output (the normed input the matmuls read), so with
-        keep_shards an all-gather is issued again in backward, once."""
-        self.redistribute("fwd", shape, src, dst, self.c or 4)
+        keep_shards an all-gather is issued again in backward, once (in a recomputed
+        block, by the recompute)."""
+        with self._recomputed():
+            self.redistribute("fwd", shape, src, dst, self.c or 4)
         self.redistribute("bwd", shape, grad, tuple(R if p == P else p for p in src), self.c or 4)
         gathers = src != dst and all(s == d or (s[0] == "S" and d == R) for s, d in zip(src, dst))
-        if saved and self.keep_shards and gathers:
+        if saved and self.keep_shards and gathers and not self.recompute_block:
             self.redistribute("bwd", shape, src, dst, self.c or 4)
+
+    @contextlib.contextmanager
+    def _recomputed(self):
+        """The forward collectives issued inside: in a recomputed block, issued again in
+        backward."""
+        before = {k: list(v) for k, v in self.out.items() if k[0] == "fwd"}
+        yield
+        if not self.recompute_block:
+            return
+        self._last_replay = {}
+        for (phase, op, axis), (n, nbytes) in list(self.out.items()):
+            n0, b0 = before.get((phase, op, axis), (0, 0))
+            if phase == "fwd" and n > n0:
+                self._last_replay[("bwd", op, axis)] = (n - n0, nbytes - b0)
+                entry = self.out[("bwd", op, axis)]
+                entry[0] += n - n0
+                entry[1] += nbytes - b0
+
+    def end_recomputed_block(self):
+        """A recompute stops once backward has what it needs: the block's last
+        collective (its output's reduction) is not issued again."""
+        for key, (n, nbytes) in self._last_replay.items():
+            self.out[key][0] -= n
+            self.out[key][1] -= nbytes
+            if not self.out[key][0]:
+                del self.out[key]
+        self._last_replay = {}
 
     def attention(self, hq: int, hkv: int, hd: int):
         """ctx.attention over a sequence split on cp (parallel/cp_attention.py, section 5 of
         docs/parallelism.md): per rank, N = S / cp positions of the local rows."""
         if "cp" not in self.mesh.axes:
             return
+        with self._recomputed():
+            self._cp_attention(hq, hkv, hd)
+
+    def _cp_attention(self, hq: int, hkv: int, hd: int):
         i, cp = self.mesh.axes.index("cp"), self.mesh.cp
         e = self.c or 4
         q = self._numel((self.B, self.S, hq, hd), self.act(("batch", "seq", "q_heads", None)))

@@ -376,15 +376,19 @@ class ShardedContext:
         self._pending_bwd: dict[int, tuple] = {}
         self._cp_dim = plan.mesh.axes.index("cp") if "cp" in plan.mesh.axes else None
         self._moe = MoeRecords()
+        self._views: list = []  # the forward's parameter views (weak), for regather_in_backward
 
     def bind(self, params):
-        return _BoundParams(self, params)
+        view = _BoundParams(self, params)
+        self._views.append(weakref.ref(view))
+        return view
 
     @contextlib.contextmanager
     def regather_in_backward(self):
         """Scope of one forward: autograd keeps shards, not gathered parameters."""
         self._gathered, self._regathered, self._pending_bwd = {}, {}, {}
         self._regathered_activation = None
+        self._views = []
 
         def pack(t):
             local = t._local_tensor if isinstance(t, DTensor) else t
@@ -408,6 +412,14 @@ class ShardedContext:
                 yield
         finally:
             self._gathered = {}
+            # A checkpointed block keeps its parameter view for the recompute: drop the
+            # bucket the forward gathered last, or every micro-batch in flight would hold
+            # one (the recompute gathers it again).
+            for ref in self._views:
+                view = ref()
+                if view is not None:
+                    view._live = {}
+            self._views = []
 
     def _issue_bucket(self, b: int, params) -> tuple:
         """Start bucket b's gathers (async: waited where they are unpacked)."""
