@@ -376,11 +376,12 @@ class ShardedContext:
         self._pending_bwd: dict[int, tuple] = {}
         self._cp_dim = plan.mesh.axes.index("cp") if "cp" in plan.mesh.axes else None
         self._moe = MoeRecords()
-        self._views: list = []  # the forward's parameter views (weak), for regather_in_backward
+        self._views: list | None = None  # inside regather_in_backward: the forward's parameter views (weak)
 
     def bind(self, params):
         view = _BoundParams(self, params)
-        self._views.append(weakref.ref(view))
+        if self._views is not None and not torch.compiler.is_compiling():
+            self._views.append(weakref.ref(view))
         return view
 
     @contextlib.contextmanager
@@ -419,7 +420,7 @@ class ShardedContext:
                 view = ref()
                 if view is not None:
                     view._live = {}
-            self._views = []
+            self._views = None
 
     def _issue_bucket(self, b: int, params) -> tuple:
         """Start bucket b's gathers (async: waited where they are unpacked)."""
