@@ -75,8 +75,9 @@ def _held(family: str, n: int, mode: str, precision: str, b: int, s: int, tp: in
         params = {k: init_slice(spec, k, seed=0).requires_grad_() for k, spec in model.specs.items()}
         ctx = LocalContext(policy)
     else:
-        params = init_params(plan, plan.mesh.build(), seed=0)
-        ctx = ShardedContext(plan, plan.mesh.build(), policy)
+        mesh = plan.mesh.build()
+        params = init_params(plan, mesh, seed=0)
+        ctx = ShardedContext(plan, mesh, policy)
     tokens = torch.randint(0, model.cfg.vocab_size, (b, s), generator=torch.Generator().manual_seed(0))
 
     def forward():

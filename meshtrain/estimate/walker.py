@@ -220,10 +220,11 @@ class _Walker:
     def _recomputed(self):
         """The forward collectives issued inside: in a recomputed block, issued again in
         backward."""
+        if not self.recompute_block:
+            yield
+            return
         before = {k: list(v) for k, v in self.out.items() if k[0] == "fwd"}
         yield
-        if not self.recompute_block:
-            return
         self._last_replay = {}
         for (phase, op, axis), (n, nbytes) in list(self.out.items()):
             n0, b0 = before.get((phase, op, axis), (0, 0))
