@@ -64,6 +64,10 @@ CASES = {
         "interleaved_pp4_v2": (dataclasses.replace(CFG, n_layers=8), "interleaved", {"pp": 4}, 2, 4, None, False),
         "1f1b_pp2_fsdp2": (LLAMA4, "1f1b", {"pp": 2, "fsdp": 2}, 1, 4, None, False),
         "zb_pp2_fsdp2": (LLAMA4, "zb", {"pp": 2, "fsdp": 2}, 1, 4, None, False),
+        "1f1b_pp2_fsdp2_kept": (LLAMA4, "1f1b", {"pp": 2, "fsdp": 2}, 1, 4, None, False),
+        "zb_pp2_fsdp2_kept": (LLAMA4, "zb", {"pp": 2, "fsdp": 2}, 1, 4, None, False),
+        "interleaved_pp2_fsdp2_kept_tied": (TIED4, "interleaved", {"pp": 2, "fsdp": 2}, 2, 2, None, False),
+        "zb_pp2_tp2_sp_kept": (LLAMA4, "zb", {"pp": 2, "tp": 2}, 1, 4, None, True),
         "zb_pp2_tp2_sp": (LLAMA4, "zb", {"pp": 2, "tp": 2}, 1, 4, None, True),
         "zb_pp2_tp2_sp_selective": (LLAMA4, "zb", {"pp": 2, "tp": 2}, 1, 4, None, True),
         "1f1b_pp2_tp2_sp": (LLAMA4, "1f1b", {"pp": 2, "tp": 2}, 1, 4, None, True),
@@ -81,6 +85,7 @@ CASES = {
 # and cp inside the stages; zb with selective checkpointing.
 COMPILED = {2: ["gpipe_pp2", "1f1b_pp2", "interleaved_pp2_v2_tied", "zb_pp2", "zb_pp2_selective"],
             4: ["gpipe_pp4", "1f1b_pp4", "interleaved_pp4_v2", "zb_pp4", "1f1b_pp2_fsdp2", "zb_pp2_fsdp2",
+                "1f1b_pp2_fsdp2_kept", "zb_pp2_fsdp2_kept",
                 "1f1b_pp2_tp2_sp", "zb_pp2_tp2_sp", "zb_pp2_tp2_sp_selective", "interleaved_pp2_dp2_tied",
                 "1f1b_pp2_cp2_ring", "zb_pp2_cp2_a2a_gpt2_tied"]}
 CP_COMM = {"1f1b_pp2_cp2_ring": "ring", "zb_pp2_cp2_a2a_gpt2_tied": "a2a"}  # the others: cp 1
@@ -88,6 +93,8 @@ BF16 = {"zb_pp2_bf16"}  # bf16 compute (fp32 master weights), against one proces
 # Selective checkpointing, against one process without: zero-bubble backpropagates each
 # checkpointed block twice (input, then weight gradients), both from what it saved.
 SELECTIVE = {"zb_pp2_selective", "zb_pp2_tp2_sp_selective", "1f1b_pp2_tp2_sp_selective"}
+# parallel.pp_keep_gathered: stage weights gathered once per step, gradients reduced once.
+KEPT = {"1f1b_pp2_fsdp2_kept", "zb_pp2_fsdp2_kept", "interleaved_pp2_fsdp2_kept_tied", "zb_pp2_tp2_sp_kept"}
 
 
 def _precision(name: str) -> str:
@@ -147,7 +154,8 @@ def _pipelined(names, compile=False):
         step = make_pipeline_step(model, stages, build_pipeline_schedule(sched, pp, micro_steps, v), plan, mesh,
                                   precision=_precision(name), optimizer=_optimizer(), lr_schedule=_lr(),
                                   grad_clip=GRAD_CLIP, inspect_grads=recorder, compile=compile,
-                                  activation_checkpointing="selective" if name in SELECTIVE else "none")
+                                  activation_checkpointing="selective" if name in SELECTIVE else "none",
+                                  keep_gathered=name in KEPT)
         state = TrainState.create(params)
         with torch._dynamo.config.patch(error_on_recompile=True):  # micro-batches and steps share graphs
             losses = [_loss_and_norm(step(state, b)) for b in batches(micro_steps, STEPS)]

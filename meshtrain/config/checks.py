@@ -87,6 +87,7 @@ def _validate_parallel(p: ParallelConfig) -> None:
     check_bucket(p.bucket, "parallel.bucket")
     _check_int(p.prefetch, "parallel.prefetch", minimum=0, maximum=64)
     check_bool(p.reshard_after_forward, "parallel.reshard_after_forward")
+    check_bool(p.pp_keep_gathered, "parallel.pp_keep_gathered")
     if p.fsdp_accumulate not in ("sharded", "unsharded"):
         raise ConfigError(f"parallel.fsdp_accumulate={p.fsdp_accumulate!r}: choose sharded (reduce-scatter every "
                           "micro-step) or unsharded (accumulate locally, reduce-scatter once per step)")

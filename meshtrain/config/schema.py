@@ -123,6 +123,8 @@ class RunConfig:
             _validate_experts(self)
         if p.fsdp_accumulate == "unsharded":
             _validate_unsharded_accumulation(self)
+        if p.pp_keep_gathered:
+            _validate_keep_gathered(self)
         if self.checkpoint.export:  # what Hugging Face cannot express fails now, not after training
             from ..interop.hf import to_hf_config
 
@@ -257,6 +259,17 @@ def _validate_unsharded_accumulation(cfg: "RunConfig") -> None:
         if bad:
             raise ConfigError(f"parallel.fsdp_accumulate=unsharded does not work with {why}: set "
                               "parallel.fsdp_accumulate sharded")
+
+
+def _validate_keep_gathered(cfg: "RunConfig") -> None:
+    p = cfg.parallel
+    if p.pp < 2:
+        raise ConfigError("parallel.pp_keep_gathered=true keeps a pipeline stage's weights gathered over its "
+                          "micro-batches, but parallel.pp is 1: without a pipeline set parallel.reshard_after_forward "
+                          "false and parallel.fsdp_accumulate unsharded, or set parallel.pp_keep_gathered false")
+    if p.bucket == "param":
+        raise ConfigError("parallel.pp_keep_gathered=true needs buckets: set parallel.bucket block (or a size in "
+                          "MB), or parallel.pp_keep_gathered false")
 
 
 def _validate_context_parallel(cfg: "RunConfig") -> None:

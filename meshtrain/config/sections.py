@@ -123,6 +123,8 @@ class ParallelConfig:
     """ZeRO-3: drop gathered weights after each block's forward and gather them again in backward (eager: a bucket at a time; compiled: each weight's gather recomputed where backward needs it, docs/parallelism.md). false keeps them from forward to backward: one all-gather per bucket (compiled: per weight) per micro-step fewer, at the memory of the whole gathered model."""
     fsdp_accumulate: str = "sharded"
     """How fsdp gradients add up over a step's micro-steps. sharded: each micro-step's are reduce-scattered (FSDP2's default; only shards are held). unsharded: each block's full fp32 gradients accumulate locally and are reduce-scattered once, on the last micro-step: one reduce-scatter per bucket per step instead of per micro-step, for the memory of the whole model's unsharded gradients between micro-steps. Needs buckets (not parallel.bucket param) and no pipeline (parallel.pp 1); eager and compiled."""
+    pp_keep_gathered: bool = False
+    """Under a pipeline with fsdp: gather each pp rank's stage weights once per step (fp32, before the first micro-batch) and keep them over the step's micro-batches; their gradients add up unsharded (fp32) and are reduce-scattered once, after the last backward (TorchTitan's unsharded pipeline stages). Saves per micro-batch one all-gather (two with reshard_after_forward) and one reduce-scatter per bucket, for the memory of the stage's whole fp32 weights and gradients; `meshtrain plan` shows both sides. Needs parallel.pp > 1 and buckets (not parallel.bucket param)."""
     collective_timeout_s: float = 900.0
     """Seconds a collective may wait for its peers before it fails (the process group's timeout; at most 1e8)."""
     watchdog_s: float = 600.0

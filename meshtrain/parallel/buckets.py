@@ -501,7 +501,7 @@ class _GatherFlatUnsharded(torch.autograd.Function):
         return None, grad.to(ctx.dtype).reshape(-1), None, None
 
 
-def _grad_layouts(run: "BucketRun") -> list[tuple]:
+def grad_layouts(run: "BucketRun") -> list[tuple]:
     """The layout each gathered weight's gradient is taken in: Partial over the dims that
     split the tokens (the data dims, and the sequence dims for a weight used whole)."""
     return [tuple(Partial() if q.is_replicate() and run.mesh_shape[i] > 1 and (i in run.data or i in run.seq_dims)
@@ -516,7 +516,7 @@ def held_partials(run: "BucketRun") -> dict[tuple[int, ...], list[int]]:
     step."""
     gathered = {j: s.gather for s in run.sets for j in s.members}
     out: dict[tuple, list[int]] = {}
-    for j, layout in enumerate(_grad_layouts(run)):
+    for j, layout in enumerate(grad_layouts(run)):
         dims = tuple(i for i, q in enumerate(layout) if q.is_partial() and i not in gathered.get(j, ()))
         if dims:
             out.setdefault(dims, []).append(j)
@@ -530,13 +530,13 @@ def traced_gather(run: "BucketRun", *shards: DTensor) -> tuple[DTensor, ...]:
     declared so (Partial placements), and accumulates over the step's micro-steps:
     `ShardedContext.reduce_held` all-reduces it once after the last backward (a traced
     graph cannot hold on some micro-steps and not on others without a second graph).
-    The gathered weights declare the gradient layout they take (`_grad_layouts`), so
+    The gathered weights declare the gradient layout they take (`grad_layouts`), so
     DTensor turns whatever backward brings into that layout first."""
     held = {j: dims for dims, js in held_partials(run).items() for j in js}
     locals_ = [s.to_local(grad_placements=[Partial() if i in held.get(j, ()) else q
                                            for i, q in enumerate(s.placements)])
                for j, s in enumerate(shards)]
-    layouts = _grad_layouts(run)
+    layouts = grad_layouts(run)
     gathered = {j: s.gather for s in run.sets for j in s.members}
     out = {j: t.to(run.dtypes[j]) for j, t in enumerate(locals_) if j not in gathered}
     for k, s in enumerate(run.sets):

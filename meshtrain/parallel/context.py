@@ -41,8 +41,8 @@ from ..models.fp8 import fp8_linear
 from ..models.losses import cross_entropy_sum
 from ..models.moe import balance_loss, route, routed_experts, sequence_stats, z_loss
 from ..models.policy import Policy
-from .buckets import (BucketGather, BucketRun, Groups, InFlight, group_dims, held_partials, plan_buckets,
-                      traced_gather)
+from .buckets import (BucketGather, BucketRun, Groups, InFlight, grad_layouts, group_dims, held_partials,
+                      plan_buckets, traced_gather)
 from .cp_attention import context_parallel_attention, zigzag_order
 from .expert_parallel import AllToAllExchange, CopyToTensorParallel
 from .mesh import device_mesh_for
@@ -275,6 +275,8 @@ class _BoundParams(Mapping):
         pending = self._pending.pop(b, (None,) * len(run.sets))
         outs = BucketGather.apply(run, *pending, *shards)
         gathered = {j for s in run.sets for j in s.members}
+        if context.held:  # cast per use: cast again in backward rather than saved
+            gathered |= {j for j, (d, p) in enumerate(zip(run.dtypes, run.param_dtypes)) if d != p}
         if context.reshard:
             for j in gathered:
                 local = outs[j]._local_tensor
@@ -350,9 +352,14 @@ class ShardedContext:
 
     def __init__(self, plan: Plan, device_mesh: DeviceMesh, policy: Policy | torch.dtype | None = None, *,
                  bucket: str | float = "block", prefetch: int = 1, reshard_after_forward: bool = True,
-                 fsdp_accumulate: str = "sharded"):
+                 fsdp_accumulate: str = "sharded", held: bool = False):
+        """`held`: the parameters it is bound to are gathered already and held over the
+        step's micro-batches by their owner (parallel/keep_gathered.py, with `plan` the
+        `gathered` plan): their gradients stay this rank's partial sums, never reduced
+        here, and a weight cast to the compute dtype is cast again in backward, not saved."""
         self.plan, self.mesh, self.policy = plan, device_mesh, Policy.coerce(policy)
-        self.prefetch, self.reshard = prefetch, reshard_after_forward
+        self.prefetch, self.reshard = prefetch, reshard_after_forward or held
+        self.held = held
         buckets, _ = plan_buckets(plan, bucket)
         self._groups = Groups(device_mesh, group_dims(buckets, plan))
         # Expert weights' buckets run on the expert mesh, with groups of its own (made on
@@ -369,6 +376,8 @@ class ShardedContext:
                         if a in plan.mesh.axes)
         self._runs = [BucketRun(b, plan, *meshes[b.mesh], self.policy, inflight, unsharded,
                                 seq if b.mesh == plan.mesh else frozenset()) for b in buckets]
+        for run in self._runs:
+            run.hold = held
         self._bucket_of = {n: b.index for b in buckets for n in b.names}
         self._gathered: dict[int, tuple] = {}  # storage of a gathered parameter -> how to fetch it again
         self._regathered: dict[int, list] = {}  # backward: buckets gathered again (the current, the next)
@@ -436,7 +445,8 @@ class ShardedContext:
             locals_ = [s._local_tensor for s in shards]
             with torch.no_grad():
                 pending = self._pending_bwd.pop(b, None) or tuple(run.issue(s, locals_) for s in run.sets)
-                out = dict(enumerate(locals_))
+                # (held: no gathers; the casts made per use are made again here)
+                out = {j: t.to(d) if self.held else t for j, (t, d) in enumerate(zip(locals_, run.dtypes))}
                 for s, gathered in zip(run.sets, pending):
                     out.update(run.unpack(s, gathered))
             self._regathered = {b: [out[j] for j in range(len(shards))]}
@@ -446,6 +456,11 @@ class ShardedContext:
                 self._pending_bwd = {before: self._issue_bucket(before, dict(zip(self._runs[before].bucket.names,
                                                                                   saved[before])))}
         return self._regathered[b]
+
+    def gradient_layouts(self) -> dict[str, tuple]:
+        """Each bucketed parameter's gradient layout as its gather takes it (Partial over
+        the dims that split the tokens): what a `held` context leaves as local sums."""
+        return {n: layout for run in self._runs for n, layout in zip(run.bucket.names, grad_layouts(run))}
 
     def hold_reductions(self, hold: bool) -> None:
         """Before a micro-step's backward: True on all but the step's last, so gradients

@@ -234,3 +234,17 @@ def without_pp(plan: Plan) -> Plan:
 
     mesh = dataclasses.replace(plan.mesh, pp=1)
     return make_plan({n: p.spec for n, p in plan.params.items()}, plan.rules, mesh, mesh.world, plan.cp_comm)
+
+
+def gathered(plan: Plan) -> Plan:
+    """The plan with every parameter stored where it is used (`compute_placements`: fsdp
+    and cp shards whole, tensor- and expert-parallel shards kept): the layout of a
+    pipeline stage's weights held gathered over a step (parallel.pp_keep_gathered)."""
+    import dataclasses
+
+    params = {}
+    for name, p in plan.params.items():
+        axes = tuple(tuple(a for a in dim if a not in GATHERED_AXES) for dim in p.layout.dim_axes)
+        layout = Layout(axes, p.compute_placements())
+        params[name] = dataclasses.replace(p, layout=layout, local_shape=layout.local_shape(p.spec.shape, p.mesh))
+    return dataclasses.replace(plan, params=params)

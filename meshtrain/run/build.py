@@ -87,10 +87,10 @@ def _pipelined(cfg: RunConfig, model, plan, device, accumulation: int, micro_row
 
 def traffic_options(cfg: RunConfig) -> dict:
     """How a sharded step moves parameters (parallel.bucket, prefetch, reshard_after_forward,
-    fsdp_accumulate)."""
+    fsdp_accumulate; a pipeline's pp_keep_gathered)."""
     p = cfg.parallel
     return dict(bucket=p.bucket, prefetch=p.prefetch, reshard_after_forward=p.reshard_after_forward,
-                fsdp_accumulate=p.fsdp_accumulate)
+                fsdp_accumulate=p.fsdp_accumulate, **({"keep_gathered": True} if p.pp_keep_gathered else {}))
 
 
 def step_options(cfg: RunConfig) -> dict:

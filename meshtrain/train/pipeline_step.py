@@ -46,6 +46,7 @@ from ..models import ModelDef
 from ..models.context import LocalContext
 from ..models.policy import Policy
 from ..parallel.context import ShardedContext
+from ..parallel.keep_gathered import KeptStage
 from ..parallel.mesh import sub_mesh
 from ..parallel.plan import without_pp
 from ..pipeline.partition import Stage
@@ -84,17 +85,26 @@ class _Pipe:
     """This rank's place in the pipeline: its context, pp peers and the boundary layout."""
 
     def __init__(self, model: ModelDef, stages: list[Stage], pp: int, plan, device_mesh, policy: Policy,
-                 compile: bool | str = False, split_backward: bool = False, **traffic):
+                 compile: bool | str = False, split_backward: bool = False, keep_gathered: bool = False, **traffic):
         self.model, self.stages = model, stages
         if plan is None or device_mesh is None or plan.mesh.pp != pp or pp < 2:
             raise ConfigError(f"a pipeline step needs the plan and device mesh of a layout with parallel.pp={pp} "
                               ">= 2 (parallel.pp 1 runs make_train_step)")
         self.rank, self.group = device_mesh.get_local_rank("pp"), device_mesh.get_group("pp")
-        _, self.plan, self.mesh = local_stage_layout(plan, device_mesh, stages)
-        self.ctx = LocalContext(policy) if self.mesh is None else ShardedContext(self.plan, self.mesh, policy,
-                                                                                 **traffic)
+        names, self.plan, self.mesh = local_stage_layout(plan, device_mesh, stages)
+        # parallel.pp_keep_gathered: the stages run on weights gathered once per step.
+        self.kept = None
+        if self.mesh is None:
+            self.ctx = LocalContext(policy)
+        elif keep_gathered:
+            self.kept = KeptStage(self.plan, self.mesh, names, policy, bucket=traffic.get("bucket", "block"),
+                                  prefetch=traffic.get("prefetch", 1))
+            self.ctx = self.kept.context
+        else:
+            self.ctx = ShardedContext(self.plan, self.mesh, policy, **traffic)
         self.dtype = policy.dtype or torch.float32
-        self.holds_partials = bool(compile) and self.mesh is not None  # traced gathers: see reduce_held
+        # Traced gathers leave partial sums for reduce_held (kept weights: for KeptStage.release).
+        self.holds_partials = bool(compile) and self.mesh is not None and self.kept is None
         # One function per stage: compiled, each is traced once (micro-batches and steps
         # share its graphs); the last stage's takes the loss in its graph too.
         prefetch = traffic.get("prefetch", 1) if self.mesh is not None else 0
@@ -254,7 +264,8 @@ def make_pipeline_step(model: ModelDef, stages: list[Stage], pipeline_schedule: 
                        activation_checkpointing: str = "none",
                        record_timings: bool = False, inspect_grads: InspectGrads | None = None,
                        bucket: str | float = "block", prefetch: int = 1, reshard_after_forward: bool = True,
-                       fsdp_accumulate: str = "sharded", compile: bool | str = False) -> Callable[[TrainState, dict], dict]:
+                       fsdp_accumulate: str = "sharded", keep_gathered: bool = False,
+                       compile: bool | str = False) -> Callable[[TrainState, dict], dict]:
     """`step(state, batch) -> metrics` for this rank; `plan` and `device_mesh` are the whole
     layout's, pp included. record_timings: metrics["timings"] lists (kind, stage, seconds)
     of this rank's compute actions, then ("update", -1, seconds) for the gradient
@@ -268,7 +279,8 @@ def make_pipeline_step(model: ModelDef, stages: list[Stage], pipeline_schedule: 
     one's with its loss) and its backward are compiled graphs, traced once per stage
     (zero-bubble: the backward as two, its input and its weight half); what they leave
     partial over the data-parallel replicas is reduced once per step, after the last
-    backward."""
+    backward. `keep_gathered` (parallel.pp_keep_gathered): the rank's weights are
+    gathered once per step and their gradients reduced once (parallel/keep_gathered.py)."""
     if fsdp_accumulate != "sharded":
         raise ConfigError(f"fsdp_accumulate={fsdp_accumulate!r}: a pipeline step reduces every micro-batch; use "
                           "sharded")
@@ -280,7 +292,7 @@ def make_pipeline_step(model: ModelDef, stages: list[Stage], pipeline_schedule: 
     if compile:
         check_compile(policy.checkpointing, sharded=plan is not None and plan.mesh.world > plan.mesh.pp)
     pipe = _Pipe(model, stages, pipeline_schedule.pp, plan, device_mesh, policy, compile, split_backward,
-                 bucket=bucket, prefetch=prefetch, reshard_after_forward=reshard_after_forward)
+                 keep_gathered, bucket=bucket, prefetch=prefetch, reshard_after_forward=reshard_after_forward)
     apply_update = make_update(optimizer, lr_schedule or LRSchedule(lr=optimizer.lr, kind="constant"), grad_clip,
                                inspect_grads=inspect_grads)
     actions = pipeline_schedule.ranks[pipe.rank]
@@ -301,9 +313,13 @@ def make_pipeline_step(model: ModelDef, stages: list[Stage], pipeline_schedule: 
         n_tokens = batch.get("num_targets") or count_targets(targets)
         timings = [] if record_timings else None
         moe = MoeTerms.of(tokens)
-        loss = _run(pipe, actions, state.params, tokens, targets, n_tokens, train=True, timings=timings, moe=moe,
+        params = state.params if pipe.kept is None else pipe.kept.gather(state.params)
+        loss = _run(pipe, actions, params, tokens, targets, n_tokens, train=True, timings=timings, moe=moe,
                     docs=documents(batch))
         update_start = time.perf_counter()
+        if pipe.kept is not None:  # the step's summed gradients, reduced once
+            pipe.kept.release(params)
+            del params
         if pipe.holds_partials:  # what the graphs left partial (dp replicas, sp norms), reduced once
             pipe.ctx.reduce_held(state.params)
         for n in tied_here:  # both copies get the sum of both contributions, in one order

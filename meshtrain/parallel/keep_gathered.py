@@ -1,0 +1,72 @@
+"""parallel.pp_keep_gathered: a pipeline rank's stage weights gathered once per step.
+
+Under pp x fsdp every micro-batch gathers a stage's weights (again in backward, with
+reshard_after_forward) and reduce-scatters their gradients. Here the rank gathers its
+weights once, in their own dtype (fp32), before the first micro-batch (`KeptStage.gather`);
+the micro-batches run on them through a `held` ShardedContext on the `gathered` plan,
+which casts per use and leaves every gradient as this rank's partial sum, added up by
+autograd over the micro-batches; `KeptStage.release` then sends that sum back through
+the gathers' own backward once: per bucket one reduce-scatter per gather set and one
+all-reduce of what is still partial (dp; tp for sequence-parallel norms), into the
+shards' .grad. The gathers and reductions are the eager bucket path's
+(parallel/buckets.py) in eager and compiled steps alike: they run outside the compiled
+stage graphs, which see the gathered weights as inputs.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from ..errors import ConfigError
+from ..models.policy import Policy
+from .context import ShardedContext
+from .plan import Plan, gathered
+
+
+class KeptStage:
+    """The weights `names` of one pp rank on its sub-mesh (`plan` without pp): `context`
+    runs the stages on what `gather` returns; `release` reduces their gradients."""
+
+    def __init__(self, plan: Plan, device_mesh, names, policy: Policy, *, bucket: str | float = "block",
+                 prefetch: int = 1):
+        self.names = list(names)
+        # Gathered in the parameters' dtype: the gradients add up in fp32 over the
+        # micro-batches and the cast to the compute dtype is made per use.
+        self._gatherer = ShardedContext(plan, device_mesh, Policy(), bucket=bucket, prefetch=prefetch,
+                                        reshard_after_forward=False)
+        self.context = ShardedContext(gathered(plan), device_mesh, policy, bucket=bucket, prefetch=prefetch,
+                                      held=True)
+        # The layout each held gradient's local sum is a part of (Partial where tokens split).
+        self._layouts = self.context.gradient_layouts()
+        loose = [n for n in self.names if plan.params[n].spec.trainable and n not in self._layouts]
+        if loose:
+            raise ConfigError(f"parallel.pp_keep_gathered: {', '.join(loose)} would be reduced every micro-batch "
+                              "(no bucket holds them): use parallel.bucket block or a size in MB")
+        self._gathers: dict[str, DTensor] = {}
+
+    def gather(self, params: Mapping[str, DTensor]) -> dict[str, DTensor]:
+        """This rank's weights gathered (one all-gather per bucket and gather set, the next
+        bucket's issued ahead), as leaves whose .grad the micro-batches add up."""
+        view = self._gatherer.bind(params)
+        with torch.enable_grad():
+            self._gathers = {n: view[n] for n in self.names}
+        return {n: g.detach().requires_grad_(params[n].requires_grad) for n, g in self._gathers.items()}
+
+    def release(self, kept: Mapping[str, DTensor]) -> None:
+        """The step's summed gradients of `kept` (gather's leaves) reduced once into the
+        shards' .grad, through the gathers' backward."""
+        outs, grads = [], []
+        for n, leaf in kept.items():
+            if leaf.grad is None:
+                continue
+            local = leaf.grad._local_tensor
+            outs.append(self._gathers[n])
+            grads.append(DTensor.from_local(local, leaf.device_mesh, self._layouts[n], run_check=False,
+                                            shape=leaf.shape, stride=leaf.stride()))
+            leaf.grad = None
+        self._gathers = {}
+        if outs:
+            torch.autograd.backward(outs, grads)

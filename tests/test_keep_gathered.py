@@ -1,0 +1,70 @@
+"""parallel.pp_keep_gathered (parallel/keep_gathered.py): what it refuses, and bf16 steps
+equal to the sharded pipeline's. Equivalence with one process in fp32 is in
+test_pipeline_exec (the *_kept cases, eager and compiled); the collectives against a
+recorded step in test_pipeline_plan; the memory trade in bench/keep_gathered_cpu.py."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from meshtrain.errors import ConfigError
+from meshtrain.testing import run_ranks
+from test_dryrun import preset
+
+
+def _with(cfg, **parallel):
+    return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, **parallel))
+
+
+@pytest.mark.parametrize("parallel, words", [
+    ({"pp": 1}, ["parallel.pp_keep_gathered", "parallel.pp is 1", "fsdp_accumulate unsharded"]),
+    ({"pp": 2, "bucket": "param"}, ["parallel.pp_keep_gathered", "needs buckets", "parallel.bucket block"]),
+])
+def test_refused_where_it_means_nothing(parallel, words):
+    cfg = _with(preset("tiny"), pp_keep_gathered=True, **parallel)
+    with pytest.raises(ConfigError) as e:
+        cfg.validate()
+    assert all(w in str(e.value) for w in words), str(e.value)
+
+
+def test_accepted_on_a_pipeline():
+    cfg = preset("tiny-pp2")
+    _with(cfg, pp_keep_gathered=True).validate()
+
+
+def _bf16_steps(compile):
+    """Losses and norms of zb on pp 2 x fsdp 2 in bf16, sharded then kept."""
+    from meshtrain import MeshSpec, Rules, TrainState, build, init_params, make_plan
+    from meshtrain.pipeline.partition import partition
+    from meshtrain.pipeline.schedule import build_pipeline_schedule
+    from meshtrain.train.pipeline_step import local_stage_layout, make_pipeline_step
+    from test_pipeline_exec import BATCH, GRAD_CLIP, LLAMA4, SEQ, STEPS, _loss_and_norm, _lr, _optimizer, batches
+
+    torch.set_num_threads(1)
+    out = {}
+    for kept in (False, True):
+        torch._dynamo.reset()
+        model = build("llama", LLAMA4)
+        plan = make_plan(model.specs, Rules.default(), MeshSpec(pp=2, fsdp=2), world=4)
+        mesh = plan.mesh.build()
+        stages = partition(model, 2, 1, None, seq_len=SEQ, micro_batch=BATCH // 4)
+        names, sub_plan, sub_mesh = local_stage_layout(plan, mesh, stages)
+        step = make_pipeline_step(model, stages, build_pipeline_schedule("zb", 2, 4), plan, mesh, precision="bf16",
+                                  optimizer=_optimizer(), lr_schedule=_lr(), grad_clip=GRAD_CLIP,
+                                  keep_gathered=kept, compile=compile)
+        state = TrainState.create(init_params(sub_plan, sub_mesh, seed=0, names=names))
+        out[kept] = [_loss_and_norm(step(state, b)) for b in batches(4, STEPS)]
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("compile", [False, "aot_eager"])
+def test_bf16_kept_equals_sharded(compile):
+    """The weights are gathered in fp32 and cast per use, the gradients summed in fp32 and
+    reduced once: in bf16 the same losses and norms as the sharded pipeline's, bit for bit
+    on CPU (measured; one bf16 process differs by ~1e-5, test_pipeline_exec's bound)."""
+    for rank in run_ranks(_bf16_steps, 4, compile):
+        assert rank[True] == rank[False]
