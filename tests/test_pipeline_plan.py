@@ -81,13 +81,22 @@ def test_plan_prints_the_timeline_through_the_cli(tmp_path):
 # such backward); 0.05 MB buckets split the blocks. zb is not among them: its split
 # backward gathers saved weights again in both halves on stages after the first, which
 # the estimate does not count (per parameter too).
-# With activation checkpointing (the last two): a block's recompute gathers its bucket
+# With activation checkpointing (selective, full): a block's recompute gathers its bucket
 # again where the eager backward would (the views of a forward drop their last bucket).
+# "kept": parallel.pp_keep_gathered, the weights gathered once per step and reduced once
+# (zb included: nothing is gathered again in backward; 0.05 MB buckets span the stages).
 PIPE_CASES = [("interleaved-block-tied", "interleaved", 2, "block", True, "none"),
               ("gpipe-0.05MB", "gpipe", 1, 0.05, False, "none"), ("1f1b-param-tied", "1f1b", 1, "param", True, "none"),
               ("1f1b-block-selective", "1f1b", 1, "block", False, "selective"),
-              ("1f1b-block-full", "1f1b", 1, "block", False, "full")]
+              ("1f1b-block-full", "1f1b", 1, "block", False, "full"),
+              ("zb-block-kept", "zb", 1, "block", False, "none"),
+              ("interleaved-block-tied-kept", "interleaved", 2, "block", True, "none"),
+              ("gpipe-0.05MB-kept-full", "gpipe", 1, 0.05, False, "full")]
 PIPE_MICRO, PIPE_ROWS, PIPE_SEQ = 2, 4, 6
+
+
+def _kept(cid: str) -> bool:
+    return "-kept" in cid
 
 
 def _pipe_model(tied: bool):
@@ -130,7 +139,7 @@ def _recorded_pipeline_steps():
                   for n, x in init_params(sub_plan, sub_mesh, 0, names=names).items()}
         step = pipeline_step.make_pipeline_step(model, stages, build_pipeline_schedule(schedule, 2, PIPE_MICRO, virtual),
                                                 plan, mesh, optimizer=AdamW(lr=3e-4), bucket=bucket,
-                                                activation_checkpointing=mode)
+                                                activation_checkpointing=mode, keep_gathered=_kept(cid))
         # Every case's groups: DTensor may run a stage mesh equal to an earlier case's on
         # that mesh's groups (the same ranks and axes).
         groups.update(axis_names(mesh))
@@ -157,14 +166,14 @@ def test_pipeline_rank_collectives_equal_recorded_steps():
         model = _pipe_model(tied)
         est = pipeline_estimate(_pipe_plan(model), model, pp_schedule=schedule, virtual=virtual, layout=None,
                                 micro_batch=PIPE_ROWS // 2, seq_len=PIPE_SEQ, micro_steps=PIPE_MICRO, bucket=bucket,
-                                activation_checkpointing=mode)
+                                activation_checkpointing=mode, keep_gathered=_kept(cid))
         for rank in (0, 2):  # pp rank 0 (the embedding) and 1 (the head)
             mesh_only = lambda d: {k: v for k, v in d.items() if k[2] == "fsdp"}  # noqa: E731
             assert not [k for k in results[rank][cid] if k[2].startswith("group:")], results[rank][cid]
             rec = mesh_only(results[rank][cid])
             got = mesh_only({(SHORT[e["phase"]], e["op"], e["axis"]): (e["count"], e["bytes"])
                              for e in est.ranks[rank // 2]["collectives"]})
-            assert ("bwd", "all_gather", "fsdp") in rec, (cid, rank)
+            assert (("bwd", "all_gather", "fsdp") in rec) != _kept(cid), (cid, rank)  # kept: none in backward
             if rank == 2:  # the last stage reduces each micro-batch's loss
                 assert rec[("fwd", "all_reduce_sum", "fsdp")] == (PIPE_MICRO, 4 * PIPE_MICRO)
             try:

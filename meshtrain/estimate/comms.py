@@ -21,6 +21,7 @@ and equal placements nothing, S(i)->S(j) all-to-all):
 | parameter lookup, bucket="block" or MB (`_BoundParams`, `BucketGather`; buckets of parallel/buckets.py `plan_buckets`, each on one mesh: expert weights' on the expert mesh, over its groups) | the first lookup of a bucket, unless it is the bucket gathered last, gathers all of it: one all-gather per gather set (members with the same gathered mesh dims and compute dtype), over those dims as one group, of the shards padded to the largest rank's in one buffer (ways x padded shards x c bytes); and issues the next `prefetch` buckets' gathers (taken by their first lookup). A `reused` table is kept from its first lookup | per gather of a bucket with a trainable member used: one reduce-scatter per gather set (parameter dtype), then one all-reduce of what is still partial (dp replicas; tp, for weights used whole under sequence parallelism), one per distinct set of mesh dims, over them as one group; a member without gradient counts as Partial over the data dims |
 | the same, eager with reshard_after_forward | | the bucket gathered again (every set) once per run of saved uses of its gathered members, in the order autograd saved them |
 | the same, compiled (`traced_gather`) | the same gathers (issued `prefetch` gathers ahead by a pass on the compiled graph, parallel/overlap.py) | the same reductions: the reduce-scatters in the graph on every micro-step, the all-reduces once per step after the last backward (`ShardedContext.reduce_held`, the same calls as the eager step's last micro-step); with reshard_after_forward each bucket with a saved gathered member gathered again once (recomputed) |
+| the same, on a pp rank under parallel.pp_keep_gathered (parallel/keep_gathered.py; eager or compiled) | once per step, before the first micro-batch: each bucket gathered once, one all-gather per gather set, the sets by parameter dtype (fp32, whatever the compute dtype); a parameter in no bucket by its own redistribute, once; nothing per micro-batch | nothing per micro-batch; after the last backward, the step's summed gradients: per bucket one reduce-scatter per gather set (fp32), then one all-reduce per distinct set of dims still partial; none gathered again (`parameters="kept"`) |
 | `constrain(x)` | source -> target placements | incoming gradient -> source, its Partials taken as Replicate |
 | `embedding` (vocab split) | output Partial over the table's vocab dims | none (the table gradient is Partial over token-sharding dims) |
 | `attention` (sequence split over cp) | allgather: one all-gather of K/V; a2a: two all-to-alls; ring: cp-1 sends (and receives) of a K/V block | allgather: one fp32 reduce-scatter of dK/dV; a2a: two all-to-alls; ring: cp-1 K/V blocks and cp fp32 dK/dV blocks sent |
@@ -108,7 +109,8 @@ def step_collectives(plan: Plan, model: ModelDef, *, micro_batch_rows: int, seq_
                      embedding: bool = True, head: bool = True, bucket: str | float = "block",
                      prefetch: int = 1, reshard_after_forward: bool = True, names=None,
                      loss_once: bool = True, fsdp_accumulate: str = "sharded",
-                     activation_checkpointing: str = "none") -> list[dict]:
+                     activation_checkpointing: str = "none", parameters: str = "each",
+                     activations: bool = True) -> list[dict]:
     """The collectives of one optimizer step: dicts {axis, op, phase, count, bytes}, one per
     (axis, op, phase); bytes are the total per rank over the step. `micro_batch_rows` is
     the sequences of one micro-step over all data-parallel ranks (micro_batch x dp x fsdp).
@@ -120,43 +122,61 @@ def step_collectives(plan: Plan, model: ModelDef, *, micro_batch_rows: int, seq_
     holds `names` (default: those); its point-to-point traffic is counted by
     meshtrain/estimate/pipeline.py, and its loss is reduced in every micro-step
     (`loss_once` False), not once per step. Dense and MoE blocks' activations are each
-    walked once (their first layer) and multiplied by how many of them run; with buckets,
-    every layer's parameter lookups are replayed over the plan's buckets.
+    walked once (their first layer) and multiplied by how many of them run; every
+    layer's parameter lookups are replayed over the plan's buckets (with bucket "param",
+    none: each lookup is its own collectives).
     `activation_checkpointing` "full": each block's recompute issues its activation
     collectives again in backward, but for the last (the block output's reduction);
     "selective" changes no count (the sp gathers it recomputes replace the re-gathers of
-    kept shards; reductions and attention are kept)."""
+    kept shards; reductions and attention are kept).
+
+    `parameters`: the parameters' traffic "each" micro-step, as above; "kept", as a pp
+    rank under parallel.pp_keep_gathered issues it, once per step: each bucket gathered
+    once before the first micro-batch, in the parameters' dtype (fp32: gather sets by
+    it, whatever the compute dtype), nothing gathered again in backward, and after the
+    last backward the gradients reduced once (per bucket one reduce-scatter per gather
+    set, then one all-reduce per set of dims still partial); a parameter in no bucket
+    redistributed there and back once, fp32; "none": left out. `activations` False
+    leaves out everything else (activations, loss, MoE load, grad norm)."""
     if precision not in ("fp32", "bf16", "fp8"):
         raise ConfigError(f"train.precision={precision!r}: choose fp32, bf16 or fp8")
+    if parameters not in ("each", "kept", "none"):
+        raise ValueError(f"parameters={parameters!r}: choose each, kept or none")
     unit = check_bucket(bucket)
     c = _check_batch(plan, micro_batch_rows, precision)
     kinds = _block_kinds(model, layers)
-    bucketed = unit != "param"
 
-    def walk():
-        return _Walker(plan, micro_batch_rows, seq_len, c, eager=not compiled and reshard_after_forward,
-                       defer=bucketed, recompute=compiled and reshard_after_forward, keep_shards=True)
+    def walk(c=c, eager=not compiled and reshard_after_forward, recompute=compiled and reshard_after_forward):
+        return _Walker(plan, micro_batch_rows, seq_len, c, eager=eager, defer=True, recompute=recompute,
+                       keep_shards=True)
 
     parts, rest, events = _walk_model(model, kinds, walk, embedding, head, recompute=activation_checkpointing == "full")
-    if bucketed:  # the parameters' traffic: every lookup of one forward, over the buckets
-        params = walk()
-        held = set(names) if names is not None else _held(plan, model, kinds, embedding, head)
+    total: dict[tuple, list[int]] = defaultdict(lambda: [0, 0])
+
+    def add(walker: _Walker, times: int = 1):
+        for key, (n, nbytes) in walker.out.items():
+            total[key][0] += n * times
+            total[key][1] += nbytes * times
+
+    held = set(names) if names is not None else _held(plan, model, kinds, embedding, head)
+    if parameters == "kept":  # fp32 (c None: each parameter's own dtype), gathered once: none again
+        params = walk(c=None, eager=False, recompute=False)
+        bucket_traffic(params, events, unit, held, Policy.of("fp32"), 0, keep=True)
+        add(params)
+    elif parameters == "each":
         # A plain step (eager or compiled) reduces what is left partial after the
         # reduce-scatters once per step (held over micro-steps); a pipeline rank on every
         # micro-step. A compiled step gathers each bucket where it is first looked up.
-        per_step = walk() if loss_once else None
+        params, per_step = walk(), walk() if loss_once else None
         bucket_traffic(params, events, unit, held, Policy.of(precision), 0 if compiled else prefetch, per_step,
                        unsharded=fsdp_accumulate == "unsharded")
-        parts.append((params, 1))
-    total: dict[tuple, list[int]] = defaultdict(lambda: [0, 0])
-    if bucketed and per_step is not None:
-        for key, (n, nbytes) in per_step.out.items():
-            total[key][0] += n
-            total[key][1] += nbytes
+        add(params, micro_steps)
+        if per_step is not None:
+            add(per_step)
+    if not activations:
+        return _entries(total)
     for part, times in parts:
-        for key, (n, nbytes) in part.out.items():
-            total[key][0] += n * times * micro_steps
-            total[key][1] += nbytes * times * micro_steps
+        add(part, times * micro_steps)
     if rest.loss_dims:  # the loss, a partial sum over the token-splitting dims (fp32 scalar)
         once = walk()
         dims = rest.loss_dims
@@ -168,20 +188,21 @@ def step_collectives(plan: Plan, model: ModelDef, *, micro_batch_rows: int, seq_
         else:  # once per step, with no group over these dims: dim by dim
             once.redistribute("fwd", (), tuple(P if i in dims else R for i in range(len(plan.mesh.axes))),
                               (R,) * len(plan.mesh.axes), FP32)
-        for key, (n, nbytes) in once.out.items():
-            total[key][0] += n
-            total[key][1] += nbytes
+        add(once)
     if kinds["moe"]:  # the per-expert load (MoE layers x E, fp32), summed over micro-steps, all-reduced
         once = walk()  # once per step, after the update (outside it: counted as forward, as recorded)
         tokens = once.act(BLOCK_IN)
         once.redistribute("fwd", (len(kinds["moe"]), model.cfg.moe.num_experts),
                           tuple(P if q[0] == "S" else R for q in tokens), (R,) * len(tokens), FP32)
-        for key, (n, nbytes) in once.out.items():
-            total[key][0] += n
-            total[key][1] += nbytes
+        add(once)
     if plan.mesh.world > 1:  # the squared grad norm, fp32, over the world
         axis = plan.mesh.axes[0] if len(plan.mesh.axes) == 1 else "world"
         total[("opt", "all_reduce_sum", axis)] = [1, 4]
+    return _entries(total)
+
+
+def _entries(total: dict[tuple, list[int]]) -> list[dict]:
+    """(phase, op, axis) -> [count, bytes] as step_collectives' dicts, in phase order."""
     return [{"axis": axis, "op": op, "phase": PHASES[phase], "count": n, "bytes": nbytes}
             for (phase, op, axis), (n, nbytes) in sorted(total.items(), key=lambda kv: (list(PHASES).index(kv[0][0]), kv[0]))]
 

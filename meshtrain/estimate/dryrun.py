@@ -42,6 +42,7 @@ class DryRun:
     error: str | None = None  # why the layout cannot run (peak memory over the GPU's), with layouts that fit
     pipeline: object | None = None  # PipelineEstimate when parallel.pp > 1: memory and collectives are its most loaded rank's
     expert_exchange: dict | None = None  # comms.expert_exchange: MoE blocks with ep > 1, per layer per micro-step
+    keep_gathered: dict | None = None  # keep_gathered_sides: parallel.pp_keep_gathered off and on
     model: str = ""  # the model in a few words: family, layers, dim, experts
     setup: str = ""  # what sets the activations: micro-batch, sequence, precision, checkpointing, compile
     total_params: int = 0
@@ -84,7 +85,8 @@ class DryRun:
                         "local_shape": list(p.local_shape)} for p in self.plan.params.values()],
             "warnings": self.warnings,
             "error": self.error,
-            "pipeline": self.pipeline.to_dict() if self.pipeline is not None else None,
+            "pipeline": {**self.pipeline.to_dict(), "keep_gathered": self.keep_gathered}
+            if self.pipeline is not None else None,
             **({"expert_all_to_all": self.expert_exchange} if self.expert_exchange is not None else {}),
         }
 
@@ -139,8 +141,10 @@ def dry_run(cfg, world: int | None = None, gpu: str | None = None, *, suggest: b
     dp_size = plan.mesh.dp * plan.mesh.fsdp
     micro_steps = cfg.accumulation_steps(dp_size)
     memory, pipeline = step_memory(cfg, plan, model)
+    keep_gathered = None
     if pipeline is not None:
         collectives, experts = pipeline.busiest["collectives"], None
+        keep_gathered = keep_gathered_sides(cfg, plan, model, pipeline)
     else:
         collectives = step_collectives(plan, model, micro_batch_rows=t.micro_batch * dp_size, seq_len=t.seq_len,
                                        micro_steps=micro_steps, precision=t.precision, compiled=bool(t.compile),
@@ -153,8 +157,8 @@ def dry_run(cfg, world: int | None = None, gpu: str | None = None, *, suggest: b
     axis_nodes = {a: _nodes_spanned(plan.mesh, a, gpus_per_node) for a in plan.mesh.axes}
     total, active = _param_counts(model)
     run = DryRun(world, gpus_per_node, plan, memory, collectives, axis_nodes, gpu, pipeline=pipeline,
-                 expert_exchange=experts, model=_describe(cfg.model), setup=_setup(t), total_params=total,
-                 active_params=active, buckets=bucket_summary(plan, p.bucket),
+                 expert_exchange=experts, keep_gathered=keep_gathered, model=_describe(cfg.model), setup=_setup(t),
+                 total_params=total, active_params=active, buckets=bucket_summary(plan, p.bucket),
                  compute=step_compute(cfg, model, world))
     if cfg.data.mean_doc_len and not cfg.data.document_mask:
         run.warnings.append(f"data.mean_doc_len={cfg.data.mean_doc_len} counts for nothing without "
@@ -169,6 +173,25 @@ def dry_run(cfg, world: int | None = None, gpu: str | None = None, *, suggest: b
         run.search = search_space(cfg, world)
         run.error = _over_capacity(run)
     return run
+
+
+def keep_gathered_sides(cfg, plan: Plan, model, pipeline) -> dict | None:
+    """parallel.pp_keep_gathered off and on, for a pipelined layout (`pipeline`: its
+    estimate as configured) whose stage mesh gathers parameters (fsdp or cp > 1) in
+    buckets: per side, the pp rank with the highest peak, that peak and its parameter
+    traffic per step (`param_bytes`), so the choice is made from numbers; and which side
+    the config sets (`configured`). None otherwise."""
+    mesh = without_pp(plan).mesh
+    if mesh.fsdp * mesh.cp == 1 or check_bucket(cfg.parallel.bucket) == "param":
+        return None
+    on = cfg.parallel.pp_keep_gathered
+    sides = {on: pipeline, not on: step_memory(cfg, plan, model, keep_gathered=not on)[1]}
+    return {"off": _side(sides[False]), "on": _side(sides[True]), "configured": "on" if on else "off"}
+
+
+def _side(pipeline) -> dict:
+    r = pipeline.most_loaded
+    return {"pp_rank": r["pp_rank"], "peak_bytes": int(r["memory"]["peak"]), "param_bytes": r["param_bytes"]}
 
 
 def bucket_summary(plan: Plan, bucket) -> dict:

@@ -20,6 +20,8 @@ def renderables(run) -> list:
     out += [mesh_table(run), _params(run), activation_table(run.plan)]
     if run.pipeline is not None:
         out += _pipeline_renderables(run.pipeline)
+    if run.keep_gathered is not None:
+        out.append(_keep_gathered_line(run.keep_gathered))
     out += [_memory_table(run), _collectives_table(run)]
     if run.buckets is not None:
         out.append(_buckets_line(run.buckets))
@@ -121,6 +123,10 @@ def _memory_table(run) -> Table:
     memory.add_column("")
     memory.add_column("bytes", justify="right")
     for key in MEMORY_KEYS:
+        if key == "peak":  # parallel.pp_keep_gathered's share of it, where it is on
+            for kept in ("kept_weights", "kept_grads"):
+                if run.memory.get(kept):
+                    memory.add_row(kept, human_bytes(run.memory[kept]))
         memory.add_row(key, human_bytes(run.memory[key]))
     if run.gpu:
         memory.add_row(f"{run.gpu} capacity", human_bytes(GPU_MEMORY[run.gpu]))
@@ -168,6 +174,18 @@ def _pipeline_renderables(est) -> list:
              f"stage.micro): simulated bubble {t.bubble:.1%}"]
     lines += est.to_dict()["timeline"]
     return [stages, ranks, "\n".join(lines)]
+
+
+def _keep_gathered_line(sides: dict) -> str:
+    """parallel.pp_keep_gathered off and on (dryrun.keep_gathered_sides): each side's
+    highest peak and that rank's parameter traffic per step; the configured side marked."""
+    lines = ["parallel.pp_keep_gathered, each way the pp rank with the highest peak:"]
+    for name in ("off", "on"):
+        s = sides[name]
+        label = f"{name} (set)" if name == sides["configured"] else name
+        lines.append(f"  {label:<9}  peak {human_bytes(s['peak_bytes'])} (pp rank {s['pp_rank']}), "
+                     f"parameter traffic {human_bytes(s['param_bytes'])}/step")
+    return "\n".join(lines)
 
 
 def _expert_line(x: dict) -> str:

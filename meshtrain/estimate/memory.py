@@ -127,9 +127,20 @@ models/policy.py):
              probabilities are recomputed too (Korthikanti et al. 2022). MoE blocks'
              selective figure is an estimate (not measured).
 
+A pp rank under parallel.pp_keep_gathered (`keep_gathered`; parallel/keep_gathered.py)
+gathers its parameters once per step in fp32 and holds them over the micro-batches
+(`kept_weights`: the gathered ones' compute-local elements, x 4), their gradients adding
+up unsharded beside them (`kept_grads`, as many bytes) until one reduction after the last
+backward. Autograd keeps none of them: under fp32 a step uses the kept weights as they
+are (`Tensor.to` of their own dtype is the tensor itself, and a bucket with nothing left
+to gather hands out its members: no copy, so no transient either); under bf16 each
+bucket is cast per use and cast again in backward (a `held` ShardedContext), so the
+casts are a transient as a layer's gathered weights are today, and a bucketed
+parameter's cast is never saved.
+
 Peak = params + grads + optimizer + activations + recompute (+ `unsharded_grads`: the
 whole fp32 gradients of the gathered parameters, held between micro-steps under
-parallel.fsdp_accumulate unsharded) + the largest transient:
+parallel.fsdp_accumulate unsharded; + `kept_weights` + `kept_grads`) + the largest transient:
 one layer's gathered weights in the compute dtype (fsdp gathers a layer's weights at a
 time; under bf16 a non-gathered weight is cast per use) or the loss's (the local logits
 slice and its gradient in c bytes, and one fp32 chunk of rows). Grads are counted as resident for the whole
@@ -145,6 +156,7 @@ from typing import Sequence
 from ..models.experts import expert_capacity
 from ..models.losses import CHUNK_ROWS
 from ..models.policy import keeps_fp32
+from ..parallel.buckets import plan_buckets
 from ..parallel.mesh import GATHERED_AXES
 from ..parallel.plan import Plan
 from .compute import MaskKeys
@@ -253,7 +265,7 @@ def per_rank_memory(plan: Plan, model, *, micro_batch: int, seq_len: int, precis
                     activation_checkpointing: str = "none", reshard_after_forward: bool = True,
                     fsdp_accumulate: str = "sharded", device: str = "cpu", attention: str | None = None, names=None, layers: int | None = None,
                     embedding: bool = True, head: bool = True, in_flight: int = 1,
-                    mask_keys=None) -> dict:
+                    mask_keys=None, keep_gathered: bool = False) -> dict:
     """Bytes on the most loaded rank for one training step (see the module docstring for
     what is counted). micro_batch: sequences per data-parallel rank per micro-step.
     device: "cpu" | "cuda" picks the attention kernel unless `attention` ("flash" |
@@ -265,7 +277,8 @@ def per_rank_memory(plan: Plan, model, *, micro_batch: int, seq_len: int, precis
     keeps the activations of `in_flight` micro-batches at once (the schedule's peak).
 
     mask_keys: with data.document_mask, what the masks attention keeps
-    (estimate.compute.mask_keys; None: no masks)."""
+    (estimate.compute.mask_keys; None: no masks). keep_gathered: a pp rank under
+    parallel.pp_keep_gathered (the module docstring)."""
     if precision not in _DTYPE_BYTES:
         raise ValueError(f"precision={precision!r}: choose fp32, bf16 or fp8")
     if activation_checkpointing not in ("none", "full", "selective"):
@@ -360,7 +373,10 @@ def per_rank_memory(plan: Plan, model, *, micro_batch: int, seq_len: int, precis
         n_moe = sum(i in moe_ids for i in run)
         layers_bytes = (len(run) - n_moe) * layer + n_moe * (moe_layer or 0)
 
-    # Weights autograd keeps, and the transient of gathering them.
+    # Weights autograd keeps, and the transient of gathering them. Kept gathered, the
+    # fp32 weights are held (kept_weights): only a cast is new, and it is made again in
+    # backward for every bucketed parameter.
+    alone = plan_buckets(plan)[1] if keep_gathered else set()
     saved_weights = gathered_weights = 0
     layer_weights: dict[str, int] = {}
     for name in plan.params:
@@ -368,15 +384,16 @@ def per_rank_memory(plan: Plan, model, *, micro_batch: int, seq_len: int, precis
             continue
         gathered, n = _is_gathered(plan, name), _compute_numel(plan, name)
         width = FP32 if keeps_fp32(name) else c  # the router stays fp32
-        new_copy = gathered or width != FP32  # otherwise the parameter itself is used
+        new_copy = (gathered and not keep_gathered) or width != FP32  # otherwise the parameter itself is used
         if new_copy:
             group = name.split(".")[1] if name.startswith("layers.") else name
             layer_weights[group] = layer_weights.get(group, 0) + n * width
         if not new_copy or not family.costs.weight_saved(cfg, name):
             continue
         # A block's checkpoint gathers or casts its weights again in the recompute.
-        recast = activation_checkpointing != "none" and name.startswith("layers.")
-        if gathered:
+        recast = (activation_checkpointing != "none" and name.startswith("layers.")
+                  or keep_gathered and name not in alone)
+        if gathered and not keep_gathered:
             kept = not reshard_after_forward and not recast
             gathered_weights += n * width if kept else 0
         elif not recast:
@@ -388,22 +405,26 @@ def per_rank_memory(plan: Plan, model, *, micro_batch: int, seq_len: int, precis
     activations = in_flight * (layers_bytes + once + loss) + saved_weights + gathered_weights
     params = sum(p.bytes_per_rank for n, p in plan.params.items() if n in names)
     grads = sum(math.prod(p.local_shape) * FP32 for n, p in plan.params.items() if n in names)
-    # parallel.fsdp_accumulate unsharded (with micro-steps): every gathered parameter's
-    # whole fp32 gradient is held from the first micro-step to the reduce-scatter.
-    unsharded_grads = sum(_compute_numel(plan, n) * FP32 for n in plan.params
-                          if n in names and _is_gathered(plan, n)) if fsdp_accumulate == "unsharded" else 0
+    # The gathered parameters whole, fp32. parallel.fsdp_accumulate unsharded (with
+    # micro-steps): their gradients, held from the first micro-step to the reduce-scatter;
+    # parallel.pp_keep_gathered: the weights held for the step, and their gradients summed
+    # over its micro-batches beside them.
+    whole = sum(_compute_numel(plan, n) * FP32 for n in plan.params if n in names and _is_gathered(plan, n))
+    unsharded_grads = whole if fsdp_accumulate == "unsharded" else 0
+    kept_weights = kept_grads = whole if keep_gathered else 0
     optimizer = 2 * grads
     rows = min(tokens, CHUNK_ROWS)
     loss_logits = 2 * c * logits + FP32 * logits // tokens * rows if head else 0
     transient = max(max(layer_weights.values(), default=0), loss_logits)
-    peak = params + grads + optimizer + activations + recompute + transient + unsharded_grads
+    peak = (params + grads + optimizer + activations + recompute + transient + unsharded_grads
+            + kept_weights + kept_grads)
     return {
         "params": params, "grads": grads, "optimizer": optimizer, "activations": activations,
         "peak": peak,
         "activations_per_layer": activations_per_layer, "activations_layers": in_flight * layers_bytes,
         "activations_once": once, "loss_saved": loss, "saved_weights": saved_weights,
         "gathered_weights": gathered_weights, "recompute": recompute, "transient": transient,
-        "unsharded_grads": unsharded_grads,
+        "unsharded_grads": unsharded_grads, "kept_weights": kept_weights, "kept_grads": kept_grads,
         "transient_layer_weights": max(layer_weights.values(), default=0), "logits": loss_logits,
         "attention_kernel": attention, "document_masks": masks, "tiles_joined_per_layer": joined,
         "window_pads_per_layer": pads,

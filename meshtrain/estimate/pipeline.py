@@ -12,10 +12,14 @@ so memory and collectives are estimated per pp rank and the most loaded one is r
   last. The moment counted is the one in the rank's action order where these bytes
   are largest (with stages of different sizes not always the one with the most
   micro-batches in flight).
-- collectives: `step_collectives` on the stage plan for the rank's layers and
-  parameters (its buckets: those it holds whole; the loss per micro-step), less the
-  backward gathers its schedule saves (a backward that starts with the bucket the
-  rank's last backward gathered again, with no forward between, takes that), plus the
+- collectives: `step_collectives` on the stage plan for the rank's layers (the loss per
+  micro-step), plus its parameters' traffic (its buckets: those it holds whole), less
+  the backward gathers its schedule saves (a backward that starts with the bucket the
+  rank's last backward gathered again, with no forward between, takes that); with
+  parallel.pp_keep_gathered (`keep_gathered`) that traffic once per step instead
+  (`step_collectives` parameters "kept": every bucket gathered in fp32 before the first
+  micro-batch, the gradients reduced after the last backward; its memory in
+  `per_rank_memory`'s `kept_weights` and `kept_grads`); plus the
   point-to-point traffic on pp: per micro-batch, per stage boundary the rank touches, one
   activation forward and one gradient backward, each this rank's shard of the
   (batch, seq, dim) residual stream in the compute dtype; a tied embedding's gradient
@@ -46,7 +50,7 @@ class PipelineEstimate:
     stages: list[Stage]
     schedule: PipelineSchedule
     timing: Result
-    ranks: list[dict]  # per pp rank: pp_rank, stages, layers, memory, collectives
+    ranks: list[dict]  # per pp rank: pp_rank, stages, layers, memory, collectives, param_bytes
 
     @property
     def most_loaded(self) -> dict:
@@ -75,7 +79,7 @@ class PipelineEstimate:
 
 
 def _kept_regathers(collectives: list[dict], actions, regathers: dict) -> None:
-    """Take from `collectives` (step_collectives of a pp rank) the backward gathers its
+    """Take from `collectives` (a pp rank's parameter traffic) the backward gathers its
     schedule saves: the runtime keeps the bucket it gathered again last until the rank's
     next forward, so a backward (B; BI, or BW on stage 0, whose BI does nothing) that
     starts with that bucket does not gather it again. `regathers`: stage ->
@@ -97,6 +101,17 @@ def _kept_regathers(collectives: list[dict], actions, regathers: dict) -> None:
     collectives[:] = [e for e in collectives if e["count"]]
 
 
+def _merged(*lists: list[dict]) -> list[dict]:
+    """Collective entries summed per (axis, op, phase)."""
+    out: dict[tuple, dict] = {}
+    for e in (e for entries in lists for e in entries):
+        key = (e["axis"], e["op"], e["phase"])
+        had = out.get(key)
+        out[key] = dict(e) if had is None else {**had, "count": had["count"] + e["count"],
+                                                "bytes": had["bytes"] + e["bytes"]}
+    return list(out.values())
+
+
 def timeline_lines(schedule: PipelineSchedule, max_actions: int = 48) -> list[str]:
     """Each rank's compute actions in order (F/B/I/W stage.micro), cut after max_actions."""
     out = []
@@ -112,10 +127,12 @@ def pipeline_estimate(plan: Plan, model, *, pp_schedule: str, virtual: int, layo
                       micro_batch: int, seq_len: int, micro_steps: int, precision: str = "fp32",
                       compiled: bool = False, activation_checkpointing: str = "none",
                       device: str = "cuda", bucket: str | float = "block", prefetch: int = 1,
-                      reshard_after_forward: bool = True,
+                      reshard_after_forward: bool = True, keep_gathered: bool = False,
                       mask_keys=None) -> PipelineEstimate:
-    """bucket, prefetch, reshard_after_forward: the stages' parameter traffic, as
-    make_pipeline_step takes them; mask_keys: as per_rank_memory's."""
+    """bucket, prefetch, reshard_after_forward, keep_gathered: the stages' parameter
+    traffic, as make_pipeline_step takes them (keep_gathered: parallel.pp_keep_gathered);
+    mask_keys: as per_rank_memory's. Each rank's `param_bytes`: its parameters' gathers
+    and reductions over the stage mesh per step (not the tied table's exchange)."""
     pp = plan.mesh.pp
     stages = partition(model, pp, virtual, layout, seq_len=seq_len, micro_batch=micro_batch)
     sched = build_pipeline_schedule(pp_schedule, pp, micro_steps, virtual)
@@ -135,7 +152,7 @@ def pipeline_estimate(plan: Plan, model, *, pp_schedule: str, virtual: int, layo
         first, has_head = any(st.has_embedding for st in mine), any(st.has_head for st in mine)
         common = dict(micro_batch=micro_batch, seq_len=seq_len, precision=precision,
                       activation_checkpointing=activation_checkpointing, reshard_after_forward=reshard_after_forward,
-                      device=device, names=names, mask_keys=mask_keys)
+                      device=device, names=names, mask_keys=mask_keys, keep_gathered=keep_gathered)
         # State, saved weights and transients once (no micro-batch in flight); then what one
         # micro-batch keeps on each stage, times the stage's micro-batches in flight at the
         # moment the rank holds the most.
@@ -151,19 +168,21 @@ def pipeline_estimate(plan: Plan, model, *, pp_schedule: str, virtual: int, layo
                       activations_layers=sum(k * per_stage[s]["activations_layers"] for s, k in at_peak.items()))
         # The last stage reduces each micro-step's loss over the token-splitting dims (the
         # pipeline step's cross_entropy_sum), not the step's once.
-        collectives = [e for e in step_collectives(sub, model, micro_batch_rows=micro_batch * data, seq_len=seq_len,
-                                                   micro_steps=micro_steps, precision=precision, compiled=compiled,
-                                                   layers=[i for st in mine for i in range(*st.layers)], embedding=first,
-                                                   head=has_head, bucket=bucket, prefetch=prefetch,
-                                                   reshard_after_forward=reshard_after_forward, names=names,
-                                                   loss_once=False,
-                                                   activation_checkpointing=activation_checkpointing)
-                       if not (e["phase"] == "optimizer" and e["op"] == "all_reduce_sum")]
-        _kept_regathers(collectives, sched.ranks[r], {
-            st.index: backward_regathers(sub, model, micro_batch_rows=micro_batch * data, seq_len=seq_len,
-                                         layers=list(range(*st.layers)), names=names, embedding=st.has_embedding,
-                                         head=st.has_head, precision=precision, bucket=bucket, prefetch=prefetch)
-            for st in mine} if not compiled and reshard_after_forward else {})
+        traffic = dict(micro_batch_rows=micro_batch * data, seq_len=seq_len, micro_steps=micro_steps,
+                       precision=precision, compiled=compiled, layers=[i for st in mine for i in range(*st.layers)],
+                       embedding=first, head=has_head, bucket=bucket, prefetch=prefetch,
+                       reshard_after_forward=reshard_after_forward, names=names, loss_once=False,
+                       activation_checkpointing=activation_checkpointing)
+        params = step_collectives(sub, model, **traffic, parameters="kept" if keep_gathered else "each",
+                                  activations=False)
+        if not keep_gathered and not compiled and reshard_after_forward:
+            _kept_regathers(params, sched.ranks[r], {
+                st.index: backward_regathers(sub, model, micro_batch_rows=micro_batch * data, seq_len=seq_len,
+                                             layers=list(range(*st.layers)), names=names, embedding=st.has_embedding,
+                                             head=st.has_head, precision=precision, bucket=bucket, prefetch=prefetch)
+                for st in mine})
+        collectives = _merged(params, [e for e in step_collectives(sub, model, **traffic, parameters="none")
+                                       if not (e["phase"] == "optimizer" and e["op"] == "all_reduce_sum")])
         # Per micro-batch: an activation out of every stage but the last, a gradient back
         # out of every stage but the first.
         fwd_send = sum(st.index < last for st in mine) * micro_steps
@@ -182,6 +201,6 @@ def pipeline_estimate(plan: Plan, model, *, pp_schedule: str, virtual: int, layo
             collectives.append({"axis": "pp", "op": "all_reduce_max", "phase": "optimizer", "count": 1, "bytes": 4})
         order = ("forward", "backward", "optimizer")
         collectives.sort(key=lambda e: (order.index(e["phase"]), e["axis"] == "world", e["axis"], e["op"]))
-        ranks.append({"pp_rank": r, "stages": [st.index for st in mine],
-                      "layers": sum(st.n_layers for st in mine), "memory": memory, "collectives": collectives})
+        ranks.append({"pp_rank": r, "stages": [st.index for st in mine], "layers": sum(st.n_layers for st in mine),
+                      "memory": memory, "collectives": collectives, "param_bytes": sum(e["bytes"] for e in params)})
     return PipelineEstimate(stages, sched, timing, ranks)

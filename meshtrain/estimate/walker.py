@@ -327,7 +327,8 @@ class _Walker:
 
 
 def bucket_traffic(w: _Walker, events, unit, names, policy: Policy, prefetch: int = 1,
-                   step: _Walker | None = None, unsharded: bool = False) -> list[tuple[int, dict]]:
+                   step: _Walker | None = None, unsharded: bool = False,
+                   keep: bool = False) -> list[tuple[int, dict]]:
     """One micro-step's parameter traffic, into `w.out`, as a step with buckets
     (parallel/buckets.py, `unit` block or a size in MB) issues it. `events` are one
     forward's parameter lookups in order (`_Walker.events` of every block the rank runs,
@@ -350,6 +351,10 @@ def bucket_traffic(w: _Walker, events, unit, names, policy: Policy, prefetch: in
       Partial over the data dims. Those all-reduces go into `step` when given: a plain
       step holds them back on every micro-step but the last and issues them once; with
       `unsharded` (parallel.fsdp_accumulate) the reduce-scatters too.
+    - `keep` (a pp rank under parallel.pp_keep_gathered, with a walker that is neither
+      eager nor recomputing): a bucket once gathered stays gathered, so it is gathered
+      once however its lookups interleave with other buckets', and the gradients of all
+      its lookups are reduced together, once.
 
     Returns the eager backward's gathers again, in the order backward issues them:
     (bucket index, {(phase, op, axis): [count, bytes]}) each."""
@@ -403,11 +408,14 @@ def bucket_traffic(w: _Walker, events, unit, names, policy: Policy, prefetch: in
     kept: dict[str, int | None] = {}  # reused parameters: the gather (index into calls) they came from
     live, pending = None, set()  # (bucket, call) gathered last; buckets whose gather was issued ahead
     calls: list[tuple[int, dict]] = []  # per bucket gather: (bucket, gradient placements by name)
+    held: dict[int, int] = {}  # with `keep`: bucket -> its one gather (index into calls)
     saved: list[int] = []  # buckets of the saved uses of gathered members, in forward order
     for kind, name, acts_on, saves, grad in events:
         spec, b = plan.params[name].spec, bucket_of.get(name)
         if name in kept:
             call = kept[name]
+        elif b in held:
+            call = held[b]
         elif b in complete:
             if live is None or live[0] != b:
                 if b in pending:
@@ -421,6 +429,8 @@ def bucket_traffic(w: _Walker, events, unit, names, policy: Policy, prefetch: in
                         pending.add(nb)
                         gather(nb, "fwd")
             call = live[1]
+            if keep:
+                held[b] = call
         else:
             call = None
         if call is None:

@@ -352,15 +352,17 @@ class ShardedContext:
 
     def __init__(self, plan: Plan, device_mesh: DeviceMesh, policy: Policy | torch.dtype | None = None, *,
                  bucket: str | float = "block", prefetch: int = 1, reshard_after_forward: bool = True,
-                 fsdp_accumulate: str = "sharded", held: bool = False):
+                 fsdp_accumulate: str = "sharded", held: bool = False, names=None):
         """`held`: the parameters it is bound to are gathered already and held over the
         step's micro-batches by their owner (parallel/keep_gathered.py, with `plan` the
         `gathered` plan): their gradients stay this rank's partial sums, never reduced
-        here, and a weight cast to the compute dtype is cast again in backward, not saved."""
+        here, and a weight cast to the compute dtype is cast again in backward, not saved.
+        `names`: the parameters it will be bound to (default: all), so buckets hold
+        only those (a held context's must all be bucketed: none reduced alone)."""
         self.plan, self.mesh, self.policy = plan, device_mesh, Policy.coerce(policy)
         self.prefetch, self.reshard = prefetch, reshard_after_forward or held
         self.held = held
-        buckets, _ = plan_buckets(plan, bucket)
+        buckets, _ = plan_buckets(plan, bucket, names)
         self._groups = Groups(device_mesh, group_dims(buckets, plan))
         # Expert weights' buckets run on the expert mesh, with groups of its own (made on
         # every rank, in the same order: group creation is collective).

@@ -38,7 +38,7 @@ class KeptStage:
         self._gatherer = ShardedContext(plan, device_mesh, Policy(), bucket=bucket, prefetch=prefetch,
                                         reshard_after_forward=False)
         self.context = ShardedContext(gathered(plan), device_mesh, policy, bucket=bucket, prefetch=prefetch,
-                                      held=True)
+                                      held=True, names=self.names)
         # The layout each held gradient's local sum is a part of (Partial where tokens split).
         self._layouts = self.context.gradient_layouts()
         loose = [n for n in self.names if plan.params[n].spec.trainable and n not in self._layouts]
