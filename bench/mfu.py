@@ -52,6 +52,7 @@ import argparse
 import gc
 import json
 import math
+import os
 import platform
 import statistics
 import sys
@@ -374,6 +375,8 @@ def release(impl, device):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if not (os.environ.get("PYTORCH_ALLOC_CONF") or os.environ.get("PYTORCH_CUDA_ALLOC_CONF")):
+        os.environ["PYTORCH_ALLOC_CONF"] = "expandable_segments:True"  # as meshtrain fit sets it
     device = torch.device(args.device)
     torch.manual_seed(0)
     cfg = model_config(args)
@@ -464,9 +467,13 @@ def main(argv=None) -> int:
         info["tokens_per_s"] = statistics.median(per)
         info["ms_per_step"] = 1e3 * tokens_per_step / info["tokens_per_s"]
         info["peak_memory_gib"] = (torch.cuda.max_memory_allocated(device) / 2**30) if device.type == "cuda" else None
+        # Reserved over allocated at the peak: the caching allocator's slack, which
+        # meshtrain plan states (estimate/memory.py ALLOCATOR_SLACK) and this measures.
+        info["peak_reserved_gib"] = (torch.cuda.max_memory_reserved(device) / 2**30) if device.type == "cuda" else None
         print(f"  {info['tokens_per_s']:,.0f} tokens/s (rounds {', '.join(f'{x:,.0f}' for x in per)}), "
               f"{info['ms_per_step']:.1f} ms/step"
-              + (f", peak memory {info['peak_memory_gib']:.1f} GiB" if info["peak_memory_gib"] else ""), flush=True)
+              + (f", peak memory {info['peak_memory_gib']:.1f} GiB allocated, {info['peak_reserved_gib']:.1f} GiB "
+                 f"reserved" if info["peak_memory_gib"] else ""), flush=True)
         if args.profile:
             try:
                 info["profile"] = pr = profile(impl, batches, device)
@@ -510,7 +517,7 @@ def main(argv=None) -> int:
             "tokens_per_s": ours["tokens_per_s"], "mfu": ours["mfu"], "reference_tokens_per_s": ref_tps,
             "ratio": ratio, "reference": best_ref, "ours": ours_name, "tflops": ours["tflops"],
             "peak_tflops": peak, "flops_per_token": fpt, "compile_s": ours["compile_s"],
-            "peak_memory_gib": ours["peak_memory_gib"], "env": env,
+            "peak_memory_gib": ours["peak_memory_gib"], "peak_reserved_gib": ours["peak_reserved_gib"], "env": env,
             "init_s": init_s, "skipped": skipped,
             "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "json"}
             | {"params": n_params, "tokens_per_step": tokens_per_step},

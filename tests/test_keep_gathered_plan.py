@@ -69,22 +69,26 @@ def test_kept_weights_are_gathered_and_reduced_once_per_step(precision):
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_kept_weights_memory_in_closed_form(precision):
-    """kept_weights = kept_grads = the rank's weights gathered, fp32; the peak grows by
-    both. Nothing gathered is saved for backward, not even without resharding. Under bf16
-    a bucket's cast is still a transient; under fp32 the kept weights are used as they are,
-    so the largest transient is the loss's."""
+    """kept_weights = kept_grads = the rank's weights gathered, fp32. Nothing gathered is
+    saved for backward, not even without resharding, and a micro-batch's backward has no
+    communication buffers (its transient is its weight gradients, or the loss's); the
+    step's end holds the shards' gradients and one bucket's reduction buffers (the packed
+    fp32 gradients: the rank's largest bucket, gathered) beside the kept weights and
+    gradients. The peak is the larger of the two phases."""
     for r in (0, 1):
         _, nbytes = _gathered_fp32(r)
         on, off = _estimate(True, 4, precision).ranks[r]["memory"], _estimate(False, 4, precision).ranks[r]["memory"]
         assert on["kept_weights"] == on["kept_grads"] == nbytes
-        assert off["kept_weights"] == off["kept_grads"] == 0
+        assert off["kept_weights"] == off["kept_grads"] == off["release"] == 0
         assert on["gathered_weights"] == on["saved_weights"] == 0
-        if precision == "bf16":
-            assert on["transient"] == off["transient"]
-            assert on["peak"] - off["peak"] == 2 * nbytes
-        else:
-            assert on["transient"] == on["logits"] < off["transient"]
-            assert on["peak"] - off["peak"] == 2 * nbytes - (off["transient"] - on["transient"])
+        assert on["transient_backward"] < off["transient_backward"]
+        assert off["comm_buffers"] > on["comm_buffers"] > 0
+        assert on["release"] == on["grads"] + on["comm_buffers"]
+        state = on["params"] + on["optimizer"] + 2 * nbytes
+        working = on["activations"] + on["recompute"] + on["transient"]
+        assert on["peak"] == state + max(working, on["release"])
+        assert off["peak"] == off["params"] + off["optimizer"] + off["grads"] + off["activations"] \
+            + off["recompute"] + off["transient"]
         kept = _estimate(True, 4, precision, reshard_after_forward=False).ranks[r]["memory"]
         assert _estimate(False, 4, precision, reshard_after_forward=False).ranks[r]["memory"]["gathered_weights"] > 0
         assert kept["gathered_weights"] == 0 and kept["peak"] == on["peak"]

@@ -94,11 +94,11 @@ def test_pp_parameter_table_agrees_with_the_memory_table():
 
 @pytest.mark.parametrize("config, world, extra, first", [
     ("llama3-405b", 16384, OVER, "--train.activation_checkpointing selective"),
-    # 70B at 64 without checkpointing, gathered weights kept, two sequences per micro-batch:
-    # four compiled pipeline stages (1F1B's bubble, (pp - 1) / (m + pp - 1)) cost less
-    # than re-gathering or halving the micro-batch (advice.COST); two do not fit.
-    ("llama3-70b", 64, ["--train.activation_checkpointing", "none", "--parallel.reshard_after_forward", "false",
-                        "--data.document_mask", "false", "--train.micro_batch", "2"], "--parallel.pp 4"),
+    # 70B at 32 without checkpointing, gathered weights kept, one sequence per micro-batch
+    # (nothing to halve): two compiled pipeline stages (1F1B's bubble, (pp - 1) / (m + pp
+    # - 1)) cost less than four or than re-gathering (advice.COST).
+    ("llama3-70b", 32, ["--train.activation_checkpointing", "none", "--parallel.reshard_after_forward", "false",
+                        "--data.document_mask", "false", "--train.micro_batch", "1"], "--parallel.pp 2"),
 ])
 def test_advice_lists_the_cheapest_change_first_and_its_flags_fit(monkeypatch, capsys, tmp_path, config, world, extra,
                                                             first):

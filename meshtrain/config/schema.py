@@ -255,7 +255,8 @@ def _validate_experts(cfg: "RunConfig") -> None:
 def _validate_unsharded_accumulation(cfg: "RunConfig") -> None:
     p = cfg.parallel
     for bad, why in ((p.bucket == "param", "parallel.bucket param (the per-parameter reference path)"),
-                     (p.pp > 1, "parallel.pp > 1 (a pipeline reduces every micro-batch)")):
+                     (p.pp > 1, "parallel.pp > 1 (a pipeline reduces every micro-batch; "
+                                "parallel.pp_keep_gathered true reduces once per step)")):
         if bad:
             raise ConfigError(f"parallel.fsdp_accumulate=unsharded does not work with {why}: set "
                               "parallel.fsdp_accumulate sharded")

@@ -163,6 +163,9 @@ from .compute import MaskKeys
 
 _DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp8": 2}  # fp8: bf16 activations, fp8 GEMM operands transient
 FP32, INT64, BOOL = 4, 8, 1
+# A GPU's caching allocator rounds blocks up and fragments: a stated share of the peak,
+# not measured here (no GPU; docs/plan.md "Peak memory").
+ALLOCATOR_SLACK = 0.05
 
 
 def _local(plan: Plan, shape: Sequence[int], axes: Sequence[str | None]) -> int:
@@ -186,6 +189,57 @@ def _compute_numel(plan: Plan, name: str) -> int:
 def _is_gathered(plan: Plan, name: str) -> bool:
     p = plan.params[name]
     return tuple(p.compute_placements()) != tuple(p.placements)
+
+
+class _Bucket:
+    """One bucket's bytes (a block's weights, or those before or after the blocks) for its
+    transients: compute-local elements, their compute copies, and the gathered part."""
+
+    def __init__(self, kept: bool):
+        self.kept = kept  # parallel.pp_keep_gathered: gathered once per step, reduced at its end
+        self.copies = self.grads = self.gathered = self.replica_grads = 0
+        self.ways = 1
+
+    def add(self, plan: Plan, name: str, n: int, width: int, gathered: bool) -> None:
+        # The weight gradient autograd makes, in the compute dtype, and its fp32 copy for
+        # the reductions (BucketRun._normalise) where that differs; a gathered one is cast
+        # as it is packed for its reduce-scatter, with no copy.
+        self.grads += n * width + (n * FP32 if width != FP32 and not gathered else 0)
+        if gathered:
+            p = plan.params[name]
+            ways = math.prod(p.mesh.size(a) for a, q in zip(p.mesh.axes, p.placements)
+                             if a in GATHERED_AXES and not q.is_replicate())
+            self.ways = max(self.ways, ways)
+            self.copies += 0 if self.kept else n * width
+            self.gathered += n * FP32
+            self.replica_grads += n * FP32 // ways
+        else:
+            self.replica_grads += n * FP32
+
+    def transients(self, c: int, prefetch: int, reshard: bool, replicas: int, device: str) -> tuple[int, int, int]:
+        """(forward, backward, the backward's communication buffers), as the eager bucket
+        path (parallel/buckets.py) allocates them. Forward: the gathered flat buffer and
+        the weights unpacked from it, the packed shards, and `prefetch` gathers issued
+        ahead. Backward: the weights gathered again (with resharding) and `prefetch`
+        ahead, the weight gradients, the packed fp32 buffer of the reduce-scatter and
+        `prefetch` + 1 of its outputs in flight, and with dp replicas the all-reduce's
+        concatenated input and output; on a GPU the inputs of the reductions in flight
+        are held too (until their collective ends). Kept gathered (`kept`), a micro-batch's
+        backward makes the weight gradients only, and the communication buffers are the
+        step end's (`total_peak`): the packed buffer and the outputs in flight but the
+        last (which is the shard's gradient)."""
+        gather = self.copies * (1 + 1 / self.ways)
+        forward = int(self.copies * 2 + prefetch * gather) if self.copies else 0
+        comm = 0
+        if self.gathered:
+            comm += prefetch * self.copies + self.gathered + (prefetch + 1) * self.gathered // self.ways
+            comm += prefetch * self.gathered if device == "cuda" else 0
+        if replicas > 1:
+            comm += 2 * self.replica_grads
+        if self.kept:
+            return forward, self.grads, int(comm - (self.gathered // self.ways if self.gathered else 0))
+        backward = (self.copies if reshard else 0) + self.grads + comm
+        return forward, int(backward), int(comm)
 
 
 def _norm(plan: Plan, B: int, S: int, D: int, c: int, stats: int) -> int:
@@ -265,7 +319,7 @@ def per_rank_memory(plan: Plan, model, *, micro_batch: int, seq_len: int, precis
                     activation_checkpointing: str = "none", reshard_after_forward: bool = True,
                     fsdp_accumulate: str = "sharded", device: str = "cpu", attention: str | None = None, names=None, layers: int | None = None,
                     embedding: bool = True, head: bool = True, in_flight: int = 1,
-                    mask_keys=None, keep_gathered: bool = False) -> dict:
+                    mask_keys=None, keep_gathered: bool = False, prefetch: int = 1) -> dict:
     """Bytes on the most loaded rank for one training step (see the module docstring for
     what is counted). micro_batch: sequences per data-parallel rank per micro-step.
     device: "cpu" | "cuda" picks the attention kernel unless `attention` ("flash" |
@@ -278,7 +332,8 @@ def per_rank_memory(plan: Plan, model, *, micro_batch: int, seq_len: int, precis
 
     mask_keys: with data.document_mask, what the masks attention keeps
     (estimate.compute.mask_keys; None: no masks). keep_gathered: a pp rank under
-    parallel.pp_keep_gathered (the module docstring)."""
+    parallel.pp_keep_gathered (the module docstring). prefetch: parallel.prefetch, the
+    gathers issued ahead and the reductions left in flight."""
     if precision not in _DTYPE_BYTES:
         raise ValueError(f"precision={precision!r}: choose fp32, bf16 or fp8")
     if activation_checkpointing not in ("none", "full", "selective"):
@@ -379,15 +434,19 @@ def per_rank_memory(plan: Plan, model, *, micro_batch: int, seq_len: int, precis
     alone = plan_buckets(plan)[1] if keep_gathered else set()
     saved_weights = gathered_weights = 0
     layer_weights: dict[str, int] = {}
+    buckets: dict[str, _Bucket] = {}
     for name in plan.params:
         if name not in names:
             continue
         gathered, n = _is_gathered(plan, name), _compute_numel(plan, name)
         width = FP32 if keeps_fp32(name) else c  # the router stays fp32
         new_copy = (gathered and not keep_gathered) or width != FP32  # otherwise the parameter itself is used
+        group = name.split(".")[1] if name.startswith("layers.") else name
         if new_copy:
-            group = name.split(".")[1] if name.startswith("layers.") else name
             layer_weights[group] = layer_weights.get(group, 0) + n * width
+        if plan.params[name].spec.trainable:
+            unit = name.split(".")[1] if name.startswith("layers.") else "before" if name == "tok_emb" else "after"
+            buckets.setdefault(unit, _Bucket(keep_gathered)).add(plan, name, n, width, gathered)
         if not new_copy or not family.costs.weight_saved(cfg, name):
             continue
         # A block's checkpoint gathers or casts its weights again in the recompute.
@@ -415,18 +474,43 @@ def per_rank_memory(plan: Plan, model, *, micro_batch: int, seq_len: int, precis
     optimizer = 2 * grads
     rows = min(tokens, CHUNK_ROWS)
     loss_logits = 2 * c * logits + FP32 * logits // tokens * rows if head else 0
-    transient = max(max(layer_weights.values(), default=0), loss_logits)
-    peak = (params + grads + optimizer + activations + recompute + transient + unsharded_grads
-            + kept_weights + kept_grads)
-    return {
+    # The largest transient: a bucket's gather in forward, the loss at the turn, or a
+    # bucket's backward (its weight gradients and reductions, where the layer backward has
+    # just run has freed what it kept, when a micro-batch is counted here).
+    replicas = mesh.size("dp") if "dp" in mesh.axes else 1
+    sets = [b.transients(c, prefetch, reshard_after_forward, replicas, device) for b in buckets.values()]
+    forward = max((f for f, _, _ in sets), default=0)
+    backward, comm_buffers = max(((bw, cb) for _, bw, cb in sets), default=(0, 0))
+    freed = activations_per_layer if in_flight and run else 0
+    transient = max(max(layer_weights.values(), default=0), forward, loss_logits, backward - freed)
+    out = {
         "params": params, "grads": grads, "optimizer": optimizer, "activations": activations,
-        "peak": peak,
         "activations_per_layer": activations_per_layer, "activations_layers": in_flight * layers_bytes,
         "activations_once": once, "loss_saved": loss, "saved_weights": saved_weights,
         "gathered_weights": gathered_weights, "recompute": recompute, "transient": transient,
         "unsharded_grads": unsharded_grads, "kept_weights": kept_weights, "kept_grads": kept_grads,
+        "transient_forward": forward, "transient_backward": backward, "comm_buffers": comm_buffers,
+        # Kept gathered: the step's end, beside the kept weights and gradients: the shards'
+        # gradients as they are reduced into and the reductions' buffers.
+        "release": grads + comm_buffers if keep_gathered else 0,
         "transient_layer_weights": max(layer_weights.values(), default=0), "logits": loss_logits,
         "attention_kernel": attention, "document_masks": masks, "tiles_joined_per_layer": joined,
         "window_pads_per_layer": pads,
         **({"activations_per_moe_layer": moe_layer} if moe_layer is not None else {}),
     }
+    out["peak"], out["allocator_slack"] = total_peak(out, device)
+    return out
+
+
+def total_peak(m: dict, device: str) -> tuple[int, int]:
+    """(peak, its allocator_slack) of per_rank_memory's terms `m` (a pipeline rank's with
+    its micro-batches in flight added): the state, then the step's working set: the
+    gradients, activations, recompute and the largest transient together; kept gathered
+    (m["release"] > 0), the larger of the micro-batches' working set (the shards'
+    gradients do not exist yet) and the step end's."""
+    base = m["params"] + m["optimizer"] + m["unsharded_grads"] + m["kept_weights"] + m["kept_grads"]
+    working = m["activations"] + m["recompute"] + m["transient"]
+    peak = base + (max(working, m["release"]) if m["release"] else m["grads"] + working)
+    # The caching allocator's rounding and fragmentation on a GPU, stated (ALLOCATOR_SLACK).
+    slack = int(ALLOCATOR_SLACK * peak) if device == "cuda" else 0
+    return peak + slack, slack

@@ -36,7 +36,7 @@ import math
 from dataclasses import dataclass
 
 from .comms import backward_regathers, step_collectives
-from .memory import per_rank_memory
+from .memory import per_rank_memory, total_peak
 from ..parallel.plan import Plan, without_pp
 from ..pipeline.partition import Stage, partition
 from ..pipeline.schedule import B, BI, BW, F, PipelineSchedule, build_pipeline_schedule
@@ -152,7 +152,7 @@ def pipeline_estimate(plan: Plan, model, *, pp_schedule: str, virtual: int, layo
         first, has_head = any(st.has_embedding for st in mine), any(st.has_head for st in mine)
         common = dict(micro_batch=micro_batch, seq_len=seq_len, precision=precision,
                       activation_checkpointing=activation_checkpointing, reshard_after_forward=reshard_after_forward,
-                      device=device, names=names, mask_keys=mask_keys, keep_gathered=keep_gathered)
+                      device=device, names=names, mask_keys=mask_keys, keep_gathered=keep_gathered, prefetch=prefetch)
         # State, saved weights and transients once (no micro-batch in flight); then what one
         # micro-batch keeps on each stage, times the stage's micro-batches in flight at the
         # moment the rank holds the most.
@@ -164,8 +164,9 @@ def pipeline_estimate(plan: Plan, model, *, pp_schedule: str, virtual: int, layo
         held = {s: m["activations_layers"] + m["activations_once"] + m["loss_saved"] for s, m in per_stage.items()}
         at_peak = max(in_flight(sched.ranks[r]), key=lambda n: sum(k * held[s] for s, k in n.items()))
         kept = sum(k * held[s] for s, k in at_peak.items())
-        memory.update(activations=memory["activations"] + kept, peak=memory["peak"] + kept,
+        memory.update(activations=memory["activations"] + kept,
                       activations_layers=sum(k * per_stage[s]["activations_layers"] for s, k in at_peak.items()))
+        memory["peak"], memory["allocator_slack"] = total_peak(memory, device)
         # The last stage reduces each micro-step's loss over the token-splitting dims (the
         # pipeline step's cross_entropy_sum), not the step's once.
         traffic = dict(micro_batch_rows=micro_batch * data, seq_len=seq_len, micro_steps=micro_steps,

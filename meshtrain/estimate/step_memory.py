@@ -35,7 +35,7 @@ def step_memory(cfg, plan, model, keep_gathered: bool | None = None) -> tuple[di
         return {**pipeline.most_loaded["memory"], "pp_rank": pipeline.most_loaded["pp_rank"]}, pipeline
     memory = per_rank_memory(plan, model, micro_batch=t.micro_batch, seq_len=t.seq_len, precision=t.precision,
                              activation_checkpointing=t.activation_checkpointing,
-                             reshard_after_forward=p.reshard_after_forward, device="cuda",
+                             reshard_after_forward=p.reshard_after_forward, device="cuda", prefetch=p.prefetch,
                              mask_keys=mask_keys(cfg, plan.mesh.cp),
                              fsdp_accumulate=p.fsdp_accumulate if micro_steps > 1 else "sharded")  # a plan is for GPUs: fused attention kernels
     return memory, None

@@ -361,19 +361,23 @@ class BucketRun:
                                   stride=make_contiguous_strides_for(shape))
 
     # ------------------------------------------------------------------ backward
-    def _normalise(self, j: int, grad: DTensor | None, like: torch.Tensor) -> tuple[torch.Tensor, tuple]:
+    def _normalise(self, j: int, grad: DTensor | None, like: torch.Tensor,
+                   packed: bool = False) -> tuple[torch.Tensor, tuple]:
         """(local gradient in the parameter dtype, its placements): Partial or Replicate on
         the data dims and on dims where the weight is used whole; the compute placement
-        elsewhere (anything else is redistributed there first, by DTensor)."""
+        elsewhere (anything else is redistributed there first, by DTensor, in the parameter
+        dtype). `packed`: a member copied into a gather set's buffer, which casts it: left
+        in the compute dtype when nothing is redistributed (no fp32 copy of it is made)."""
         compute = self.compute[j]
         if grad is None:
             return torch.zeros(self.bucket.members[j].shape, dtype=self.param_dtypes[j], device=like.device), \
                 tuple(Partial() if i in self.data else q for i, q in enumerate(compute))
-        grad = grad.to(self.param_dtypes[j])
         fixed = [g if (g.is_partial() or g.is_replicate()) and (i in self.data or q.is_replicate()) else q
                  for i, (g, q) in enumerate(zip(grad.placements, compute))]
         if tuple(fixed) != tuple(grad.placements):
-            grad = grad.redistribute(self.mesh, fixed)
+            grad = grad.to(self.param_dtypes[j]).redistribute(self.mesh, fixed)
+        elif not packed:
+            grad = grad.to(self.param_dtypes[j])
         return grad._local_tensor, tuple(grad.placements)
 
     def all_reduce(self, items: dict[int, torch.Tensor], dims: tuple[int, ...]) -> None:
@@ -398,8 +402,9 @@ class BucketRun:
         shards) and the last micro-step reduce-scatters their sum."""
         members = self.bucket.members
         locals_, places = [], []
+        packed = {j for s in self.sets for j in s.members}
         for j, (g, shard) in enumerate(zip(grads, shards)):
-            local, placements = self._normalise(j, g, shard)
+            local, placements = self._normalise(j, g, shard, j in packed)
             locals_.append(local)
             places.append(placements)
         out = list(locals_)

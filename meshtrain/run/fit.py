@@ -79,6 +79,11 @@ def _fit(cfg: RunConfig) -> list[dict]:
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", ranks.local_rank) if cuda else torch.device("cpu")
     if cuda:
+        # Segments that grow instead of new fixed blocks: less fragmentation, the premise
+        # of the planner's allocator_slack (estimate/memory.py). Set before the allocator
+        # starts (set_device); the user's own setting wins.
+        if not (os.environ.get("PYTORCH_ALLOC_CONF") or os.environ.get("PYTORCH_CUDA_ALLOC_CONF")):
+            os.environ["PYTORCH_ALLOC_CONF"] = "expandable_segments:True"
         torch.cuda.set_device(device)
     created_group = False
     if ranks.world > 1 and not dist.is_initialized():
