@@ -7,6 +7,9 @@ injected: the OS call at one point of the save (the temporary directory, the fir
 file, a write half-way through it, DCP's .metadata, an fsync, meta.json, the rename, the
 swap of a replaced step, pruning) raises OSError(ENOSPC) or OSError(EROFS), as the kernel
 would.
+Every case runs twice: with the synchronous save, and with the background writer
+(checkpoint.async_save, `BackgroundSaver`), whose failure surfaces at its wait as the
+same CheckpointError.
 """
 
 from __future__ import annotations
@@ -63,6 +66,19 @@ def _assert_loads_as(path: Path, expected: dict, step: int) -> None:
     for k, group in expected["optimizer"].items():
         for n, t in group.items():
             assert torch.equal(got["optimizer"][k][n], t), f"{path}: {k} {n}"
+
+
+def _save(kind: str, root, step: int, state, extra: dict, keep_last: int) -> Path:
+    """ckpt.save, or a BackgroundSaver's save and wait (kind "async")."""
+    if kind == "sync":
+        return ckpt.save(root, step, state, extra, keep_last=keep_last)
+    saver = ckpt.BackgroundSaver()
+    final = saver.save(root, step, state, extra, keep_last=keep_last)
+    assert saver.wait()[0] == final
+    return final
+
+
+KINDS = ["sync", "async"]
 
 
 def _oserror(code: int, path) -> OSError:
@@ -166,9 +182,10 @@ POINTS = ["tmp_dir", "first_tensor_file", "tensor_half_written", "dcp_metadata",
           "rename", "replace_rename", "prune"]
 
 
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("code", [errno.ENOSPC, errno.EROFS], ids=["disk_full", "read_only"])
 @pytest.mark.parametrize("point", POINTS)
-def test_a_failed_write_leaves_the_previous_checkpoints_intact_and_says_so(tmp_path, monkeypatch, point, code):
+def test_a_failed_write_leaves_the_previous_checkpoints_intact_and_says_so(tmp_path, monkeypatch, point, code, kind):
     root = tmp_path / "checkpoints"
     first, second = _state(seed=1, step=1), _state(seed=2, step=2)
     ckpt.save(root, 1, first, {"n": 1}, keep_last=2)
@@ -179,7 +196,7 @@ def test_a_failed_write_leaves_the_previous_checkpoints_intact_and_says_so(tmp_p
 
     if point == "prune":  # the new checkpoint is final before pruning: a warning, not a failed save
         with pytest.warns(UserWarning, match="could not delete it"):
-            assert ckpt.save(root, 3, _state(seed=3, step=3), {"n": 3}, keep_last=2) == root / "step_00000003"
+            assert _save(kind, root, 3, _state(seed=3, step=3), {"n": 3}, keep_last=2) == root / "step_00000003"
         monkeypatch.undo()
         assert ckpt.latest(root) == root / "step_00000003"
         assert sorted(p.name for p in root.iterdir()) == ["step_00000001", "step_00000002", "step_00000003"]
@@ -188,7 +205,7 @@ def test_a_failed_write_leaves_the_previous_checkpoints_intact_and_says_so(tmp_p
         return
 
     with pytest.raises(CheckpointError) as e:
-        ckpt.save(root, new_step, _state(seed=3, step=new_step), {"n": 3}, keep_last=2)
+        _save(kind, root, new_step, _state(seed=3, step=new_step), {"n": 3}, keep_last=2)
     monkeypatch.undo()
     message = str(e.value)
     reason, fix = REASONS[code]
@@ -228,7 +245,7 @@ def test_leftovers_that_cannot_be_removed_stop_the_start_with_the_reason(tmp_pat
     assert "writable" in str(e.value)
 
 
-def _two_ranks(root: str, point: str):
+def _two_ranks(root: str, point: str, kind: str = "sync"):
     """Both ranks save step 1, then step 2 fails at `point` (on rank 1's tensor file, or
     on rank 0's meta.json): every rank raises the same CheckpointError."""
     import torch.distributed as dist
@@ -256,7 +273,7 @@ def _two_ranks(root: str, point: str):
     else:
         ckpt.layout.open = open_meta
     try:
-        ckpt.save(root, 2, state, {}, keep_last=2)
+        _save(kind, root, 2, state, {}, keep_last=2)
     except CheckpointError as e:
         return {"message": str(e)}
     finally:
@@ -265,9 +282,10 @@ def _two_ranks(root: str, point: str):
     return {"message": None}
 
 
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("point", ["rank1_tensor_file", "rank0_meta_json"])
-def test_two_ranks_fail_alike_with_the_same_message(tmp_path, point):
-    results = run_ranks(_two_ranks, 2, str(tmp_path), point, timeout=180)
+def test_two_ranks_fail_alike_with_the_same_message(tmp_path, point, kind):
+    results = run_ranks(_two_ranks, 2, str(tmp_path), point, kind, timeout=180)
     messages = [r["message"] for r in results]
     assert messages[0] is not None and messages[0] == messages[1], messages
     reason = "No space left on device" if point == "rank1_tensor_file" else "Read-only file system"
@@ -277,19 +295,23 @@ def test_two_ranks_fail_alike_with_the_same_message(tmp_path, point):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000001"]
 
 
-def _fit_args(run_dir: Path) -> list[str]:
+def _fit_args(run_dir: Path, kind: str = "sync") -> list[str]:
     return ["fit", "--config", str(TINY), *SMALL, "--train.steps", "6", "--checkpoint.every", "2",
-            "--run_dir", str(run_dir)]
+            "--run_dir", str(run_dir), "--checkpoint.async_save", str(kind == "async").lower()]
 
 
-def test_fit_stops_with_exit_2_when_the_disk_fills_and_resumes_once_freed(tmp_path, monkeypatch, capsys, one_thread):
+@pytest.mark.parametrize("kind", KINDS)
+def test_fit_stops_with_exit_2_when_the_disk_fills_and_resumes_once_freed(tmp_path, monkeypatch, capsys, one_thread,
+                                                                          kind):
+    """Written in the background, the failure of step 4's save stops the run at a later
+    step (the next agreed check), with the same message."""
     whole = tmp_path / "whole"
     assert main(_fit_args(whole)) == 0
     capsys.readouterr()
 
     run_dir = tmp_path / "run"
     _inject_at_step(monkeypatch, 4)
-    assert main(_fit_args(run_dir)) == 2
+    assert main(_fit_args(run_dir, kind)) == 2
     err = capsys.readouterr().err
     monkeypatch.undo()
     root = run_dir / "checkpoints"
@@ -300,7 +322,7 @@ def test_fit_stops_with_exit_2_when_the_disk_fills_and_resumes_once_freed(tmp_pa
     assert sorted(p.name for p in root.iterdir()) == ["step_00000002"]
 
     # Space freed: the same command resumes from step 2 and ends on the uninterrupted curve.
-    assert main(_fit_args(run_dir)) == 0
+    assert main(_fit_args(run_dir, kind)) == 0
     out = capsys.readouterr().out
     assert re.search(rf"resumed from {re.escape(str(root / 'step_00000002'))} at step 2 ", out), out
     assert [r["step"] for r in read_metrics(run_dir)] == list(range(1, 7))

@@ -205,3 +205,26 @@ def test_a_signal_caught_by_another_thread_still_stops_the_process_while_the_mai
     assert done.returncode == 128 + signal.SIGINT, done.stdout + done.stderr
     assert done.stderr == "meshtrain: stopped at once by a second SIGINT (asleep)\n"
     assert time.monotonic() - started < 20
+
+
+@pytest.mark.slow
+def test_a_stop_signal_waits_for_the_checkpoint_written_in_the_background(tmp_path):
+    """checkpoint.async_save, saving every step: Ctrl-C lands while a background write may
+    be in flight; the run's stop checkpoint is committed (the latest, complete) before the
+    one line and exit 0, and the same command resumes on the uninterrupted curve."""
+    args = ["--config", str(TINY), *LONG, "--checkpoint.every", "1", "--checkpoint.async_save", "true"]
+    run_dir = tmp_path / "run"
+    run = Run(args, run_dir)
+    run.wait_for(lambda: run.steps_logged() >= 4)
+    run.signal_group(signal.SIGINT)
+    code, out, err = run.finish()
+    assert code == 0 and "Traceback" not in err, out + err
+    stopped = _stopped(out, "SIGINT")
+    assert checkpoint.latest(run_dir / "checkpoints") == checkpoint.step_dir(run_dir / "checkpoints", stopped)
+    assert not [p for p in (run_dir / "checkpoints").iterdir() if p.name.startswith(".")]
+    end = ["--train.stop_at", str(stopped + 2)]
+    resumed = run_cli("fit", *args, *end, "--run_dir", str(run_dir), timeout=400)
+    assert resumed.returncode == 0 and "resumed from" in resumed.stdout, resumed.stdout + resumed.stderr
+    reference = run_cli("fit", *args[:-2], *end, "--run_dir", str(tmp_path / "reference"), timeout=400)
+    assert reference.returncode == 0, reference.stdout + reference.stderr
+    assert _losses(run_dir) == _losses(tmp_path / "reference")

@@ -25,6 +25,10 @@ Guarantees:
   checkpoint (untouched: nothing older is deleted before the new one is final) and the
   fix; the partial temporary directory is removed where the disk allows. Failing to
   delete old checkpoints after the new one is final is a warning, not a failed save.
+- `BackgroundSaver` (checkpoint.async_save) writes the same checkpoint from copies of the
+  tensors on a thread, with the same commit: until its rename it is a temporary
+  directory, so every guarantee above holds at every moment of a background write; its
+  failure is raised, as the same CheckpointError, by the next `save` or `wait`.
 - Any layout loads any other and a single process loads a sharded checkpoint: DCP
   reshards DTensors by global offsets. Parameter names and global shapes are checked
   first, and every failure is a `CheckpointError` naming the path and the fix.
@@ -37,9 +41,10 @@ Guarantees:
   deletes directories. Without one, a single process saves and loads plain tensors.
 """
 
+from .background import BackgroundSaver
 from .layout import META, CheckpointError, cleanup_incomplete, complete, latest, read_meta, step_dir
 from .reader import SafeReader, quiet_dcp
 from .store import load, save
 
-__all__ = ["META", "CheckpointError", "SafeReader", "cleanup_incomplete", "complete", "latest", "load", "quiet_dcp",
-           "read_meta", "save", "step_dir"]
+__all__ = ["META", "BackgroundSaver", "CheckpointError", "SafeReader", "cleanup_incomplete", "complete", "latest",
+           "load", "quiet_dcp", "read_meta", "save", "step_dir"]

@@ -43,12 +43,12 @@ def _name(step: int) -> str:
     return f"step_{step:08d}"
 
 
-def _first_os_error(mine: OSError | None) -> OSError | None:
+def _first_os_error(mine: OSError | None, group=None) -> OSError | None:
     """The OSError of the lowest rank that saw one (every rank calls this together)."""
     _, world = _rank_world()
     if world == 1:
         return mine
-    reports = _all_gather_bytes(b"" if mine is None else json.dumps(_os_report(mine)).encode())
+    reports = _all_gather_bytes(b"" if mine is None else json.dumps(_os_report(mine)).encode(), group)
     return next((_os_error(json.loads(r)) for r in reports if r), None)
 
 
@@ -276,16 +276,17 @@ def _rank_world() -> tuple[int, int]:
     return 0, 1
 
 
-def _comm_device() -> torch.device:
-    if dist.get_backend() == "nccl":
+def _comm_device(group=None) -> torch.device:
+    if dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
 
-def _on_rank0(fn: Callable[[], None], what: str) -> None:
+def _on_rank0(fn: Callable[[], None], what: str, group=None) -> None:
     """fn() on rank 0; every other rank waits for it and fails if it failed: with the same
     OSError (so that every rank reports a disk error alike), else a CheckpointError
-    quoting rank 0's."""
+    quoting rank 0's. `group`: the process group of all ranks to use (default: the
+    default group)."""
     rank, world = _rank_world()
     if world == 1:
         fn()
@@ -301,13 +302,13 @@ def _on_rank0(fn: Callable[[], None], what: str) -> None:
         report = json.dumps(_os_report(error)).encode()
     elif error is not None:
         report = json.dumps({"type": type(error).__name__, "message": str(error)}).encode()
-    device = _comm_device()
+    device = _comm_device(group)
     size = torch.tensor([len(report)], dtype=torch.int64, device=device)
-    dist.broadcast(size, src=0)
+    dist.broadcast(size, src=0, group=group)
     if int(size.item()):
         data = torch.frombuffer(bytearray(report), dtype=torch.uint8).to(device) if rank == 0 else \
             torch.empty(int(size.item()), dtype=torch.uint8, device=device)
-        dist.broadcast(data, src=0)
+        dist.broadcast(data, src=0, group=group)
         report = data.cpu().numpy().tobytes()
     if error is not None:
         raise error
@@ -318,20 +319,20 @@ def _on_rank0(fn: Callable[[], None], what: str) -> None:
         raise CheckpointError(f"rank 0 failed to {what}: {info['type']}: {info['message']}")
 
 
-def _all_gather_bytes(data: bytes) -> list[bytes]:
+def _all_gather_bytes(data: bytes, group=None) -> list[bytes]:
     """Every rank's bytes, by rank (uint8 all_gather, no pickling)."""
     _, world = _rank_world()
     if world == 1:
         return [data]
-    device = _comm_device()
+    device = _comm_device(group)
     size = torch.tensor([len(data)], dtype=torch.int64, device=device)
     sizes = [torch.empty_like(size) for _ in range(world)]
-    dist.all_gather(sizes, size)
+    dist.all_gather(sizes, size, group=group)
     sizes = [int(s.item()) for s in sizes]
     mine = torch.zeros(max(max(sizes), 1), dtype=torch.uint8)
     if data:
         mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     mine = mine.to(device)
     gathered = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(gathered, mine)
+    dist.all_gather(gathered, mine, group=group)
     return [t.cpu().numpy().tobytes()[:n] for n, t in zip(sizes, gathered)]

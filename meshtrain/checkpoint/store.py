@@ -7,6 +7,7 @@ import base64
 import contextlib
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Protocol
 
@@ -33,6 +34,55 @@ def save(root: str | os.PathLike, step: int, state: TrainState, extra: dict, kee
     under `root` and return its directory. Every rank calls it when a process group
     exists; it returns on no rank before the checkpoint is final and pruned. `on_write`
     runs when this rank has opened its first tensor file (the fault injection's hook)."""
+    pending = begin(root, step, extra, keep_last)
+    return pending.finish(_tensors(state), on_write)
+
+
+@dataclass
+class Pending:
+    """A checkpoint begun: its temporary directory made and its meta.json content fixed
+    (step, world, extra, every rank's RNG states at `begin`). `finish` writes the tensors
+    and commits; it may run on another thread (checkpoint/background.py) with `group`, a
+    process group of all ranks that nothing else uses meanwhile."""
+
+    root: Path
+    final: Path
+    tmp: Path
+    meta: dict
+    keep_last: int
+
+    def finish(self, tensors: dict, on_write: Callable[[], None] | None = None, group=None) -> Path:
+        """Every rank's tensor files into the temporary directory, then meta.json and the
+        atomic rename by rank 0, then pruning: the directory once final."""
+        doing = "writing the tensor files"
+        try:
+            writer = dcp.FileSystemWriter(self.tmp, sync_files=True)
+            writer.fs = _RecordingFileSystem(on_write)
+            try:
+                with quiet_dcp():
+                    dcp.save(tensors, storage_writer=writer, process_group=group)
+            except CheckpointException as e:
+                # torch.save turns a failed write into "RuntimeError: ... unexpected pos":
+                # the OSError that a rank's stream saw says why, and every rank learns it.
+                error = _first_os_error(writer.fs.error, group) or _failure(e)[1]
+                if not isinstance(error, OSError):
+                    raise
+                raise error from None
+            # The exchange completes on no rank before every rank has finished dcp.save,
+            # so it is also the barrier between the tensor files and meta.json.
+            _all_gather_bytes(b"", group)
+            doing = f"writing {META} and renaming the directory into place"
+            _on_rank0(lambda: _publish(self.root, self.tmp, self.final, self.meta, self.keep_last),
+                      f"finish checkpoint {self.final}", group)
+        except OSError as e:
+            raise _not_written(self.root, self.final, self.tmp, e, doing) from None
+        return self.final
+
+
+def begin(root: str | os.PathLike, step: int, extra: dict, keep_last: int) -> Pending:
+    """Check the arguments, make the temporary directory (rank 0, the others wait) and fix
+    meta.json's content with every rank's RNG states: what a save does before it writes
+    tensors. Every rank calls it, on the default process group."""
     root = Path(root)
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise CheckpointError(f"checkpoint under {root}: step={step!r} must be an int >= 0")
@@ -46,33 +96,14 @@ def save(root: str | os.PathLike, step: int, state: TrainState, extra: dict, kee
                               "convert it to dicts, lists, strings and numbers") from None
     final = root / _name(step)
     tmp = root / f".tmp-{final.name}"
-    rank, world = _rank_world()
-    doing = "creating its temporary directory"
+    _, world = _rank_world()
     try:
         # Rank 0 empties the temporary directory before anyone writes into it.
         _on_rank0(lambda: _fresh_dir(tmp), f"create {tmp}")
-        doing = "writing the tensor files"
-        writer = dcp.FileSystemWriter(tmp, sync_files=True)
-        writer.fs = _RecordingFileSystem(on_write)
-        try:
-            with quiet_dcp():
-                dcp.save(_tensors(state), storage_writer=writer)
-        except CheckpointException as e:
-            # torch.save turns a failed write into "RuntimeError: ... unexpected pos": the
-            # OSError that a rank's stream saw says why, and every rank learns it.
-            error = _first_os_error(writer.fs.error) or _failure(e)[1]
-            if not isinstance(error, OSError):
-                raise
-            raise error from None
-        # An all_gather completes on no rank before every rank has finished dcp.save, so it
-        # is also the barrier between the tensor files and meta.json.
-        rng = _gather_rng()
-        meta = {"format": FORMAT_VERSION, "step": step, "world": world, "extra": extra_json, "rng": rng}
-        doing = f"writing {META} and renaming the directory into place"
-        _on_rank0(lambda: _publish(root, tmp, final, meta, keep_last), f"finish checkpoint {final}")
     except OSError as e:
-        raise _not_written(root, final, tmp, e, doing) from None
-    return final
+        raise _not_written(root, final, tmp, e, "creating its temporary directory") from None
+    meta = {"format": FORMAT_VERSION, "step": step, "world": world, "extra": extra_json, "rng": _gather_rng()}
+    return Pending(root, final, tmp, meta, keep_last)
 
 
 class _RecordingFileSystem(dcp_filesystem.FileSystem):

@@ -170,6 +170,7 @@ def _validate_checkpoint(c: CheckpointConfig) -> None:
     _check_int(c.every, "checkpoint.every", minimum=0)
     _check_int(c.keep_last, "checkpoint.keep_last", minimum=1)
     check_bool(c.export, "checkpoint.export")
+    check_bool(c.async_save, "checkpoint.async_save")
     if not isinstance(c.resume, str) or not c.resume:
         raise ConfigError(f"checkpoint.resume={c.resume!r}: give auto, none, or a checkpoint directory")
 

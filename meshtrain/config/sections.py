@@ -209,6 +209,8 @@ class CheckpointConfig:
     """How many of the newest complete checkpoints to keep."""
     resume: str = "auto"
     """auto: continue from the newest complete checkpoint in <run_dir>/checkpoints if there is one; none: start at step 0; or the path of a checkpoint directory."""
+    async_save: bool = False
+    """Write checkpoints in the background: the step waits only while the state is copied to host memory (reused buffers, pinned on GPUs), then a thread writes and commits the checkpoint while training goes on; it becomes the latest only once every rank has written and the atomic rename is done. At most one save in flight: the next save, the end of the run, a stop signal, an error and the export wait for it (and report its failure as a synchronous save would). Off by default on CPU, where the writer shares the cores training uses and the copy costs as much memory as the state; the GPU presets turn it on."""
     export: bool = False
     """At the end of fit, write the weights as a Hugging Face model directory (safetensors, config.json, generation_config.json, tokenizer files) into <run_dir>/export/, in fp32 for fp32 runs and bf16 otherwise."""
 

@@ -155,6 +155,11 @@ class _Run:
         self.mesh, self.step_fn, self.eval_fn, self.rows = built.mesh, built.step_fn, built.eval_fn, built.rows
         self.state = TrainState.create(built.params)
         self.consumed = 0  # global training samples consumed: the data position
+        self.saver = None
+        if cfg.checkpoint.async_save:
+            self.saver = checkpoint.BackgroundSaver()
+            self.saver.reserve(self.state)  # the staging buffers, before the first step
+        self._saves_done = True  # every rank's background save had finished at the last step's end
 
     # --- the loop ----------------------------------------------------------------------
 
@@ -212,7 +217,12 @@ class _Run:
                 if note:
                     rep.print(f"[yellow]{note}[/]")
                 evaluate = t.eval_every and (done % t.eval_every == 0 or done == t.steps)
-                if done % t.log_every == 0 or done == stop or evaluate:
+                every = self.cfg.checkpoint.every
+                saving = done == stop or bool(every and done % every == 0)  # the last step always saves
+                # ckpt_stall_s: what this step waited for its save; ckpt_write_s: a write
+                # that finished (this step's when synchronous, or one in the background).
+                ckpt = self._checkpoint(done, stop) if saving else self._written()
+                if done % t.log_every == 0 or done == stop or evaluate or ckpt:
                     now = time.perf_counter()
                     if last_step == first_step:  # the window starts after the warm-up step
                         last_time, last_step = warm, first_step + 1
@@ -230,7 +240,8 @@ class _Run:
                               if peak and tokens_per_s else None,
                               "memory_gib": memory_gib(self.device), "elapsed_s": now - start,
                               "eta_s": eta * (stop - done) if eta is not None else None,
-                              **{k: metrics[k] for k in ("aux_loss", "expert_imbalance") if k in metrics}}
+                              **{k: metrics[k] for k in ("aux_loss", "expert_imbalance") if k in metrics},
+                              **{k: v for k, v in ckpt.items() if k.startswith("ckpt_")}}
                     if not history:
                         record["warmup_s"] = warmup_s
                     if guard.skipped:
@@ -242,21 +253,31 @@ class _Run:
                     last_time, last_step = time.perf_counter(), done  # evaluation time is not training time
                     history.append(record)
                     rep.log(record)
-                every, saved = self.cfg.checkpoint.every, False
-                if done == stop or (every and done % every == 0):  # the last step always saves
-                    rep.print(f"checkpoint {self._save()}")
-                    saved = True
+                if "path" in ckpt:
+                    rep.print(f"checkpoint {ckpt['path']}" + (" (writing in the background)" if ckpt.get("background")
+                                                            else ""))
                 _mark(self.watchdog, done, "agreeing on stop signals (a one-element all-reduce)")
                 received = self._stop_agreed()
                 if received and done < stop:
-                    # Preemption: a checkpoint at this step boundary, then a clean exit.
-                    path = self._save() if not saved else checkpoint.step_dir(self.run_dir / "checkpoints", done)
+                    # Preemption: a checkpoint at this step boundary, committed, then a clean exit.
+                    path = ckpt["path"] if saving else self._save()
+                    self._wait_save(done)
                     rep.print(f"stopped by {received} after step {done}: checkpoint {path}; run the same command "
                               "to resume")
                     return history
+            self._wait_save(self.state.step)
             if self.cfg.checkpoint.export and self.state.step >= stop:
                 _mark(self.watchdog, self.state.step, "export")
                 rep.print(f"exported to {self._export()}")
+        except BaseException:
+            # A save in the background finishes (or fails) before the error is reported;
+            # its own failure is printed, the error that stopped the loop is raised.
+            if self.saver is not None and self.saver.in_flight:
+                try:
+                    self._wait_save(self.state.step)
+                except checkpoint.CheckpointError as e:
+                    rep.print(f"[red]{e}[/]")
+            raise
         finally:
             rep.close()
         if history:
@@ -268,13 +289,18 @@ class _Run:
         """The stop signal's name when any rank received one, else None. Every rank must agree
         on the step and on the name: a signal may reach only some ranks, and one sent to the
         whole group reaches them at different moments, so the all-reduce carries the number
-        (SIGTERM outranks SIGINT where ranks got different ones)."""
+        (SIGTERM outranks SIGINT where ranks got different ones). The same all-reduce
+        agrees whether every rank's background save has finished (`_written`), so that
+        all join it, or learn its failure, at the same step."""
         name = stopping.REQUEST.name
+        writing = self.saver is not None and not self.saver.done()
         if self.ranks.world == 1:
+            self._saves_done = not writing
             return name
-        number = torch.tensor([float(signal.Signals[name].value if name else 0)], device=self.device)
+        number = torch.tensor([float(signal.Signals[name].value if name else 0), float(writing)], device=self.device)
         dist.all_reduce(number, dist.ReduceOp.MAX)
-        return signal.Signals(int(number.item())).name if number.item() else None
+        self._saves_done = not number[1].item()
+        return signal.Signals(int(number[0].item())).name if number[0].item() else None
 
     def _on_disk(self) -> str:
         """What a run stopped at once leaves: its latest complete checkpoint."""
@@ -324,15 +350,56 @@ class _Run:
         return sum(losses) / len(losses)
 
     def _save(self) -> Path:
+        """This step's checkpoint: written and committed, or with checkpoint.async_save
+        begun and writing in the background (the directory it will have)."""
         _mark(self.watchdog, self.state.step, "checkpoint save")
         extra = {"consumed_samples": self.consumed, "config": self.cfg.to_dict()}
         step = self.state.step
-        return checkpoint.save(self.run_dir / "checkpoints", step, self.state, extra, self.cfg.checkpoint.keep_last,
-                               on_write=lambda: self.faults.in_save(step))
+        save = checkpoint.save if self.saver is None else self.saver.save
+        return save(self.run_dir / "checkpoints", step, self.state, extra, self.cfg.checkpoint.keep_last,
+                    on_write=lambda: self.faults.in_save(step))
+
+    def _checkpoint(self, done: int, stop: int) -> dict:
+        """Save at step `done`: the metrics of the save (ckpt_stall_s: what the step waited,
+        including for the save before it; ckpt_write_s when a write finished), and its path.
+        The run's last save is waited for at once: nothing is left to overlap it with."""
+        start = time.perf_counter()
+        finished = self.saver.wait() if self.saver is not None else None
+        path = self._save()
+        out = {"path": path, "background": self.saver is not None}
+        if self.saver is None:
+            out["ckpt_write_s"] = time.perf_counter() - start
+        elif done == stop:
+            finished = self._wait_save(done) or finished
+            out["background"] = False
+        out["ckpt_stall_s"] = time.perf_counter() - start
+        if finished is not None:
+            out["ckpt_write_s"] = finished[1]
+        return out
+
+    def _written(self) -> dict:
+        """ckpt_write_s of a background write that every rank had finished by the end of
+        the last step (`_stop_agreed`), if one had."""
+        if self.saver is None or not self._saves_done:
+            return {}
+        finished = self.saver.wait()
+        return {} if finished is None else {"ckpt_write_s": finished[1]}
+
+    def _wait_save(self, step: int):
+        """Join the background save in flight, if any: (its checkpoint, write seconds)."""
+        if self.saver is None or not self.saver.in_flight:
+            return None
+        _mark(self.watchdog, step, "waiting for the checkpoint written in the background")
+        return self.saver.wait()
 
     def _export(self) -> Path:
+        def save() -> Path:
+            path = self._save()
+            self._wait_save(self.state.step)
+            return path
+
         return export_run(self.cfg, self.run_dir, self.state.params, self.state.step, self.plan.mesh.pp > 1,
-                          self.ranks.rank, self.ranks.world, self._save)
+                          self.ranks.rank, self.ranks.world, save)
 
     # --- files ---------------------------------------------------------------------------
 

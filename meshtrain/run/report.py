@@ -77,7 +77,7 @@ class StepTable:
 
     def rows(self, r: dict) -> list[str]:
         """The record as its row, and a second line for what did not fit (extra columns,
-        the validation loss, skipped steps)."""
+        the validation loss, skipped steps, a checkpoint's stall and write time)."""
         if not self.chosen:
             self._choose(r)
             self.chosen = True
@@ -87,6 +87,10 @@ class StepTable:
             more.append(f"val_loss {r['val_loss']:.4f} (ppl {r['val_ppl']:.2f})")
         if "skipped_steps" in r:
             more.append(f"skipped steps {r['skipped_steps']}")
+        if "ckpt_stall_s" in r:
+            more.append(f"checkpoint stall {r['ckpt_stall_s']:.2f} s")
+        if "ckpt_write_s" in r:
+            more.append(f"checkpoint written in {r['ckpt_write_s']:.2f} s")
         if more:
             lines.append(" " * 4 + "  ".join(more))
         return lines
