@@ -15,8 +15,9 @@ way meshtrain fit does (meshtrain.checkpoint):
 
 Reported: the median step time without a save; the synchronous save's stall; the
 background save's stall (and its ratio to the synchronous stall), its write time and
-write bandwidth (state bytes / write time), and the time of the steps that ran while it
-wrote (they share the CPU with the writer). The two checkpoints must hold the same bytes
+write bandwidth (state bytes / write time), the times of the 4 steps after it (they
+share the CPU with the writer); and for both, the time lost over the save and the 4 steps
+after it against 4 plain steps (the background one waits for its write at the end). The two checkpoints must hold the same bytes
 as the state at their step: each is loaded back and compared, else the bench refuses to
 report.
 
@@ -55,6 +56,7 @@ SIZES = {
     "tiny": LlamaConfig(dim=128, n_layers=2, n_heads=4, n_kv_heads=4, ffn_dim=352, vocab_size=1024, max_seq_len=64),
 }
 SEQ, BATCH = 32, 1
+AFTER = 4  # steps timed after each save (the background write runs beside them)
 
 
 def _snapshot(state: TrainState) -> dict:
@@ -115,7 +117,8 @@ def main() -> int:
         start = time.perf_counter()
         sync_path = ckpt.save(root, state.step, state, {}, keep_last=3)
         sync_stall = time.perf_counter() - start
-        after_sync = [timed_step() for _ in range(2)]
+        after_sync = [timed_step() for _ in range(AFTER)]
+        sync_total = time.perf_counter() - start
 
         # In the background: the step's save, then steps until the write has finished.
         timed_step()
@@ -127,12 +130,11 @@ def main() -> int:
         start = time.perf_counter()
         async_path = saver.save(root, state.step, state, {}, keep_last=3)
         async_stall = time.perf_counter() - start
-        during = []
-        while not saver.done():
-            during.append(timed_step())
+        during = [timed_step() for _ in range(AFTER)]
         waited_start = time.perf_counter()
         _, write_s = saver.wait()
         waited = time.perf_counter() - waited_start
+        async_total = time.perf_counter() - start
         # A second background save: the same buffers again.
         timed_step()
         start = time.perf_counter()
@@ -148,10 +150,12 @@ def main() -> int:
     out = {"date": datetime.date.today().isoformat(), "params": n_params, "state_bytes": state_bytes,
            "step_s": statistics.median(plain), "sync_stall_s": sync_stall,
            "sync_bandwidth_gb_s": state_bytes / sync_stall / 1e9, "after_sync_step_s": after_sync,
+           "sync_lost_s": sync_total - AFTER * statistics.median(plain),
            "reserve_s": reserve_s, "async_stall_s": async_stall, "async_second_stall_s": second_stall,
            "stall_ratio": async_stall / sync_stall, "second_stall_ratio": second_stall / sync_stall,
            "async_write_s": write_s, "async_bandwidth_gb_s": state_bytes / write_s / 1e9,
-           "steps_during_write": during, "waited_after_s": waited,
+           "steps_after_async_s": during, "waited_after_s": waited,
+           "async_lost_s": async_total - AFTER * statistics.median(plain),
            "machine": platform.processor() or platform.machine(), "cores": os.cpu_count(),
            "torch": torch.__version__}
     print(f"step without a save: {out['step_s']:.3f} s (median of 3)")
@@ -159,8 +163,10 @@ def main() -> int:
     print(f"background save: the staging buffers made at start in {reserve_s:.2f} s; the step waits "
           f"{async_stall:.2f} s ({out['stall_ratio']:.3f}x the synchronous stall; a second save "
           f"{second_stall:.2f} s, {out['second_stall_ratio']:.3f}x); written in "
-          f"{write_s:.2f} s ({out['async_bandwidth_gb_s']:.2f} GB/s) while {len(during)} steps ran "
-          f"({', '.join(f'{t:.3f}' for t in during) or '-'} s)")
+          f"{write_s:.2f} s ({out['async_bandwidth_gb_s']:.2f} GB/s) beside the next steps "
+          f"({', '.join(f'{t:.3f}' for t in during)} s; {waited:.2f} s more waited after them)")
+    print(f"time lost over a save and the {AFTER} steps after it (against {AFTER} plain steps): synchronous "
+          f"{out['sync_lost_s']:.2f} s, background {out['async_lost_s']:.2f} s")
     if a.json:
         a.json.write_text(json.dumps(out, indent=1))
     return 0

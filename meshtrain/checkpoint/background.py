@@ -30,6 +30,8 @@ from .store import Pending, TrainState, begin
 
 
 class BackgroundSaver:
+    """One run's checkpoints written in the background, one at a time (module docstring)."""
+
     def __init__(self):
         self._staging: dict[tuple, torch.Tensor] = {}
         self._group = None
@@ -47,15 +49,16 @@ class BackgroundSaver:
         self._stage(state, copy=False)
 
     def save(self, root, step: int, state: TrainState, extra: dict, keep_last: int,
-             on_write: Callable[[], None] | None = None) -> Path:
+             on_write: Callable[[], None] | None = None, before_commit: Callable[[], None] | None = None) -> Path:
         """Begin the checkpoint of `step` and write it in the background; returns the
-        directory it will have once committed. Every rank calls it."""
+        directory it will have once committed. Every rank calls it. `before_commit` runs
+        on the writing thread before the rename, as store.save's."""
         self.wait()
         pending = begin(root, step, extra, keep_last)
         tensors = self._stage(state)
         if self._group is None and _rank_world()[1] > 1:
             self._group = dist.new_group(backend="gloo")
-        self._thread = threading.Thread(target=self._finish, args=(pending, tensors, on_write),
+        self._thread = threading.Thread(target=self._finish, args=(pending, tensors, on_write, before_commit),
                                         name=f"checkpoint-{pending.final.name}", daemon=True)
         self._thread.start()
         return pending.final
@@ -70,10 +73,6 @@ class BackgroundSaver:
         error, self._error = self._error, None
         if error is not None:
             raise error
-        return self.written()
-
-    def written(self) -> tuple[Path, float] | None:
-        """The last write that finished since this was last asked (None otherwise)."""
         done, self._written = self._written, None
         return done
 
@@ -81,10 +80,10 @@ class BackgroundSaver:
         """True when nothing is in flight or the save in flight has finished."""
         return self._thread is None or not self._thread.is_alive()
 
-    def _finish(self, pending: Pending, tensors: dict, on_write) -> None:
+    def _finish(self, pending: Pending, tensors: dict, on_write, before_commit) -> None:
         start = time.perf_counter()
         try:
-            final = pending.finish(tensors, on_write, self._group)
+            final = pending.finish(tensors, on_write, self._group, before_commit)
             self._written = (final, time.perf_counter() - start)
         except BaseException as e:  # raised by wait(), on the training thread
             self._error = e
@@ -102,8 +101,9 @@ class BackgroundSaver:
                 buf.copy_(local, non_blocking=local.is_cuda)
             if not isinstance(t, DTensor):
                 return buf
-            return DTensor.from_local(buf, t.device_mesh, t.placements, run_check=False, shape=t.shape,
-                                      stride=t.stride())
+            # The DTensor's own spec on the host copy (from_local would move it back to the
+            # mesh's device): DCP reads only its global shape and this rank's offsets.
+            return DTensor(buf, t._spec, requires_grad=False)
 
         out = {"params": {n: stage(("params", n), t) for n, t in state.params.items()},
                "optimizer": {k: {n: stage((k, n), t) for n, t in group.items()}

@@ -29,13 +29,15 @@ class TrainState(Protocol):
 
 
 def save(root: str | os.PathLike, step: int, state: TrainState, extra: dict, keep_last: int,
-         on_write: Callable[[], None] | None = None) -> Path:
+         on_write: Callable[[], None] | None = None, before_commit: Callable[[], None] | None = None) -> Path:
     """Write `state` (a TrainState: params, optimizer, step) as the checkpoint of `step`
     under `root` and return its directory. Every rank calls it when a process group
     exists; it returns on no rank before the checkpoint is final and pruned. `on_write`
-    runs when this rank has opened its first tensor file (the fault injection's hook)."""
+    runs when this rank has opened its first tensor file (the fault injection's hook);
+    `before_commit` once every rank's files are written, before the rename (a run logs
+    the step there, so no committed checkpoint lacks its step's metrics line)."""
     pending = begin(root, step, extra, keep_last)
-    return pending.finish(_tensors(state), on_write)
+    return pending.finish(_tensors(state), on_write, before_commit=before_commit)
 
 
 @dataclass
@@ -51,9 +53,11 @@ class Pending:
     meta: dict
     keep_last: int
 
-    def finish(self, tensors: dict, on_write: Callable[[], None] | None = None, group=None) -> Path:
-        """Every rank's tensor files into the temporary directory, then meta.json and the
-        atomic rename by rank 0, then pruning: the directory once final."""
+    def finish(self, tensors: dict, on_write: Callable[[], None] | None = None, group=None,
+               before_commit: Callable[[], None] | None = None) -> Path:
+        """Every rank's tensor files into the temporary directory, then `before_commit`,
+        then meta.json and the atomic rename by rank 0, then pruning: the directory once
+        final."""
         doing = "writing the tensor files"
         try:
             writer = dcp.FileSystemWriter(self.tmp, sync_files=True)
@@ -71,6 +75,11 @@ class Pending:
             # The exchange completes on no rank before every rank has finished dcp.save,
             # so it is also the barrier between the tensor files and meta.json.
             _all_gather_bytes(b"", group)
+        except OSError as e:
+            raise _not_written(self.root, self.final, self.tmp, e, doing) from None
+        if before_commit is not None:
+            before_commit()
+        try:
             doing = f"writing {META} and renaming the directory into place"
             _on_rank0(lambda: _publish(self.root, self.tmp, self.final, self.meta, self.keep_last),
                       f"finish checkpoint {self.final}", group)

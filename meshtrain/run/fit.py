@@ -221,8 +221,9 @@ class _Run:
                 saving = done == stop or bool(every and done % every == 0)  # the last step always saves
                 # ckpt_stall_s: what this step waited for its save; ckpt_write_s: a write
                 # that finished (this step's when synchronous, or one in the background).
-                ckpt = self._checkpoint(done, stop) if saving else self._written()
-                if done % t.log_every == 0 or done == stop or evaluate or ckpt:
+                written = {} if saving else self._written()
+                record = None
+                if done % t.log_every == 0 or done == stop or evaluate or saving or written:
                     now = time.perf_counter()
                     if last_step == first_step:  # the window starts after the warm-up step
                         last_time, last_step = warm, first_step + 1
@@ -240,8 +241,7 @@ class _Run:
                               if peak and tokens_per_s else None,
                               "memory_gib": memory_gib(self.device), "elapsed_s": now - start,
                               "eta_s": eta * (stop - done) if eta is not None else None,
-                              **{k: metrics[k] for k in ("aux_loss", "expert_imbalance") if k in metrics},
-                              **{k: v for k, v in ckpt.items() if k.startswith("ckpt_")}}
+                              **{k: metrics[k] for k in ("aux_loss", "expert_imbalance") if k in metrics}}
                     if not history:
                         record["warmup_s"] = warmup_s
                     if guard.skipped:
@@ -252,11 +252,20 @@ class _Run:
                         record["val_ppl"] = math.exp(min(record["val_loss"], 700.0))
                     last_time, last_step = time.perf_counter(), done  # evaluation time is not training time
                     history.append(record)
-                    rep.log(record)
+
+                def log(fields: dict, record=record) -> None:
+                    """This step's record, with its save's metrics (before its checkpoint commits)."""
+                    if record is not None:
+                        record.update(fields)
+                        rep.log(record)
+
+                ckpt = self._checkpoint(done, stop, log) if saving else {}
+                if not saving:
+                    log(written)
                 if "path" in ckpt:
                     rep.print(f"checkpoint {ckpt['path']}" + (" (writing in the background)" if ckpt.get("background")
                                                             else ""))
-                _mark(self.watchdog, done, "agreeing on stop signals (a one-element all-reduce)")
+                _mark(self.watchdog, done, "agreeing on stop signals (a two-element all-reduce)")
                 received = self._stop_agreed()
                 if received and done < stop:
                     # Preemption: a checkpoint at this step boundary, committed, then a clean exit.
@@ -349,7 +358,7 @@ class _Run:
                   for i in range(t.eval_batches)]
         return sum(losses) / len(losses)
 
-    def _save(self) -> Path:
+    def _save(self, before_commit=None) -> Path:
         """This step's checkpoint: written and committed, or with checkpoint.async_save
         begun and writing in the background (the directory it will have)."""
         _mark(self.watchdog, self.state.step, "checkpoint save")
@@ -357,25 +366,29 @@ class _Run:
         step = self.state.step
         save = checkpoint.save if self.saver is None else self.saver.save
         return save(self.run_dir / "checkpoints", step, self.state, extra, self.cfg.checkpoint.keep_last,
-                    on_write=lambda: self.faults.in_save(step))
+                    on_write=lambda: self.faults.in_save(step), before_commit=before_commit)
 
-    def _checkpoint(self, done: int, stop: int) -> dict:
-        """Save at step `done`: the metrics of the save (ckpt_stall_s: what the step waited,
-        including for the save before it; ckpt_write_s when a write finished), and its path.
-        The run's last save is waited for at once: nothing is left to overlap it with."""
+    def _checkpoint(self, done: int, stop: int, log) -> dict:
+        """Save at step `done`, and `log` the step with the save's metrics (ckpt_stall_s:
+        what the step waited, including for the save before it; ckpt_write_s: a write's
+        seconds) before the checkpoint commits: a checkpoint on disk always has its step's
+        metrics line. A synchronous save, and the run's last (nothing is left to overlap it
+        with), log once written, just before the rename; a background one once staged."""
         start = time.perf_counter()
-        finished = self.saver.wait() if self.saver is not None else None
-        path = self._save()
-        out = {"path": path, "background": self.saver is not None}
-        if self.saver is None:
-            out["ckpt_write_s"] = time.perf_counter() - start
-        elif done == stop:
-            finished = self._wait_save(done) or finished
-            out["background"] = False
-        out["ckpt_stall_s"] = time.perf_counter() - start
-        if finished is not None:
-            out["ckpt_write_s"] = finished[1]
-        return out
+        finished = self._wait_save(done)
+        background = self.saver is not None and done != stop
+
+        def written() -> None:
+            now = time.perf_counter() - start
+            log({"ckpt_stall_s": now, "ckpt_write_s": now})
+
+        path = self._save(before_commit=None if background else written)
+        if background:
+            log({"ckpt_stall_s": time.perf_counter() - start,
+                 **({"ckpt_write_s": finished[1]} if finished is not None else {})})
+        else:
+            self._wait_save(done)
+        return {"path": path, "background": background}
 
     def _written(self) -> dict:
         """ckpt_write_s of a background write that every rank had finished by the end of

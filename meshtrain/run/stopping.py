@@ -2,7 +2,7 @@
 preemption notice or time limit, a launcher passing either on).
 
 The first request lets every rank finish its step; the ranks agree on that step (the
-training loop's one-element all-reduce), save one checkpoint and exit 0. A terminal sends
+training loop's per-step all-reduce), save one checkpoint and exit 0. A terminal sends
 Ctrl-C to every process of its foreground group, and torchrun, SLURM and our own launcher
 pass on what they receive, so one request can reach a rank twice within milliseconds:
 signals within DUPLICATE_S of the first are that same request. A later one stops the
