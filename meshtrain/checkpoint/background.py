@@ -4,8 +4,8 @@ the state is copied to host memory, and a thread writes and commits the checkpoi
 `BackgroundSaver.save` waits for the save before it (raising its CheckpointError, if it
 failed), begins the checkpoint on the calling thread (temporary directory, meta.json's
 content with every rank's RNG states: store.begin), copies every tensor into staging
-buffers made at the first save and reused (pinned host memory when the tensors live on a
-GPU), and returns. A thread then runs `Pending.finish` on the copies: DCP's tensor files,
+buffers made once (`reserve`, which a run calls at start, or the first save) and reused
+(pinned host memory when the tensors live on a GPU), and returns. A thread then runs `Pending.finish` on the copies: DCP's tensor files,
 the barrier, meta.json and the atomic rename by rank 0, pruning. Its collectives run on a
 gloo process group of their own, made at the first save, so they never meet the
 training's collectives on the default group. Until the rename the checkpoint is a
