@@ -216,7 +216,7 @@ class _Bucket:
         else:
             self.replica_grads += n * FP32
 
-    def transients(self, c: int, prefetch: int, reshard: bool, replicas: int, device: str) -> tuple[int, int, int]:
+    def transients(self, prefetch: int, reshard: bool, replicas: int, device: str) -> tuple[int, int, int]:
         """(forward, backward, the backward's communication buffers), as the eager bucket
         path (parallel/buckets.py) allocates them. Forward: the gathered flat buffer and
         the weights unpacked from it, the packed shards, and `prefetch` gathers issued
@@ -478,7 +478,7 @@ def per_rank_memory(plan: Plan, model, *, micro_batch: int, seq_len: int, precis
     # bucket's backward (its weight gradients and reductions, where the layer backward has
     # just run has freed what it kept, when a micro-batch is counted here).
     replicas = mesh.size("dp") if "dp" in mesh.axes else 1
-    sets = [b.transients(c, prefetch, reshard_after_forward, replicas, device) for b in buckets.values()]
+    sets = [b.transients(prefetch, reshard_after_forward, replicas, device) for b in buckets.values()]
     forward = max((f for f, _, _ in sets), default=0)
     backward, comm_buffers = max(((bw, cb) for _, bw, cb in sets), default=(0, 0))
     freed = activations_per_layer if in_flight and run else 0
