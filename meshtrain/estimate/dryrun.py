@@ -5,8 +5,8 @@ specs), `dry_run` gives the parameter count, the mesh and which ranks share a no
 each axis, every parameter's sharding, per-rank memory of the most loaded rank
 (`step_memory.py`), the step's model FLOPs (`compute.py`) and every collective of one
 step by mesh axis and phase (`comms.py`), with warnings for layouts that will be slow
-and, for one that does not fit the chosen GPU, an error and the layouts that fit
-(`advice.py`); `dryrun_view.py` prints it. Ranks
+and, for one that does not fit the chosen GPU, an error and the layouts that fit,
+or what would: more cp or more ranks (`advice.py`); `dryrun_view.py` prints it. Ranks
 are numbered in mesh order (pp, dp, fsdp, cp, tp: tp innermost), as `MeshSpec.build`
 lays them out and as torchrun places consecutive ranks on one node.
 """
@@ -22,7 +22,7 @@ from ..parallel.buckets import check_bucket, plan_buckets
 from ..parallel.mesh import MESH_AXES
 from ..parallel.plan import Plan, placement_str, without_pp
 from ..parallel.plan_table import human_bytes
-from .advice import Fit, layouts_that_fit, nothing_fits, search_space
+from .advice import Fit, layouts_that_fit, nothing_fits, search_space, what_would_fit
 from .comms import expert_exchange, step_collectives
 from .compute import step_compute
 from .dryrun_view import renderables
@@ -48,7 +48,8 @@ class DryRun:
     total_params: int = 0
     active_params: int | None = None  # per token, when experts are routed
     advice: list[Fit] = field(default_factory=list)  # layouts that fit the GPU, cheapest first
-    lowest: Fit | None = None  # with no layout that fits: the lowest peak the advice planned
+    lowest: Fit | None = None  # the lowest peak the advice planned, the layout given among them
+    would_fit: list[Fit] = field(default_factory=list)  # with no layout that fits: more cp, more ranks
     search: str = ""  # what the advice tried, in words
     buckets: dict | None = None  # bucket_summary: parallel.bucket's unit, count, largest bucket's bytes
     compute: dict = field(default_factory=dict)  # compute.step_compute: the step's model FLOPs
@@ -88,7 +89,13 @@ class DryRun:
             "pipeline": {**self.pipeline.to_dict(), "keep_gathered": self.keep_gathered}
             if self.pipeline is not None else None,
             **({"expert_all_to_all": self.expert_exchange} if self.expert_exchange is not None else {}),
+            **(self._search_dict() if self.lowest is not None else {}),
         }
+
+    def _search_dict(self) -> dict:
+        """The advice search beyond `advice`, where it ran: its lowest peak and what would fit."""
+        return {"lowest": {"flags": self.lowest.flags, "peak": int(self.lowest.peak)},
+                "would_fit": [{"world": f.world, "flags": f.flags, "peak": int(f.peak)} for f in self.would_fit]}
 
     def render(self, width: int = 80) -> str:
         from rich.console import Console
@@ -160,6 +167,7 @@ def dry_run(cfg, world: int | None = None, gpu: str | None = None, *, suggest: b
                  expert_exchange=experts, keep_gathered=keep_gathered, model=_describe(cfg.model), setup=_setup(t),
                  total_params=total, active_params=active, buckets=bucket_summary(plan, p.bucket),
                  compute=step_compute(cfg, model, world))
+    run.warnings += [note.removeprefix("note: ") for note in cfg.notes(plan.mesh)]  # what does nothing here
     if cfg.data.mean_doc_len and not cfg.data.document_mask:
         run.warnings.append(f"data.mean_doc_len={cfg.data.mean_doc_len} counts for nothing without "
                             "data.document_mask: attention spans the whole row; turn data.document_mask on")
@@ -171,6 +179,8 @@ def dry_run(cfg, world: int | None = None, gpu: str | None = None, *, suggest: b
     if gpu and suggest and not run.fits:
         run.advice, run.lowest = layouts_that_fit(cfg, world, GPU_MEMORY[gpu])
         run.search = search_space(cfg, world)
+        if not run.advice:
+            run.would_fit = what_would_fit(cfg, world, GPU_MEMORY[gpu])
         run.error = _over_capacity(run)
     return run
 
@@ -234,4 +244,4 @@ def _over_capacity(run: DryRun) -> str:
     if run.advice:
         return f"{head}; layouts that fit, cheapest first: " + "; ".join(
             f"{f.flags} ({human_bytes(f.peak)})" for f in run.advice)
-    return f"{head}; {nothing_fits(run.search, run.lowest)}"
+    return "; ".join([head, *nothing_fits(run.search, run.lowest, run.would_fit, run.world)])

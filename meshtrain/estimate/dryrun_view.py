@@ -52,7 +52,7 @@ def verdict(run) -> list:
                                    f"{human_bytes(capacity)} ({peak / capacity:.0%})"])]
     lines.append(f"[bold red]does NOT fit on {device}[/]: peak {human_bytes(peak)} of {human_bytes(capacity)}")
     if not run.advice:
-        return ["\n".join(lines + [nothing_fits(run.search, run.lowest)])]
+        return ["\n".join(lines + nothing_fits(run.search, run.lowest, run.would_fit, run.world))]
     lines.append(f"layouts that fit at world {run.world}, cheapest first (add the flags):")
     advice = Table(box=None, show_header=False, pad_edge=False, padding=(0, 1))
     advice.add_column(justify="right", no_wrap=True)

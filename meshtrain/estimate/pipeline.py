@@ -128,11 +128,12 @@ def pipeline_estimate(plan: Plan, model, *, pp_schedule: str, virtual: int, layo
                       compiled: bool = False, activation_checkpointing: str = "none",
                       device: str = "cuda", bucket: str | float = "block", prefetch: int = 1,
                       reshard_after_forward: bool = True, keep_gathered: bool = False,
-                      mask_keys=None) -> PipelineEstimate:
+                      mask_keys=None, memory_only: bool = False) -> PipelineEstimate:
     """bucket, prefetch, reshard_after_forward, keep_gathered: the stages' parameter
     traffic, as make_pipeline_step takes them (keep_gathered: parallel.pp_keep_gathered);
     mask_keys: as per_rank_memory's. Each rank's `param_bytes`: its parameters' gathers
-    and reductions over the stage mesh per step (not the tied table's exchange)."""
+    and reductions over the stage mesh per step (not the tied table's exchange).
+    memory_only: no collectives (most of the cost; for the advice's search)."""
     pp = plan.mesh.pp
     stages = partition(model, pp, virtual, layout, seq_len=seq_len, micro_batch=micro_batch)
     sched = build_pipeline_schedule(pp_schedule, pp, micro_steps, virtual)
@@ -167,6 +168,10 @@ def pipeline_estimate(plan: Plan, model, *, pp_schedule: str, virtual: int, layo
         memory.update(activations=memory["activations"] + kept,
                       activations_layers=sum(k * per_stage[s]["activations_layers"] for s, k in at_peak.items()))
         memory["peak"], memory["allocator_slack"] = total_peak(memory, device)
+        if memory_only:
+            ranks.append({"pp_rank": r, "stages": [st.index for st in mine], "layers": sum(st.n_layers for st in mine),
+                          "memory": memory, "collectives": [], "param_bytes": 0})
+            continue
         # The last stage reduces each micro-step's loss over the token-splitting dims (the
         # pipeline step's cross_entropy_sum), not the step's once.
         traffic = dict(micro_batch_rows=micro_batch * data, seq_len=seq_len, micro_steps=micro_steps,

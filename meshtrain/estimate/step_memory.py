@@ -17,10 +17,12 @@ MEMORY_KEYS = ("params", "grads", "optimizer", "activations", "peak")  # what a 
 GPU_MEMORY = {"h100": 80 * 10**9, "h200": 141 * 10**9, "a100": 80 * 10**9}
 
 
-def step_memory(cfg, plan, model, keep_gathered: bool | None = None) -> tuple[dict, object | None]:
+def step_memory(cfg, plan, model, keep_gathered: bool | None = None,
+                memory_only: bool = False) -> tuple[dict, object | None]:
     """(memory of the most loaded rank, PipelineEstimate or None) of `cfg` (validated) on
     `plan`; under pp the memory also names its `pp_rank`. `keep_gathered`: under pp, in
-    place of parallel.pp_keep_gathered (the plan weighs both)."""
+    place of parallel.pp_keep_gathered (the plan weighs both). `memory_only`: under pp, a
+    PipelineEstimate without collectives (cheaper)."""
     t, p = cfg.train, cfg.parallel
     micro_steps = cfg.accumulation_steps(plan.mesh.dp * plan.mesh.fsdp)
     if plan.mesh.pp > 1:  # ranks differ by stage: report the most loaded
@@ -31,7 +33,7 @@ def step_memory(cfg, plan, model, keep_gathered: bool | None = None) -> tuple[di
                                      activation_checkpointing=t.activation_checkpointing, bucket=p.bucket,
                                      prefetch=p.prefetch, reshard_after_forward=p.reshard_after_forward,
                                      keep_gathered=p.pp_keep_gathered if keep_gathered is None else keep_gathered,
-                                     mask_keys=mask_keys(cfg, plan.mesh.cp))
+                                     mask_keys=mask_keys(cfg, plan.mesh.cp), memory_only=memory_only)
         return {**pipeline.most_loaded["memory"], "pp_rank": pipeline.most_loaded["pp_rank"]}, pipeline
     memory = per_rank_memory(plan, model, micro_batch=t.micro_batch, seq_len=t.seq_len, precision=t.precision,
                              activation_checkpointing=t.activation_checkpointing,
