@@ -6,6 +6,7 @@
     meshtrain plan --config configs/llama3-405b.yaml --world 16384 --gpu h100 --json plan.json
     meshtrain export --checkpoint runs/tiny --out runs/tiny/hf [--dtype bf16|fp32]
     meshtrain generate --checkpoint runs/tiny --prompt "Four score" --max_new_tokens 40 --temperature 0
+    meshtrain plot runs/tiny [runs/other ...] --out tiny.png
 
 Every key of the YAML file can be overridden with a dotted flag. Bad input (a config
 value, a dataset, a checkpoint) is printed as one line without a traceback and exits with
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import sys
 
+from .cli_errors import explain
 from .errors import ConfigError, TrainingError
 
 EXIT_CONFIG = 2
@@ -100,12 +102,18 @@ def build_parser():
     generate.add_argument("--output_format", "--output-format", default="text", choices=["text", "json"],
                           help="json: one object per line with prompt_ids, generated_ids and text.")
     generate.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available).")
+    plot = ArgumentParser(**_STRICT, description="Draw runs' metrics.jsonl overlaid into one image: loss (and eval "
+                                      "loss), learning rate, grad norm and tokens/s by step. Needs matplotlib "
+                                      "(pip install \"meshtrain[plot]\").")
+    plot.add_argument("run_dirs", nargs="+", help="Run directories (each with its metrics.jsonl).")
+    plot.add_argument("--out", required=True, help="The image to write (.png; .svg and .pdf work too).")
     subcommands = parser.add_subcommands(dest="command")
     subcommands.add_subcommand("fit", fit, help="Train a model (one process, self-launched ranks, or under torchrun).")
     subcommands.add_subcommand("plan", plan, help="Dry-run a layout: sharding, memory and collectives per rank.")
     subcommands.add_subcommand("preprocess", preprocess, help="Tokenize text into a Megatron-LM indexed dataset.")
     subcommands.add_subcommand("export", export, help="Export a checkpoint to Hugging Face safetensors.")
     subcommands.add_subcommand("generate", generate, help="Generate text from a checkpoint or a Hugging Face model.")
+    subcommands.add_subcommand("plot", plot, help="Plot runs' loss, learning rate, grad norm and tokens/s.")
     return parser
 
 
@@ -122,10 +130,14 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     from argparse import ArgumentError
 
-    from .data.errors import DataError
-    from .run.launch import RankFailed
-    from .run.stopping import Interrupted
-    from .checkpoint import CheckpointError
+    try:  # these import torch: seconds in which a Ctrl-C is the user's to give
+        from .data.errors import DataError
+        from .run.launch import RankFailed
+        from .run.stopping import Interrupted
+        from .checkpoint import CheckpointError
+    except KeyboardInterrupt:
+        print("meshtrain: interrupted", file=sys.stderr)
+        return 130
 
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__.split("\n\nEvery key")[0])
@@ -156,12 +168,16 @@ def main(argv: list[str] | None = None) -> int:
             main_generate(a.checkpoint, prompt=a.prompt, prompt_ids=a.prompt_ids, max_new_tokens=a.max_new_tokens,
                           temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, seed=a.seed,
                           output_format=a.output_format, device=a.device)
+        elif args.command == "plot":
+            from .plot import plot_runs
+
+            print(plot_runs(args.plot.run_dirs, args.plot.out))
         return 0
     except ConfigError as e:
         print(f"meshtrain: config error: {e}", file=sys.stderr)
         return EXIT_CONFIG
     except ArgumentError as e:
-        print(f"meshtrain: config error: {_explain(e, argv, parser)}", file=sys.stderr)
+        print(f"meshtrain: config error: {explain(e, argv, parser)}", file=sys.stderr)
         return EXIT_CONFIG
     except DataError as e:
         print(f"meshtrain: data error: {e}", file=sys.stderr)
@@ -237,65 +253,6 @@ def _quote_slices(argv: list[str]) -> list[str]:
     return out
 
 
-_TYPES = {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string",
-          "NoneType": "null"}
-
-
-def _explain(error, argv: list[str], parser) -> str:
-    """jsonargparse's message as one line a user can act on: the key, what it takes, and
-    the nearest known key or command for a typo."""
-    import re
-
-    message = " ".join(line.strip() for line in str(error).splitlines() if line.strip())
-    message = message.replace("Parser key ", "key ")
-    command = next((a for a in argv if not a.startswith("-")), None)
-    choice = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)", message)
-    if choice:
-        commands = [c.strip(" '") for c in choice.group(2).split(",")]
-        return (f"unknown command {choice.group(1)!r}{_nearest(choice.group(1), commands)}; commands: "
-                f"{', '.join(commands)}")
-    unknown = re.search(r"does not accept option '([^']*)'|unrecognized arguments: (\S+)", message)
-    if unknown:
-        name = (unknown.group(1) or unknown.group(2)).lstrip("-").split("=")[0]
-        return (f"unknown key {name!r}{_nearest(name, _known_keys(parser, command))}; meshtrain {command} --help "
-                "lists the keys")
-    nested = re.search(r"key \"([\w.]+)\": Does not validate.*?key \"([\w.]+)\": Expected a <class '(\w+)'>\. "
-                       r"Got value: (.*?)(?: - |$)", message)
-    simple = re.fullmatch(r"key \"([\w.]+)\": Expected a <class '(\w+)'>\. Got value: (.*)", message)
-    if nested or simple:
-        key, kind, value = (f"{nested.group(1)}.{nested.group(2)}", *nested.group(3, 4)) if nested else simple.groups()
-        return f"{key}={value!r}: expected {_TYPES.get(kind, kind)}"
-    return message
-
-
-def _nearest(name: str, known: list[str]) -> str:
-    import difflib
-
-    close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
-    return f" (did you mean {close[0]}?)" if close else ""
-
-
-def _known_keys(parser, command: str | None) -> list[str]:
-    """The dotted keys a command takes: the RunConfig's fields (MoE's included) for fit and
-    plan, and the command's own options."""
-    import dataclasses
-
-    from .config import RunConfig
-    from .models.moe import MoeConfig
-
-    def walk(cls, prefix):
-        for f in dataclasses.fields(cls):
-            inner = MoeConfig if f.name == "moe" else f.default_factory if dataclasses.is_dataclass(
-                f.default_factory) else None
-            yield from walk(inner, f"{prefix}{f.name}.") if inner else [prefix + f.name]
-
-    keys = list(walk(RunConfig, "")) if command in ("fit", "plan") else []
-    commands = parser._subcommands_action._name_parser_map if parser is not None else {}
-    if command in commands:
-        keys += [o.lstrip("-") for a in commands[command]._actions for o in a.option_strings if o.startswith("--")]
-    return keys
-
-
 def _plan(a) -> None:
     import json
     import os
@@ -350,7 +307,8 @@ def _preprocess(a) -> None:
     stats = preprocess(a.input, a.output_prefix, tokenizer=a.tokenizer, append_eod=a.append_eod,
                        workers=a.workers, text_key=a.text_key, loss_mask_key=a.loss_mask_key)
     mask = f", the loss mask to {stats['loss_mask']}" if stats["loss_mask"] else ""
-    print(f"wrote {stats['documents']:,} documents, {stats['tokens']:,} tokens ({stats['dtype']}) to "
+    docs = stats["documents"]
+    print(f"wrote {docs:,} document{'s' * (docs != 1)}, {stats['tokens']:,} tokens ({stats['dtype']}) to "
           f"{a.output_prefix}.bin and {a.output_prefix}.idx, the tokenizer's record to {stats['record']}{mask}")
 
 

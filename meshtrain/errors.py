@@ -51,6 +51,10 @@ def check_bool(value, key: str) -> None:
 
 def check_choice(value, key: str, choices) -> None:
     """`choices`: the names, as a tuple or as the keys of the owner's table."""
+    import difflib
+
     choices = tuple(choices)
     if value not in choices:
-        raise ConfigError(f"{key}={value!r}: choose one of {', '.join(choices)}")
+        close = difflib.get_close_matches(value, choices, n=1, cutoff=0.6) if isinstance(value, str) else []
+        nearest = f" (did you mean {close[0]}?)" if close else ""
+        raise ConfigError(f"{key}={value!r}: choose one of {', '.join(choices)}{nearest}")

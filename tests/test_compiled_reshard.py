@@ -61,6 +61,34 @@ def _recording_backend(graphs: list):
     return functools.partial(aot_eager, fw_compiler=compiler("forward"), bw_compiler=compiler("backward"))
 
 
+def test_a_compiled_recomputed_gather_prints_no_torch_warning(capfd):
+    """torch.compile's warning about a checkpoint's context_fn (in-place ops in the
+    region), which every compiled sharded run would print on each rank, is not shown;
+    other warnings of that logger are."""
+    import logging
+
+    from torch._logging import warning_once
+
+    from meshtrain.models.policy import CONTEXT_FN_WARNING
+    from meshtrain.parallel.context import _recomputed
+
+    logger, seen = logging.getLogger("torch._higher_order_ops.wrap"), []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    logger.addHandler(handler)
+    try:
+        warning_once.cache_clear()  # torch gives it once per process: give it here
+        step = torch.compile(lambda x: _recomputed(torch.sin, x).sum(), backend="aot_eager", fullgraph=True)
+        x = torch.randn(8, requires_grad=True)
+        step(x).backward()
+        torch.testing.assert_close(x.grad, torch.cos(x.detach()))
+        logger.warning("another warning")
+    finally:
+        logger.removeHandler(handler)
+    assert seen == ["another warning"], seen
+    assert CONTEXT_FN_WARNING not in capfd.readouterr().err
+
+
 @pytest.mark.parametrize("tied", [False, True])
 def test_compiled_backward_gathers_again_what_the_plan_says(tied):
     cfg = llama.LlamaConfig(**{**SMALL.__dict__, "tie_embeddings": tied})

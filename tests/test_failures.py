@@ -92,6 +92,9 @@ def test_abort_stops_at_the_first_non_finite_step_and_keeps_the_checkpoint(tmp_p
     code = main([*ONE, "--checkpoint.every", "1", "--run_dir", str(tmp_path)])  # nonfinite: abort (default)
     err = capsys.readouterr().err
     assert code == 1 and "at step 2 (train.nonfinite=abort)" in err and "Traceback" not in err
+    # An fp32 run is not told to use fp32.
+    assert "Lower train.lr" in err and "train.warmup_steps" in err and "train.grad_clip" in err, err
+    assert "check the data" in err and "precision" not in err, err
     root = tmp_path / "checkpoints"
     assert checkpoint.latest(root) == checkpoint.step_dir(root, 1)  # nothing of step 2 was saved
     assert all(torch.isfinite(t).all() for t in _state(checkpoint.latest(root))["params"].values())
@@ -100,7 +103,8 @@ def test_abort_stops_at_the_first_non_finite_step_and_keeps_the_checkpoint(tmp_p
 def test_loss_spikes_are_reported_and_skips_counted():
     from types import SimpleNamespace
 
-    guard = LossGuard(SimpleNamespace(nonfinite="skip", max_skipped=1, spike_factor=1.5))
+    guard = LossGuard(SimpleNamespace(nonfinite="skip", max_skipped=1, spike_factor=1.5, precision="fp32", lr=3e-4,
+                                      warmup_steps=10, grad_clip=1.0))
     notes = [guard.check(s, {"loss": loss, "grad_norm": 1.0}) for s, loss in enumerate([4, 4, 4, 4, 4, 5.9], 1)]
     assert notes[:-1] == [None] * 5 and notes[-1] is None  # 5.9 < 1.5 x 4
     note = guard.check(7, {"loss": 6.5, "grad_norm": 1.0})  # 6.5 > 1.5 x mean(4, 4, 4, 4, 4, 5.9)
@@ -111,6 +115,24 @@ def test_loss_spikes_are_reported_and_skips_counted():
     guard.check(10, {"loss": float("inf"), "grad_norm": 1.0, "skipped": True})
     with pytest.raises(Exception, match="2 steps in a row"):
         guard.check(11, {"loss": float("nan"), "grad_norm": float("nan"), "skipped": True})
+
+
+@pytest.mark.parametrize("precision, fp32_advised", [("fp32", False), ("bf16", True), ("fp8", True)])
+def test_non_finite_advice_depends_on_the_precision(precision, fp32_advised):
+    """fp32 is advised only to a run that does not compute in fp32 (the fp32 case through
+    the CLI: test_abort_stops_at_the_first_non_finite_step_and_keeps_the_checkpoint)."""
+    from types import SimpleNamespace
+
+    from meshtrain.errors import TrainingError
+
+    guard = LossGuard(SimpleNamespace(nonfinite="abort", max_skipped=1, spike_factor=0, precision=precision, lr=3e-4,
+                                      warmup_steps=10, grad_clip=1.0))
+    with pytest.raises(TrainingError) as e:
+        guard.check(5, {"loss": float("nan"), "grad_norm": float("nan"), "skipped": True})
+    message = str(e.value)
+    assert "Lower train.lr (now 0.0003)" in message and "train.warmup_steps (now 10)" in message
+    assert ("train.precision fp32" in message) == fp32_advised, message
+    assert f"computes in {precision}" in message if fp32_advised else "precision" not in message
 
 
 # --- the watchdog --------------------------------------------------------------------------

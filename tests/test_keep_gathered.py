@@ -22,6 +22,8 @@ def _with(cfg, **parallel):
 @pytest.mark.parametrize("parallel, words", [
     ({"pp": 1}, ["parallel.pp_keep_gathered", "parallel.pp is 1", "fsdp_accumulate unsharded"]),
     ({"pp": 2, "bucket": "param"}, ["parallel.pp_keep_gathered", "needs buckets", "parallel.bucket block"]),
+    ({"pp": 2, "fsdp": 1}, ["parallel.pp_keep_gathered", "parallel.fsdp=1 and parallel.cp=1 shard none",
+                            "parallel.fsdp > 1"]),
 ])
 def test_refused_where_it_means_nothing(parallel, words):
     cfg = _with(preset("tiny"), pp_keep_gathered=True, **parallel)
@@ -32,7 +34,9 @@ def test_refused_where_it_means_nothing(parallel, words):
 
 def test_accepted_on_a_pipeline():
     cfg = preset("tiny-pp2")
-    _with(cfg, pp_keep_gathered=True).validate()
+    _with(cfg, pp_keep_gathered=True, fsdp=2).validate()
+    _with(cfg, pp_keep_gathered=True, fsdp=-1).validate()  # the world decides: a note where it takes 1 rank
+    _with(cfg, pp_keep_gathered=True, fsdp=1, cp=2).validate()  # cp shards the weights too
 
 
 # name: (schedule, precision, parallel.bucket)

@@ -26,9 +26,7 @@ def _check_int(value, key: str, minimum: int | None = None, maximum: int | None 
 def _validate_model(m: ModelConfig) -> None:
     from ..models import FAMILIES
 
-    supported = tuple(FAMILIES)
-    if m.arch not in supported:
-        raise ConfigError(f"model.arch={m.arch!r}: choose one of {', '.join(supported)}")
+    check_choice(m.arch, "model.arch", tuple(FAMILIES))
     for key in ("dim", "n_layers", "n_heads", "vocab_size", "max_seq_len"):
         _check_int(getattr(m, key), f"model.{key}", minimum=1)
     for key in ("n_kv_heads", "ffn_dim"):
@@ -172,5 +170,5 @@ def _validate_checkpoint(c: CheckpointConfig) -> None:
     check_bool(c.export, "checkpoint.export")
     check_bool(c.async_save, "checkpoint.async_save")
     if not isinstance(c.resume, str) or not c.resume:
-        raise ConfigError(f"checkpoint.resume={c.resume!r}: give auto, none, or a checkpoint directory")
+        raise ConfigError(f"checkpoint.resume={c.resume!r}: give auto, none, restart, or a checkpoint directory")
 

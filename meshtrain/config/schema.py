@@ -61,8 +61,8 @@ class RunConfig:
         for key, value in d.items():
             if key not in sections:
                 raise ConfigError(f"unknown config key {key!r}; known keys are {', '.join(sections)}")
-            if key in _SECTIONS:
-                kwargs[key] = _section_from_dict(_SECTIONS[key], key, value)
+            if key in SECTIONS:
+                kwargs[key] = _section_from_dict(SECTIONS[key], key, value)
             else:
                 kwargs[key] = value
         return RunConfig(**kwargs)
@@ -161,6 +161,21 @@ class RunConfig:
             check_compile(self.train.activation_checkpointing, sharded=plan.mesh.world > 1)
         return plan
 
+    def notes(self, mesh) -> list[str]:
+        """One line per setting that does nothing on `mesh` (the resolved layout), said at
+        the start of fit and in plan rather than refused: a preset's keys run at another
+        size or with one axis overridden (a setting that can never act is a ConfigError)."""
+        p, out = self.parallel, []
+        default = ParallelConfig.__dataclass_fields__["pp_schedule"].default
+        if p.pp == 1 and p.pp_schedule != default:
+            out.append(f"note: parallel.pp_schedule={p.pp_schedule} does nothing with parallel.pp=1 (no pipeline "
+                       "to schedule); set parallel.pp > 1 to run it")
+        if p.pp_keep_gathered and p.pp > 1 and mesh.fsdp * mesh.cp == 1:
+            out.append(f"note: parallel.pp_keep_gathered=true does nothing at world size {mesh.world}: "
+                       f"parallel.fsdp=-1 takes {mesh.fsdp} rank (parallel.cp={mesh.cp}), so no stage weights are "
+                       "sharded")
+        return out
+
     # --- what the run is built from ----------------------------------------------
 
     def family_config(self):
@@ -214,8 +229,8 @@ class RunConfig:
         return m
 
 
-_SECTIONS = {"model": ModelConfig, "parallel": ParallelConfig, "train": TrainConfig, "data": DataConfig,
-             "checkpoint": CheckpointConfig}
+SECTIONS = {"model": ModelConfig, "parallel": ParallelConfig, "train": TrainConfig, "data": DataConfig,
+            "checkpoint": CheckpointConfig}
 
 
 def _section_from_dict(cls, key: str, value: Any):
@@ -271,6 +286,10 @@ def _validate_keep_gathered(cfg: "RunConfig") -> None:
     if p.bucket == "param":
         raise ConfigError("parallel.pp_keep_gathered=true needs buckets: set parallel.bucket block (or a size in "
                           "MB), or parallel.pp_keep_gathered false")
+    if p.fsdp == 1 and p.cp == 1:  # -1 may take 1 rank too: a note then (RunConfig.notes), at that world
+        raise ConfigError("parallel.pp_keep_gathered=true keeps a pipeline stage's sharded weights gathered over its "
+                          "micro-batches, but parallel.fsdp=1 and parallel.cp=1 shard none: set parallel.fsdp > 1 "
+                          "(or -1, the remaining ranks), or parallel.pp_keep_gathered false")
 
 
 def _validate_context_parallel(cfg: "RunConfig") -> None:

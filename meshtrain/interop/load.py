@@ -93,24 +93,31 @@ def _read_param(files: "_WeightFiles", where, pieces, index: tuple[slice, ...]) 
     return out
 
 
-def check_same_model(hf_dir: Path, arch: str, cfg) -> None:
+def check_same_model(hf_dir: Path, arch: str, cfg, key: str | None = None) -> None:
     """`<hf_dir>/config.json` describes the model `cfg` (a family config): the same
     architecture and shapes. Free to differ: max_seq_len (llama), ffn_dim when every
     block is MoE, and model.moe's training-only fields (balance, aux_coef, z_loss_coef,
-    capacity_factor, bias_update_rate)."""
+    capacity_factor, bias_update_rate). `key`: the config key that named hf_dir
+    (model.init_from), which the message then names with the run's fix."""
     cfg = _family_cfg(arch, cfg)
     theirs = read_hf_config(hf_dir)
     ours = _model_fields(arch, cfg)
     fmt = hf_format(arch)
     extra = fmt.compare(theirs, ours, cfg)
-    diffs = [(key, value, ours[key]) for key, value in theirs.items() if key not in fmt.free]
-    for key, value, mine in diffs + extra:
+    diffs = [(k, value, ours[k]) for k, value in theirs.items() if k not in fmt.free]
+    for field, value, mine in diffs + extra:
         same = math.isclose(value, mine, rel_tol=1e-6) if isinstance(value, float) and isinstance(mine, (int, float)) \
             else value == mine
-        if not same:
-            raise ConfigError(f"{hf_dir / 'config.json'} gives model.{key}={json.dumps(value)} but the model config "
-                              f"has model.{key}={json.dumps(mine)}: set model.{key} to {json.dumps(value)} (see "
-                              "read_hf_config) or use weights of this model")
+        if same:
+            continue
+        name, theirs_, ours_ = f"model.{field}", json.dumps(value), json.dumps(mine)
+        if key is not None:  # the values as a YAML file or a flag spells them: gpt2, not "gpt2"
+            theirs_, ours_ = (v if isinstance(v, str) and v else json.dumps(v) for v in (value, mine))
+            raise ConfigError(f"{key}={str(hf_dir)!r} holds a model with {name}={theirs_} (its config.json), but "
+                              f"this run has {name}={ours_}: set {name} {theirs_} to start from these weights, or "
+                              f"give {key} the weights of a model with {name}={ours_}")
+        raise ConfigError(f"{hf_dir / 'config.json'} gives {name}={theirs_} but the model config has {name}={ours_}: "
+                          f"set {name} to {theirs_} or use weights of this model")
 
 
 class _WeightFiles:

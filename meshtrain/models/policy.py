@@ -12,6 +12,7 @@ The precision rules are by parameter name, here and nowhere else:
 
 from __future__ import annotations
 
+import logging
 from collections import defaultdict
 from dataclasses import dataclass
 from functools import partial
@@ -26,6 +27,26 @@ from .fp8 import RECIPES
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp8": torch.bfloat16}
 # train.activation_checkpointing, least recompute first (estimate/advice.py searches them in this order).
 CHECKPOINTING = ("none", "selective", "full")
+
+# torch.compile warns once per process (4 lines on each rank's stderr) when it traces a
+# checkpoint with a context_fn: "Detected that context_fn is passed to
+# torch.utils.checkpoint under torch.compile. Please make sure the checkpointed region
+# does not contain in-place ops". Every compiled sharded step has such checkpoints, with
+# train.activation_checkpointing none too: the traced ZeRO-3 gathers are recomputed in
+# backward under one (parallel/context.py `_recomputed`), as is a selectively
+# checkpointed block (Policy.remat). Their in-place ops write only tensors the region
+# itself creates, which recompute the same, and the equivalence tests compare compiled
+# steps with eager ones: the warning is no news to a user, so that message alone is
+# dropped (tests/test_compiled_reshard.py).
+CONTEXT_FN_WARNING = "Detected that context_fn is passed to torch.utils.checkpoint under torch.compile"
+
+
+class _NoContextFnWarning(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return CONTEXT_FN_WARNING not in record.getMessage()
+
+
+logging.getLogger("torch._higher_order_ops.wrap").addFilter(_NoContextFnWarning())
 
 KEEP_FP32 = ("router", "expert_bias")  # the last component of a parameter's name
 NO_FP8 = ("tok_emb", "output", "router")

@@ -15,21 +15,30 @@ class LossGuard:
     def __init__(self, t):
         self.t, self.in_a_row, self.skipped, self.recent = t, 0, 0, []
 
+    def advice(self) -> str:
+        """What to change after non-finite steps, by the run's precision: fp32 is advised
+        only to a run that is not in fp32 already."""
+        t = self.t
+        fixes = (f"Lower train.lr (now {t.lr:g}), lengthen train.warmup_steps (now {t.warmup_steps}) or set a "
+                 f"smaller train.grad_clip (now {t.grad_clip})")
+        if t.precision != "fp32":
+            fixes += f", or train.precision fp32 (the run computes in {t.precision})"
+        return fixes + ", and check the data the step read"
+
     def check(self, step: int, metrics: dict) -> str | None:
         """Raise TrainingError when the run must stop; return a warning line, or None."""
         t, loss = self.t, metrics["loss"]
         if metrics.get("skipped"):
             what = f"the loss is {loss} and the gradient norm {metrics['grad_norm']} at step {step}"
             if t.nonfinite == "abort":
-                raise TrainingError(f"{what} (train.nonfinite=abort); the weights were not updated with it. Lower "
-                                    "train.lr, use train.precision fp32 or a smaller train.grad_clip, or set "
-                                    "train.nonfinite skip to skip such steps")
+                raise TrainingError(f"{what} (train.nonfinite=abort); the weights were not updated with it. "
+                                    f"{self.advice()}; or set train.nonfinite skip to skip such steps")
             self.in_a_row += 1
             self.skipped += 1
             if self.in_a_row > t.max_skipped:
                 raise TrainingError(f"{what}: {self.in_a_row} steps in a row were not finite, more than "
                                     f"train.max_skipped={t.max_skipped}; the run diverged. Resume from the last "
-                                    "checkpoint with a lower train.lr, or raise train.max_skipped")
+                                    f"checkpoint after the fix: {self.advice()}; or raise train.max_skipped")
             return (f"step {step} skipped: {what}; the parameters and optimizer state are unchanged "
                     f"({self.in_a_row} in a row, {self.skipped} in this run; train.max_skipped={t.max_skipped})")
         self.in_a_row = 0

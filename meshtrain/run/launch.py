@@ -11,9 +11,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import signal
+import sys
 import tempfile
 import time
 import traceback
@@ -62,6 +65,11 @@ def detect(nproc_per_node: int) -> Ranks | None:
     return Ranks(0, 1, 0, False)
 
 
+def by_our_launcher() -> bool:
+    """Whether this process is a rank that `launch` started (which holds the run's lock)."""
+    return bool(os.environ.get(_REPORT_DIR))
+
+
 class RankFailed(RuntimeError):
     """A self-launched rank failed; `report` is that rank's own error."""
 
@@ -101,12 +109,18 @@ def launch(fn: Callable[..., Any], args: tuple, nproc: int) -> list[Any] | None:
         g.setLevel(logging.CRITICAL)
     with tempfile.TemporaryDirectory(prefix="meshtrain-ranks-") as reports:
         stopping.REQUEST.relay_mark = Path(reports, stopping.RELAY_MARK)
+        mask = _block_sigint_in_ranks()
+        stops = _StartStops(Path(reports)) if mask is not None else None
         try:
             results = elastic_launch(config, _run_rank)(reports, fn, args)
         except (ChildFailedError, SignalException) as e:
             _raise_stop_or_failure(Path(reports), e)
             return None  # every rank stopped by a signal, checkpointed and exited
         finally:
+            if stops is not None:
+                stops.stop()
+            if mask is not None:
+                signal.pthread_sigmask(signal.SIG_SETMASK, mask)
             stopping.REQUEST.relay_mark = None
             for g, level in zip(loggers, levels):
                 g.setLevel(level)
@@ -137,8 +151,101 @@ def _raise_stop_or_failure(reports: Path, error: Exception) -> None:
         raise stopping.Interrupted(f"stopped by {name} before the ranks began training: nothing was saved", name)
 
 
+# A Ctrl-C reaches every process of the terminal's group, ranks still importing torch
+# included, before any code of ours runs in them: each would print a KeyboardInterrupt
+# traceback of its own. So the ranks start with SIGINT blocked (a signal mask survives
+# fork and exec; the launcher blocks it in the thread that starts them) and unblock it
+# once their handler is installed (_take_signals). The launcher still receives it: the
+# kernel hands it to a thread that does not block it (our signal watcher,
+# stopping.REQUEST), and Python runs the elastic agent's handler in the main thread.
+# While the ranks start, a thread of the launcher (_StartStops) ends those that have not
+# started yet when the launcher got a stop signal: quietly, by SIGTERM (they have no
+# handler for it yet), rather than after their imports.
+_STARTED = "started-{pid}"  # in the report directory: this rank handles signals itself
+
+
+def _block_sigint_in_ranks() -> set | None:
+    """Block SIGINT in this thread while it starts the ranks; the previous mask, or None
+    where nothing was blocked (not the main thread, or no watcher of ours to take it)."""
+    import threading
+    from multiprocessing import resource_tracker
+
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGINT) is not stopping._caught:
+        return None
+    # Started now, not by the first rank's spawn: starting it unblocks SIGINT afterwards
+    # (its own guard of the same race, bpo-33613), which would undo ours.
+    resource_tracker.ensure_running()
+    return signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+
+
+class _StartStops:
+    """The launcher's thread while the elastic agent runs: a stop signal this process took
+    before the agent handled signals is handed to the agent (which else never learns of
+    it, and the ranks would train on), and once the agent has one, the ranks that have
+    not started are ended."""
+
+    def __init__(self, reports: Path):
+        import threading
+
+        self.reports, self.done = reports, threading.Event()
+        self.others = set(self._children())  # processes of the caller's own, never ours to end
+        self.thread = threading.Thread(target=self._run, name="meshtrain-launch-stops", daemon=True)
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.done.set()
+        self.thread.join()
+
+    def _run(self) -> None:
+        handed = False
+        while not self.done.wait(0.05):
+            name = stopping.REQUEST.name
+            if name and not handed and signal.getsignal(signal.SIGINT) is not stopping._caught:
+                handed = True  # the agent's handler is in place now: it stops the ranks
+                os.kill(os.getpid(), signal.Signals[name])
+            if (self.reports / stopping.RELAY_MARK).exists():
+                self._end_unstarted()
+
+    @staticmethod
+    def _children() -> list:
+        import multiprocessing.process
+
+        return list(getattr(multiprocessing.process, "_children", ()))
+
+    def _end_unstarted(self) -> None:
+        # The ranks are the multiprocessing children the agent spawned; only their pids
+        # are read here: polling them would race the agent's own waits.
+        for child in self._children():
+            if child in self.others:
+                continue
+            popen = getattr(child, "_popen", None)
+            if popen is None or popen.returncode is not None or \
+                    (self.reports / _STARTED.format(pid=popen.pid)).exists():
+                continue
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(popen.pid, signal.SIGTERM)
+
+
+def _take_signals(reports: str) -> None:
+    """In a rank started with SIGINT blocked: our handler, then the signal unblocked (one
+    that came meanwhile is a stop request now). A rank whose launcher got a stop signal
+    while it started leaves at once, quietly: the agent is shutting down and collects
+    nothing, and there is nothing to save."""
+    if signal.SIGINT not in signal.pthread_sigmask(signal.SIG_BLOCK, []):
+        return
+    stopping.REQUEST.install()
+    Path(reports, _STARTED.format(pid=os.getpid())).touch()
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    if stopping.relayed():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+
 def _run_rank(reports: str, fn: Callable[..., Any], args: tuple) -> Any:
     os.environ[_REPORT_DIR] = reports
+    _take_signals(reports)
     try:
         return fn(*args)
     except BaseException as e:
