@@ -106,6 +106,9 @@ def test_a_run_writing_in_the_background_trains_and_resumes_as_a_synchronous_one
     # Background: on the first step after every rank had finished the write (the step-2
     # one before step 4's save); the last save is waited for on its own step.
     assert "ckpt_write_s" in b[-1] and any("ckpt_write_s" in r for r in b if r["step"] in (3, 4))
+    # ... naming the step it wrote, on the console too.
+    assert [r["ckpt_write_step"] for r in b if r["step"] in (3, 4) and "ckpt_write_s" in r] == [2]
+    assert "checkpoint of step 2 written in" in out
     for step in ("step_00000004", "step_00000006"):
         x, y = sync / "checkpoints" / step, bg / "checkpoints" / step
         assert filecmp.cmp(x / "__0_0.distcp", y / "__0_0.distcp", shallow=False)

@@ -18,6 +18,8 @@ first tensor file of the save of step N (savekill@N); 2 ranks hang there (savest
 the whole group is SIGKILLed once every rank's tensor file exists. Its leftover is asserted:
 the `.tmp-step_N` directory holding the tensor files and neither DCP's .metadata nor our
 meta.json, the newest checkpoint N - 1, and the next start resumes from N - 1.
+Each killed start held the run_dir's lock (run.lock, flock): the next start is never
+refused by it.
 
 After it the moments alternate: mid-checkpoint (the next save's temporary directory appears; the
 kill comes at a uniformly random point of a save window timed on the save before, so it
@@ -312,6 +314,8 @@ def test_kill_9_at_random_moments_resumes_on_the_uninterrupted_curve(tmp_path):
             expected = checkpoint.step_dir(run_dir / "checkpoints", records[i - 1]["on_disk"])
             assert found == [(str(expected), str(records[i - 1]["on_disk"]))], text
             assert "skipping" not in text, text
+            # The killed start's run_dir lock died with it: the next start took it at once.
+            assert "in use by another run" not in text, text
         # The curve is the uninterrupted run's: fp32 on one layout, so exactly.
         curve, reference = _curve(run_dir), _curve(references[name])
         assert [r["step"] for r in curve] == list(range(1, len(reference) + 1))

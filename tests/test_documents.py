@@ -296,3 +296,30 @@ def test_document_keys_with_a_tokenizer_without_eos_are_refused_before_training(
     assert "data.document_mask finds documents by their end-of-document token" in done.stderr
     assert "set data.document_mask and data.eod_mask_loss to false" in done.stderr
     assert not run_dir.exists()
+
+
+@pytest.mark.parametrize("key", ["document_mask", "reset_positions", "eod_mask_loss"])
+def test_document_keys_on_data_without_end_of_document_tokens_are_refused(tmp_path, capsys, key):
+    """A dataset preprocessed without --append-eod has no boundaries to find: each document
+    key alone is refused (exit 2, one line naming --append-eod), never silently nothing."""
+    import json
+
+    from meshtrain.cli import main
+    from meshtrain.data import preprocess
+    from test_cli import SMALL, TINY
+
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": f"document {i} " * 9}) + "\n" for i in range(30)))
+    preprocess(tmp_path / "docs.jsonl", tmp_path / "plain", tokenizer="bytes")
+    run_dir = tmp_path / "run"
+    code = main(["fit", "--config", str(TINY), *SMALL, "--data.paths", str(tmp_path / "plain"),
+                 f"--data.{key}", "true", "--run_dir", str(run_dir)])
+    err = capsys.readouterr().err
+    assert code == 2 and err.strip().splitlines() == [
+        f"meshtrain: data error: data.{key} finds documents by their end-of-document token (id 257), but the "
+        f"documents of dataset {tmp_path / 'plain'} do not end with it: re-run meshtrain preprocess with "
+        f"--append-eod, or set data.{key} to false"]
+    assert not run_dir.exists()
+    # The same text with --append-eod trains: the check reads the documents' last tokens.
+    preprocess(tmp_path / "docs.jsonl", tmp_path / "eod", tokenizer="bytes", append_eod=True)
+    assert main(["fit", "--config", str(TINY), *SMALL, "--train.steps", "1", "--data.paths", str(tmp_path / "eod"),
+                 f"--data.{key}", "true", "--run_dir", str(run_dir)]) == 0

@@ -208,7 +208,7 @@ class CheckpointConfig:
     keep_last: int = 2
     """How many of the newest complete checkpoints to keep."""
     resume: str = "auto"
-    """auto: continue from the newest complete checkpoint in <run_dir>/checkpoints if there is one; none: start at step 0; or the path of a checkpoint directory."""
+    """auto: continue from the newest complete checkpoint in <run_dir>/checkpoints if there is one; none: start at step 0 in a run_dir that holds no run (refused where one has checkpoints or metrics); restart: first move the run in run_dir into <run_dir>/previous/<UTC time>/, then start at step 0; or the path of a checkpoint directory to continue from."""
     async_save: bool = False
     """Write checkpoints in the background: the step waits only while the state is copied to host memory (reused buffers, pinned on GPUs), then a thread writes and commits the checkpoint while training goes on; it becomes the latest only once every rank has written and the atomic rename is done. At most one save in flight: the next save, the end of the run, a stop signal, an error and the export wait for it (and report its failure as a synchronous save would). Off by default on CPU, where the writer shares the cores training uses and the copy costs as much memory as the state; the GPU presets turn it on."""
     export: bool = False

@@ -57,7 +57,7 @@ def build_data(paths, tokenizer: str, seq_len: int, seed: int, vocab_size: int,
     weights = [w / sum(weights) for w in weights]
     notes = [_unrecorded_note(unrecorded, tok.name)] if unrecorded else []
     return TokenData(TrainSplit(train, weights, seed), ValidSplit(valid) if valid else None, seq_len, names, weights,
-                     notes, tok.eos_id)
+                     notes, tok.eos_id, tokenizer_record(tok))
 
 
 def parse_paths(paths) -> list[tuple[float | None, str]]:

@@ -223,6 +223,7 @@ class TokenData:
     weights: list[float]
     notes: list[str] = field(default_factory=list)
     eod: int | None = None  # the tokenizer's end-of-document (EOS) id, which ends each document
+    tokenizer: dict | None = None  # data.tokenizer's record (tokenizer.tokenizer_record): what a checkpoint keeps
 
     @property
     def loss_mask(self) -> bool:

@@ -325,6 +325,17 @@ class IndexedDataset:
                              f"has {size}")
         return int(self.pointers[i]) // self.dtype.itemsize + offset, length
 
+    def documents_end_with(self, token: int, checked: int = 256) -> bool:
+        """Whether documents end with `token` (preprocess --append-eod), judged on up to
+        `checked` documents spread over the dataset: one token read each, and a dataset
+        written without it has (nearly) no document that does."""
+        ends = self.document_indices[1:]
+        nonempty = ends[self.sizes[ends - 1] > 0] if len(ends) else ends
+        picked = nonempty[np.linspace(0, len(nonempty) - 1, min(checked, len(nonempty))).astype(np.int64)]
+        last = [self._tokens[int(self.pointers[s - 1]) // self.dtype.itemsize + int(self.sizes[s - 1]) - 1]
+                for s in picked]
+        return all(int(t) == token for t in last)
+
     def token_range(self) -> tuple[int, int] | None:
         """(smallest, largest) token id, scanning the tokens in chunks; None when empty."""
         if self.num_tokens == 0:

@@ -31,6 +31,14 @@ def _si(x: float) -> str:
     return f"{x:.3g}"
 
 
+def count(n: int) -> str:
+    """A parameter count: 3.16M, 405.85B."""
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f}{unit}"
+    return str(n)
+
+
 def duration(seconds: float | None) -> str:
     """h:mm:ss, or Nd hh:mm past a day; '-' when unknown."""
     if seconds is None or not math.isfinite(seconds):
@@ -90,7 +98,8 @@ class StepTable:
         if "ckpt_stall_s" in r:
             more.append(f"checkpoint stall {r['ckpt_stall_s']:.2f} s")
         if "ckpt_write_s" in r:
-            more.append(f"checkpoint written in {r['ckpt_write_s']:.2f} s")
+            which = f" of step {r['ckpt_write_step']}" if r.get("ckpt_write_step", r["step"]) != r["step"] else ""
+            more.append(f"checkpoint{which} written in {r['ckpt_write_s']:.2f} s")
         if more:
             lines.append(" " * 4 + "  ".join(more))
         return lines
@@ -114,7 +123,8 @@ class Reporter:
     """Rank 0's outputs: the console table, metrics.jsonl and TensorBoard when it is
     installed. On other ranks every call does nothing."""
 
-    def __init__(self, enabled: bool, run_dir: Path, total_steps: int, mfu: bool = False):
+    def __init__(self, enabled: bool, run_dir: Path, total_steps: int, mfu: bool = False,
+                 resumed_step: int | None = None):
         self.enabled, self.total = enabled, total_steps
         self.console = self.live = self.tb = None
         self.table, self.rows_printed = StepTable(total_steps, mfu), 0
@@ -130,7 +140,10 @@ class Reporter:
         except ImportError:  # tensorboard is optional
             SummaryWriter = None
         if SummaryWriter is not None:
-            self.tb = SummaryWriter(str(self.tensorboard))
+            # A resumed run hides what its last start logged past the checkpoint (a kill
+            # between saves), as metrics.jsonl is cut back: no step is shown twice.
+            purge = None if resumed_step is None else resumed_step + 1
+            self.tb = SummaryWriter(str(self.tensorboard), purge_step=purge)
 
     def tensorboard_line(self) -> str:
         if self.tb is not None:
