@@ -439,9 +439,11 @@ def test_preprocess_arguments(tmp_path):
     with pytest.raises(DataError) as e:
         preprocess(tmp_path / "missing.jsonl", tmp_path / "out")
     assert_data_error(e, "missing.jsonl", "not found")
+    (tmp_path / "file").write_text("")
     with pytest.raises(DataError) as e:
-        preprocess(src, tmp_path / "no" / "dir" / "out")
-    assert_data_error(e, str(tmp_path / "no" / "dir"), "does not exist")
+        preprocess(src, tmp_path / "file" / "dir" / "out")
+    assert_data_error(e, str(tmp_path / "file"), "is a file, not a directory")
+    (tmp_path / "file").unlink()
     with pytest.raises(DataError) as e:
         preprocess(src, tmp_path / "out.bin")
     assert_data_error(e, "out.bin", "without extension")
@@ -451,6 +453,28 @@ def test_preprocess_arguments(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["in.jsonl"]
     preprocess(src, tmp_path / "out", text_key="text")
     assert IndexedDataset(tmp_path / "out")[0].tolist() == [256, 97]
+
+
+def test_preprocess_creates_the_output_directory(tmp_path, monkeypatch):
+    """`--output_prefix data/corpus` works in a fresh clone: the missing directories above
+    the prefix are made once the arguments are good, and removed again when the input is bad."""
+    src = write_jsonl(tmp_path / "in.jsonl", ["a"])
+    bad = bad_jsonl(tmp_path / "bad.jsonl", [b'{"text": "ok"}', b"{"])
+    monkeypatch.chdir(tmp_path)
+    for workers in (1, 2):
+        with pytest.raises(DataError) as e:
+            preprocess(bad, "data/new/corpus", workers=workers)
+        assert_data_error(e, "bad.jsonl:2")
+        assert sorted(os.listdir(tmp_path)) == ["bad.jsonl", "in.jsonl"]
+    with pytest.raises(DataError):  # a bad argument makes nothing
+        preprocess(src, "data/new/corpus", workers=0)
+    assert not (tmp_path / "data").exists()
+    stats = preprocess(src, "data/new/corpus")
+    assert stats["idx"] == "data/new/corpus.idx"
+    assert IndexedDataset(tmp_path / "data" / "new" / "corpus")[0].tolist() == [256, 97]
+    preprocess(src, "data/new/again")  # the directory exists now
+    assert sorted(os.listdir(tmp_path / "data" / "new")) == sorted(
+        f"{p}.{x}" for p in ("corpus", "again") for x in ("bin", "idx", "tokenizer.json"))
 
 
 def test_token_ids_of_datasets_too_large_to_scan_are_checked_as_read(tmp_path, monkeypatch):

@@ -88,7 +88,8 @@ def test_exports_default_to_the_run_precision_with_the_usual_modes(walkthrough):
     assert len(by_prefix(done, "meshtrain export --checkpoint runs/tiny --out runs/tiny/hf")) == 1
     umask = os.umask(0)
     os.umask(umask)
-    for out, dtype in ((cwd / "runs" / "tiny" / "hf", "F32"), (cwd / "hf", "BF16")):  # fp32 run; --dtype bf16
+    tiny = cwd / "runs" / "tiny"
+    for out, dtype in ((tiny / "hf", "F32"), (tiny / "hf-bf16", "BF16")):  # fp32 run; --dtype bf16
         assert safetensors_dtypes(out / "model.safetensors") == {dtype}
         assert os.stat(out).st_mode & 0o777 == 0o777 & ~umask
         names = {p.name for p in out.iterdir()}

@@ -41,7 +41,7 @@ def preprocess(input, output_prefix, tokenizer="bytes", append_eod: bool = False
         raise DataError(f"{src}: input file not found; give a .jsonl file with one JSON object per line")
     if not os.path.isfile(src):
         raise DataError(f"{src}: not a file; give a .jsonl file with one JSON object per line")
-    _check_output(prefix)
+    missing = _check_output(prefix)
     if not isinstance(workers, int) or workers < 1:
         raise DataError(f"workers={workers!r}: give a whole number of processes, at least 1")
     tok = load_tokenizer(tokenizer)
@@ -54,33 +54,54 @@ def preprocess(input, output_prefix, tokenizer="bytes", append_eod: bool = False
                             "drop --append_eod or use a tokenizer that has one")
     dtype = np.uint16 if tok.vocab_size <= 65536 else np.int32
     record = tokenizer_record(tok)
-    with IndexedWriter(prefix, dtype, record, loss_mask=loss_mask_key is not None) as writer:
-        encoder = _Encoder(tok, src, text_key, eod, loss_mask_key)
-        if workers == 1:
-            _write(map(encoder, _chunks(src)), writer)
-        else:
-            _encode_parallel(_chunks(src), workers, encoder, writer)
-        if writer.documents == 0:
-            raise DataError(f"{src}: no documents (the file has no non-blank lines); give a .jsonl file with one "
-                            f'JSON object per line, such as {{"{text_key}": "..."}}')
+    if missing:  # the output's parent directories, made now that the arguments are good
+        try:
+            os.makedirs(missing[0], exist_ok=True)
+        except OSError as e:
+            raise DataError(f"output prefix {prefix!r}: cannot create directory {missing[0]} ({e.strerror}); "
+                            "choose another output prefix") from None
+    try:
+        with IndexedWriter(prefix, dtype, record, loss_mask=loss_mask_key is not None) as writer:
+            encoder = _Encoder(tok, src, text_key, eod, loss_mask_key)
+            if workers == 1:
+                _write(map(encoder, _chunks(src)), writer)
+            else:
+                _encode_parallel(_chunks(src), workers, encoder, writer)
+            if writer.documents == 0:
+                raise DataError(f"{src}: no documents (the file has no non-blank lines); give a .jsonl file with "
+                                f'one JSON object per line, such as {{"{text_key}": "..."}}')
+    except BaseException:
+        for directory in missing:  # a failed run leaves no directory it made either
+            try:
+                os.rmdir(directory)
+            except OSError:
+                break
+        raise
     return {"documents": writer.documents, "tokens": writer.tokens, "dtype": np.dtype(dtype).name,
             "bin": bin_path(prefix), "idx": idx_path(prefix), "record": record_path(prefix) if record else None,
             "loss_mask": loss_mask_path(prefix) if loss_mask_key is not None else None}
 
 
-def _check_output(prefix: str) -> None:
+def _check_output(prefix: str) -> list[str]:
+    """Refuse an output prefix that cannot be written; return the directories above it
+    that do not exist yet (deepest first), which preprocess creates."""
     for ext in (".bin", ".idx"):
         if prefix.endswith(ext):
             raise DataError(f"output prefix {prefix!r}: the prefix is given without extension (it writes "
                             f"<prefix>.bin and <prefix>.idx); use {prefix[:-len(ext)]!r}")
     if not os.path.basename(prefix):
         raise DataError(f"output prefix {prefix!r} names a directory; add a file name, e.g. {prefix}docs")
-    directory = os.path.dirname(os.path.abspath(prefix))
+    directory, missing = os.path.dirname(os.path.abspath(prefix)), []
+    while not os.path.exists(directory):
+        missing.append(directory)
+        directory = os.path.dirname(directory)
     if not os.path.isdir(directory):
-        raise DataError(f"output prefix {prefix!r}: directory {directory} does not exist; create it first")
+        raise DataError(f"output prefix {prefix!r}: {directory} is a file, not a directory; choose another "
+                        "output prefix")
     if not os.access(directory, os.W_OK):
         raise DataError(f"output prefix {prefix!r}: directory {directory} is not writable; choose another "
                         "output prefix or fix its permissions")
+    return missing
 
 
 def _chunks(path: str):
