@@ -24,15 +24,16 @@ def _quantize(t: Tensor, dtype: torch.dtype, operand: str, dim: int, recipe: str
     """(t in fp8, 1/scale) with the amax taken along the GEMM's contraction dim `dim` of t
     (rowwise) or over all of t (tensorwise); 1/scale keeps t's rank (size 1 along `over`)."""
     over = (0, 1) if recipe == "tensorwise" else (dim,)
-    t = t.float()
-    amax = t.abs().amax(dim=over, keepdim=True)
+    # No fp32 copy of t: a max is exact in t's own dtype, and t * scale (an fp32 tensor)
+    # computes in fp32, so the fp8 values are those of t.float() * scale.
+    amax = t.abs().amax(dim=over, keepdim=True).float()
     if allmax is not None:
         amax = allmax(amax, operand, over)
     fmax = torch.finfo(dtype).max
     scale = fmax / amax.clamp(min=AMAX_EPS)
     # Saturate: the cast turns a value past fmax into inf (e5m2) or NaN (e4m3fn on CUDA),
     # should an amax (from allmax, say) ever fall short of the tensor's.
-    return (t * scale).clamp(-fmax, fmax).to(dtype), scale.reciprocal()
+    return (t * scale).clamp_(-fmax, fmax).to(dtype), scale.reciprocal()
 
 
 # _scaled_mm takes mat1 row-major and mat2 column-major. Both are no-ops when the layout
@@ -53,6 +54,10 @@ def _t_scale(inv: Tensor) -> Tensor:
 
 def _mm(a: Tensor, a_inv: Tensor, b: Tensor, b_inv: Tensor, out_dtype: torch.dtype) -> Tensor:
     """a (P,Q) @ b (Q,R), dequantized by the reciprocal scales a_inv (P,1)|(1,1), b_inv (1,R)|(1,1)."""
+    if a.device.type == "cpu" and not torch.compiler.is_compiling():
+        # The eager CPU kernel makes both operands row-major itself: a column-major b would
+        # be copied there and back. (Inductor's lowering checks the CUDA layout.)
+        return torch._scaled_mm(a, b, a_inv, b_inv, out_dtype=out_dtype)
     return torch._scaled_mm(_row_major(a), _col_major(b), a_inv, b_inv, out_dtype=out_dtype)
 
 
