@@ -1,8 +1,10 @@
 """SIGINT and SIGTERM through the real CLI, as a terminal, `kill`, SLURM and launchers send
 them: to the whole process group (every rank gets the signal, and the launcher passes it
-on again) or to the launcher alone. Each stop saves one checkpoint and exits 0 with one
-line; a second signal during the save ends at once with one line and leaves the previous
-checkpoint the latest; the resumed runs continue the uninterrupted loss curve exactly.
+on again) or to the launcher alone. The first signal is answered at once by one line (rank
+0's, however many processes received it), however long the step still runs; each stop
+saves one checkpoint and exits 0 with one line; a second signal during the save ends at
+once with one line and leaves the previous checkpoint the latest; the resumed runs continue
+the uninterrupted loss curve exactly.
 """
 
 from __future__ import annotations
@@ -13,18 +15,21 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
-from meshtrain.run.stopping import DUPLICATE_S
+from meshtrain.run.stopping import DUPLICATE_S, first_line
 from meshtrain import checkpoint
 from test_cli import ROOT, SMALL, TINY, _env, read_metrics, run_cli
 
 TINY4 = ROOT / "configs" / "tiny-4proc.yaml"
 # A long schedule: where a run stops does not change its curve.
 LONG = [*SMALL, "--train.steps", "400"]
+# The first signal's line, after the signal was sent (measured: 0.01-0.02 s).
+ANSWER_S = 2.0
 
 
 class Run:
@@ -72,6 +77,11 @@ def _stopped(out: str, name: str) -> int:
     return int(found[0][0])
 
 
+def _answers(out: str) -> list[str]:
+    """The lines that answer a first signal (stopping.first_line)."""
+    return re.findall(r"^SIG(?:INT|TERM): stopping .*$", out, re.M)
+
+
 def _checkpoints(run_dir: Path) -> list[int]:
     return [int(p.name.split("_")[1]) for p in checkpoint.complete(run_dir / "checkpoints")]
 
@@ -92,7 +102,7 @@ def test_four_self_launched_ranks_stop_on_every_kind_of_signal_and_resume_exactl
     code, out, err = run.finish()
     assert code == 0 and "Traceback" not in err and "failed" not in err, out + err
     first = _stopped(out, "SIGINT")
-    assert _checkpoints(run_dir) == [first]
+    assert _checkpoints(run_dir) == [first] and len(_answers(out)) == 1, out
 
     # SIGTERM to the launcher alone (`kill PID`): it passes it on to the ranks.
     run = Run(args, run_dir)
@@ -102,7 +112,7 @@ def test_four_self_launched_ranks_stop_on_every_kind_of_signal_and_resume_exactl
     assert code == 0 and "Traceback" not in err, out + err
     assert "resumed from" in out
     second = _stopped(out, "SIGTERM")
-    assert _checkpoints(run_dir) == [first, second]
+    assert _checkpoints(run_dir) == [first, second] and len(_answers(out)) == 1, out
 
     # SIGTERM to the group, then a second signal while the checkpoint is being written
     # (the injected fault holds every rank inside its save).
@@ -114,7 +124,7 @@ def test_four_self_launched_ranks_stop_on_every_kind_of_signal_and_resume_exactl
     time.sleep(max(0.0, signalled + DUPLICATE_S + 0.5 - time.monotonic()))  # not the same request
     run.signal_group(signal.SIGINT)
     code, out, err = run.finish(timeout=60)
-    assert code == 128 + signal.SIGINT, out + err
+    assert code == 128 + signal.SIGINT and len(_answers(out)) == 1, out + err
     latest = checkpoint.step_dir(run_dir / "checkpoints", second)
     lines = err.strip().splitlines()
     assert len(lines) == 1 and re.fullmatch(rf"meshtrain: stopped at once by a second SIGINT \(step \d+: checkpoint "
@@ -148,6 +158,7 @@ def test_two_ranks_under_torchrun_stop_on_group_signals_and_resume_exactly(tmp_p
         run.signal_group(sig)
         code, out, err = run.finish()
         stops.append(_stopped(out, sig.name))
+        assert len(_answers(out)) == 1, out  # rank 0's
         assert "ChildFailedError" not in err and "KeyboardInterrupt" not in err, out + err
         assert f"SignalException: Process {run.proc.pid} got signal: {int(sig)}" in err, err
         assert _checkpoints(run_dir)[-1] == stops[-1]
@@ -173,6 +184,73 @@ def test_a_signal_to_one_rank_stops_every_rank_and_rank_0_names_it(tmp_path):
     stopped = _stopped(done.stdout, "SIGTERM")
     assert stopped >= 2 and _checkpoints(run_dir) == [stopped]
     assert [r["step"] for r in read_metrics(run_dir)] == list(range(1, stopped + 1))
+
+
+def _processes(session: int) -> dict[int, tuple[int, str, bytes]]:
+    """pid -> (parent pid, state, command line) of the processes of a session."""
+    found = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[3]) == session:
+                found[int(stat.parent.name)] = (int(fields[1]), fields[0], (stat.parent / "cmdline").read_bytes())
+    return found
+
+
+def test_ctrl_c_while_the_ranks_start_stops_with_one_line_and_no_traceback(tmp_path):
+    """Ctrl-C reaches every process of the group, ranks still importing torch included
+    (before any code of ours runs in them): they stay quiet, and the launcher's one line
+    says that nothing was saved (exit 130, as a shell's Ctrl-C), with no process left."""
+    run = Run(["--config", str(TINY4), *LONG], tmp_path / "run")
+    pid = run.proc.pid
+    run.wait_for(lambda: any(parent == pid and b"spawn_main" in cmd for parent, _, cmd in _processes(pid).values()),
+                 timeout=120)
+    started = time.monotonic()
+    run.signal_group(signal.SIGINT)
+    code, out, err = run.finish(timeout=60)
+    assert code == 128 + signal.SIGINT, out + err
+    assert err == "meshtrain: stopped by SIGINT before the ranks began training: nothing was saved\n", err
+    assert not _checkpoints(tmp_path / "run") and not run.steps_logged()
+    assert time.monotonic() - started < 20  # the ranks that had not started were ended, not waited for
+    deadline = time.monotonic() + 10
+    while (alive := [p for p, (_, state, _) in _processes(pid).items() if state != "Z"]) and \
+            time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not alive, _processes(pid)
+
+
+def test_the_first_signal_is_answered_at_once_while_a_step_hangs(tmp_path):
+    """Every rank of two self-launched ones hangs reading the batch of step 2 (fault
+    injection: a step that never ends). A Ctrl-C to the whole group (the launcher and both
+    ranks) is answered within ANSWER_S by one line, rank 0's, naming what the ranks are
+    doing; the second Ctrl-C, which the line says to press, ends them at once."""
+    args = ["--config", str(TINY), *LONG, "--parallel.fsdp", "2", "--parallel.nproc_per_node", "2"]
+    run = Run(args, tmp_path / "run", env={"MESHTRAIN_FAULT": "stall@2"})
+    lines = []  # (when it arrived, stdout line); stderr is read once the run has ended
+
+    def read() -> None:
+        for line in run.proc.stdout:
+            lines.append((time.monotonic(), line.rstrip("\n")))
+
+    threading.Thread(target=read, daemon=True).start()
+    try:
+        run.wait_for(lambda: run.steps_logged() >= 1)
+        time.sleep(1.0)  # into step 2, where every rank hangs
+        run.signal_group(signal.SIGINT)
+        signalled = time.monotonic()
+        run.wait_for(lambda: _answers("\n".join(line for _, line in lines)), timeout=30)
+        time.sleep(max(0.0, signalled + DUPLICATE_S + 0.5 - time.monotonic()))  # not the same request
+        run.signal_group(signal.SIGINT)
+        code = run.proc.wait(timeout=60)
+    finally:
+        run.kill()
+    err = run.proc.stderr.read()
+    answered = [(at - signalled, line) for at, line in lines if _answers(line)]
+    assert [line for _, line in answered] == [first_line("SIGINT", "step 2: reading the batch")], lines
+    assert answered[0][0] < ANSWER_S, answered
+    assert code == 128 + signal.SIGINT, err
+    assert err == "meshtrain: stopped at once by a second SIGINT (step 2: reading the batch); no checkpoint was " \
+                  "written\n"
 
 
 _THREAD_SIGNALS = """
@@ -203,6 +281,7 @@ def test_a_signal_caught_by_another_thread_still_stops_the_process_while_the_mai
     done = subprocess.run([sys.executable, "-c", _THREAD_SIGNALS], cwd=ROOT, env=_env(), capture_output=True,
                           text=True, timeout=60)
     assert done.returncode == 128 + signal.SIGINT, done.stdout + done.stderr
+    assert done.stdout == first_line("SIGTERM", "asleep") + "\n"
     assert done.stderr == "meshtrain: stopped at once by a second SIGINT (asleep)\n"
     assert time.monotonic() - started < 20
 

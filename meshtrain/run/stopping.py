@@ -2,7 +2,9 @@
 preemption notice or time limit, a launcher passing either on).
 
 The first request lets every rank finish its step; the ranks agree on that step (the
-training loop's per-step all-reduce), save one checkpoint and exit 0. A terminal sends
+training loop's per-step all-reduce), save one checkpoint and exit 0. Its line comes at
+once, however long the step has left (first_line: rank 0 prints it, so one process of a
+launch does; our launcher passes its signals on to the ranks). A terminal sends
 Ctrl-C to every process of its foreground group, and torchrun, SLURM and our own launcher
 pass on what they receive, so one request can reach a rank twice within milliseconds:
 signals within DUPLICATE_S of the first are that same request. A later one stops the
@@ -43,7 +45,7 @@ class StopRequest:
     def __init__(self):
         self.name: str | None = None  # the first signal's name
         self.first_at = 0.0
-        self.doing = "starting"  # what the loop is doing, for the line a second signal prints
+        self.doing = "starting"  # what the loop is doing, for the lines a first and a second signal print
         self.after: Callable[[], str] | None = None  # what stays on disk, for that line
         self._previous: dict = {}
         self._wakeup: tuple[int, int] | None = None  # (previous wakeup fd, our pipe's write end)
@@ -94,6 +96,11 @@ class StopRequest:
         now = time.monotonic()
         if self.name is None:
             self.name, self.first_at = signal.Signals(sig).name, now
+            if os.environ.get("RANK", "0") == "0":
+                # From a thread of its own: a write blocked on a full stdout pipe must not
+                # keep this one from acting on a second signal.
+                threading.Thread(target=_print_line, args=(first_line(self.name, self.doing),), daemon=True,
+                                 name="meshtrain-stop-line").start()
         elif now - self.first_at > DUPLICATE_S:
             self._stop_now(sig)
 
@@ -115,6 +122,21 @@ class StopRequest:
                 os.write(2, f"meshtrain: {at_once_line(name, where)}\n".encode())
         finally:
             os._exit(128 + sig)
+
+
+def first_line(signal_name: str, doing: str) -> str:
+    """The line of a first request: what the process is doing, and what happens next."""
+    again = "press Ctrl-C again" if signal_name == "SIGINT" else f"send {signal_name} again"
+    if doing.startswith("step "):  # the loop reads the request when this step is done
+        return f"{signal_name}: stopping after this step ({doing}), a checkpoint will be saved; {again} to stop at once"
+    return f"{signal_name}: stopping (now: {doing}); {again} to stop at once"
+
+
+def _print_line(line: str) -> None:
+    try:
+        print(line, flush=True)  # stdout, beside the step lines and the final "stopped by" line
+    except Exception:  # a closed or broken stdout: the stop itself goes on
+        pass
 
 
 def at_once_line(signal_name: str, where: str) -> str:
