@@ -4,6 +4,8 @@ On one CUDA device, in this order, each step a subprocess with its own time limi
 one overall deadline (`--budget`, default 570 s, so the whole kit fits a 10-minute lease):
 
   env                 torch version, device name, capability
+  gpu_check           bench/gpu_check.py: each CUDA-only branch once (the background save's
+                      staging synchronize, pinned staging, fp8 _scaled_mm, grouped GEMM)
   fit_bf16            `meshtrain fit` on configs/llama3-1b.yaml, one process, bf16, compiled,
                       the embedded corpus (no data on the machine), ending with a checkpoint
   fit_fp8_tensorwise  the same in fp8, tensorwise scales
@@ -61,7 +63,9 @@ def steps(out: Path, scratch: Path, smoke: bool) -> list[tuple[str, list[str], i
            "torch.__version__, 'cuda': torch.version.cuda, 'device': torch.cuda.get_device_name() if c else 'cpu', "
            "'capability': list(torch.cuda.get_device_capability()) if c else None}))"]
     tiny = ["--tiny"] if smoke else []
-    out_steps = [("env", env, 60)]
+    out_steps = [("env", env, 60),
+                 ("gpu_check", [PY, "bench/gpu_check.py", *(["--smoke"] if smoke else []),
+                                "--json", str(out / "gpu_check.json")], 120)]
     for precision, recipe in (("bf16", None), ("fp8", "tensorwise"), ("fp8", "rowwise")):
         name = f"fit_{precision}" + (f"_{recipe}" if recipe else "")
         out_steps.append((name, fit_step(scratch / name, precision, recipe, smoke), 170))
@@ -110,6 +114,9 @@ def summary(done: dict) -> dict:
             out[f"fp8_{recipe}_over_transformers"] = fp8["tokens_per_s"] / bf16["reference_tokens_per_s"]
     if bf16.get("ratio"):
         out["bf16_over_transformers"] = bf16["ratio"]
+    check = done.get("gpu_check", {}).get("result", {})
+    if "passed" in check:
+        out["gpu_check_passed"] = check["passed"]
     for name, step in done.items():
         if name.startswith("fit_") and step.get("tokens_per_s"):
             out[f"{name}_tokens_per_s"] = step["tokens_per_s"]

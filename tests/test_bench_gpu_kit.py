@@ -1,7 +1,9 @@
 """bench/gpu_kit.py's wiring, on the CPU with tiny shapes (`--smoke`): a fit run through
 the CLI (its metrics and checkpoint read back, the run directory removed), a bench's
 JSON collected, the summary's ratios, and a step the deadline leaves out. The GPU run
-itself needs a lent machine (docs/gpu.md)."""
+itself needs a lent machine (docs/gpu.md). bench/gpu_check.py's CUDA-only branches run here
+on the CPU (`--smoke`: the same code, small shapes), and without `--smoke` it only says it
+needs a GPU."""
 
 from __future__ import annotations
 
@@ -9,6 +11,8 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -40,3 +44,34 @@ def test_the_deadline_skips_what_it_cannot_fit(tmp_path):
     results = json.loads((out / "results.json").read_text())
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert list(results["steps"]) == [] and results["skipped"] == ["env", "fit_bf16"], results
+
+
+def test_the_gpu_check_runs_each_branch_on_the_cpu_through_the_kit(tmp_path):
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "bench/gpu_kit.py", "--smoke", "--out", str(out), "--only", "gpu_check"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr + (out / "logs" / "gpu_check.log").read_text()
+    results = json.loads((out / "results.json").read_text())
+    check = results["steps"]["gpu_check"]["result"]
+    assert results["summary"]["gpu_check_passed"] is True
+    checks = check["checks"]
+    assert list(checks) == ["async_save", "pinned", "fp8_tensorwise", "fp8_rowwise", "grouped_bfloat16",
+                            "grouped_float32"], checks
+    assert all(c["pass"] for c in checks.values()) and check["smoke"] and check["device"] == "cpu"
+    assert checks["async_save"]["differing"] == [] and checks["async_save"]["tensors"] == 12
+    assert checks["pinned"]["buffers"] == 12 and checks["pinned"]["pinned"] == 0  # CPU tensors: not pinned
+    assert all(checks[f"fp8_{r}"]["scaled_mm_calls"] == 3 for r in ("tensorwise", "rowwise"))
+    assert all(checks[f"grouped_{d}"]["grouped_mm_calls"] == 3 for d in ("bfloat16", "float32"))
+    log = (out / "logs" / "gpu_check.log").read_text()
+    assert sum(line.startswith("PASS ") for line in log.splitlines()) == 6, log
+
+
+def test_the_gpu_check_without_a_gpu_says_it_needs_one(tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: the check runs for real")
+    proc = subprocess.run([sys.executable, "bench/gpu_check.py", "--json", str(tmp_path / "c.json")], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and "needs a CUDA GPU" in proc.stdout, proc.stdout + proc.stderr
+    assert not (tmp_path / "c.json").exists()
