@@ -4,9 +4,10 @@ The reference is a single-process run with no plan; each layout runs STEPS steps
 gradient accumulation (2 micro-steps) against a reference that takes the whole batch
 in one step, so accumulation is checked at the same time. Each layout must match the
 reference's loss and gradient norm on every step, its whole gradients on the first step
-(seen through make_train_step's inspect_grads) and its final parameters. The clip is set
-below every step's natural gradient norm, so clipping engages on every step and the norm
-scales every update. The clipped AdamW update itself is checked against
+(seen through make_train_step's inspect_grads), its final parameters and (eager) its final
+Adam moments, which hold the clipped gradients whose scale AdamW's update divides out. The
+clip is set below every step's natural gradient norm, so clipping engages on every step
+and the norm scales every update. The clipped AdamW update itself is checked against
 torch.nn.utils.clip_grad_norm_ + torch.optim.AdamW, on one process and on fsdp x tp.
 """
 
@@ -149,7 +150,8 @@ def train_layouts(world: int, compile, names=None, traffic=None):
         with torch._dynamo.config.patch(error_on_recompile=True):
             metrics = [step(state, b) for b in batches(micro_steps=2)]
         graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"] - before if compile else None
-        moments = {k: _whole(v) for k, v in state.optimizer.items()} if every_step else None
+        # Every eager layout's final Adam moments, against one process's in _check.
+        moments = {k: _whole(v) for k, v in state.optimizer.items()} if not compile else None
         out[name] = initial, Run([m["loss"] for m in metrics], _whole(params), [m["grad_norm"] for m in metrics],
                                  recorder.grads, moments, graphs)
     return out
@@ -176,6 +178,32 @@ def check_run(run: Run, ref: Run, what: str, grad_atol: float = GRAD_ATOL, param
         torch.testing.assert_close(p, ref.params[n], rtol=0, atol=param_atol, msg=lambda m: f"{what} {n}: {m}")
 
 
+# The final Adam moments of an eager layout against one process's, each tensor's
+# difference over its largest |moment| (an elementwise relative bound does not work:
+# exp_avg has entries that cancel to ~0). Measured at most 5.2e-6 (cp2_tp2_sp_ring's
+# exp_avg; every eager layout, torch 2.13 CPU); 10x that. The moments hold the clipped
+# gradients themselves, so they see what the loss, the norm and the parameters barely
+# do: a gradient scale error, which AdamW's update divides out. Planted (scratch copy):
+# every 1-D (norm weight) gradient halved in the bucket reduce-scatter failed first on
+# the norms at 7.6 tolerances, now on the moments at 1.5e4; clipping left out when
+# sharded (tests/mutants.py clip_off_sharded) at 1.9 on the norms, now 5.9e4.
+MOMENT_TOL = 5e-5
+
+
+def check_moments(run: Run, ref: Run, what: str) -> None:
+    """Every moment tensor within MOMENT_TOL of its largest |moment|; a failure names the
+    tensor furthest off (an indirect difference elsewhere would hide the direct one)."""
+    ratios = {}
+    for k in ("exp_avg", "exp_avg_sq"):
+        assert sorted(run.moments[k]) == sorted(ref.moments[k]), (what, k)
+        for n, want in ref.moments[k].items():
+            ratios[k, n] = ((run.moments[k][n] - want).abs().max() / want.abs().max()).item()
+    k, n = max(ratios, key=ratios.get)
+    want = ref.moments[k][n]
+    torch.testing.assert_close(run.moments[k][n], want, rtol=0, atol=MOMENT_TOL * want.abs().max().item(),
+                               msg=lambda m: f"{what} {k} of {n}: {m}")
+
+
 def _check(reference: Run, results):
     initial_values = {n: init_slice(s, n, seed=0) for n, s in build("llama", CFG).specs.items()}
     for name, (initial, run) in results.items():
@@ -183,6 +211,8 @@ def _check(reference: Run, results):
             assert torch.equal(initial[n], initial_values[n]), f"{name}: initial {n} differs"
         assert sorted(run.grads[1]) == sorted(reference.grads[1]), name
         assert run.graphs in (None, COMPILED_GRAPHS), (name, run.graphs)
+        if run.moments is not None:  # eager layouts
+            check_moments(run, reference, name)
         check_run(run, reference, name)
 
 
