@@ -4,14 +4,17 @@ collect it); run it when the suite changes a lot and put the table in docs/mutan
 
     python tests/mutants.py                      # every mutant, the table on stdout
     python tests/mutants.py --only clip_off      # one
-    python tests/mutants.py --out docs/mutants.md
+    python tests/mutants.py --out /tmp/mutants.md   # then the table into docs/mutants.md
+    python tests/mutants.py --check              # every snippet still in its file (seconds)
 
-Each mutant replaces one exact snippet of the source: a snippet that no longer exists is
-reported as stale (the code moved; update the mutant), never silently skipped. A mutant
-is caught when at least one of its tests fails; the margin is the largest ratio of a
-difference to its tolerance that torch.testing.assert_close reports in the failure (a
-test that fails otherwise, e.g. on an exact comparison, shows as "fails"). Exit status 1
-when a mutant survives or is stale.
+The mutants are listed in tests/mutant_list.py (and the known survivors, which run only
+when named with --only). Each replaces one exact snippet of the source: a snippet that no
+longer exists is reported as stale (the code moved; update the mutant), never silently
+skipped. A mutant is caught when at least one of its tests fails; the margin is the
+largest ratio of a difference to its tolerance that torch.testing.assert_close reports in
+the failure (or tests/test_document_switches.py's "x the tolerance"; a test that fails
+otherwise, e.g. on an exact comparison, shows as "fails"). Exit status 1 when a mutant
+survives or is stale.
 """
 
 from __future__ import annotations
@@ -25,67 +28,17 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
+from mutant_list import KNOWN_SURVIVORS, MUTANTS, Mutant
+
 ROOT = Path(__file__).resolve().parent.parent
-
-
-@dataclass(frozen=True)
-class Mutant:
-    name: str
-    what: str
-    file: str
-    old: str
-    new: str
-    tests: tuple[str, ...]  # pytest node ids (or files) expected to catch it; all run in CI
-
-
-EQUIVALENCE = ("tests/test_equivalence.py::test_layouts_match_single_process",)
-AGAINST_TORCH = ("tests/test_equivalence.py::test_clipped_update_equals_torch_one_process",
-                 "tests/test_equivalence.py::test_clipped_update_equals_torch_sharded")
-STEP = (*EQUIVALENCE, *AGAINST_TORCH)  # layouts against one process, and the update against torch
-
-MUTANTS = [
-    Mutant("grad_1d_x0.5", "every 1-D (norm) gradient halved in the sharded backward",
-           "meshtrain/parallel/context.py",
-           "        grad = grad.to(ctx.dtype)\n",
-           "        grad = grad.to(ctx.dtype) * (0.5 if grad.ndim == 1 else 1.0)\n", STEP),
-    Mutant("grad_1d_x2", "every 1-D (norm) gradient doubled in the sharded backward",
-           "meshtrain/parallel/context.py",
-           "        grad = grad.to(ctx.dtype)\n",
-           "        grad = grad.to(ctx.dtype) * (2.0 if grad.ndim == 1 else 1.0)\n", STEP),
-    Mutant("clip_off", "gradient clipping removed", "meshtrain/train/step.py",
-           "        if clip is not None:\n", "        if False:\n", STEP),
-    Mutant("clip_off_sharded", "gradient clipping removed when the parameters are sharded",
-           "meshtrain/train/step.py",
-           "norm, grad_clip)",
-           "norm, None if type(state.params[names[0]]).__name__ == 'DTensor' else grad_clip)", STEP),
-    Mutant("norm_no_all_reduce", "the gradient norm without its all-reduce over the world",
-           "meshtrain/train/optim.py",
-           "    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:\n",
-           "    if False:\n", STEP),
-    Mutant("no_dp_reduction", "gradients not reduced over the replicated (dp) axis",
-           "meshtrain/parallel/context.py",
-           "        return grad.redistribute(grad.device_mesh, ctx.placements), None, None\n",
-           "        return DTensor.from_local(grad.to_local(), grad.device_mesh, ctx.placements, run_check=False), "
-           "None, None\n", STEP),
-    Mutant("loss_per_micro_batch", "the loss averaged per micro-batch instead of over the global batch",
-           "meshtrain/train/step.py",
-           "                loss = lm / n_tokens\n",
-           "                loss = lm / count_targets([targets[micro]])\n", STEP),
-    Mutant("decay_on_norms", "weight decay applied to 1-D parameters (norm scales, biases)",
-           "meshtrain/train/optim.py",
-           "        return ndim >= 2 and not any(",
-           "        return ndim >= 0 and not any(", STEP),
-    Mutant("export_rope_theta", "RoPE theta doubled in the exported config.json", "meshtrain/models/llama/hf.py",
-           '"rope_theta": float(cfg.rope_theta)',
-           '"rope_theta": 2 * float(cfg.rope_theta)', ("tests/test_hf.py",)),
-]
 
 # torch.testing.assert_close's report, and our own asserts that follow its wording
 _DIFF = re.compile(r"(?:Greatest (?:absolute|relative) difference:|difference\|) ([0-9.eE+-]+|nan|inf) .*?"
                    r"\(up to ([0-9.eE+-]+) allowed\)")
+# tests/test_document_switches.py's report: "loss: fit X, by hand Y: Z x the tolerance"
+_BY_HAND = re.compile(r"by hand \S+: ([0-9.eE+-]+|nan|inf) x the tolerance")
 
 
 def scratch_copy(dest: Path) -> None:
@@ -108,10 +61,11 @@ def plant(root: Path, m: Mutant) -> bool:
 def margins(output: str) -> dict[str, str]:
     """Failed test -> 'x<ratio>' (largest difference over its tolerance) or 'fails'."""
     out = {}
-    sections = re.split(r"\n_{3,} (\S+) _{3,}\n", output)
+    sections = re.split(r"\n_+ (\S+) _+\n", output)  # long names: one "_" each side
     for name, body in zip(sections[1::2], sections[2::2]):
-        ratios = [float(a) / float(b) for a, b in _DIFF.findall(body) if float(b) > 0 and a not in ("nan", "inf")]
-        bad = any(a in ("nan", "inf") for a, _ in _DIFF.findall(body))
+        pairs = _DIFF.findall(body) + [(x, "1") for x in _BY_HAND.findall(body)]
+        ratios = [float(a) / float(b) for a, b in pairs if float(b) > 0 and a not in ("nan", "inf")]
+        bad = any(a in ("nan", "inf") for a, _ in pairs)
         out[name] = "x inf" if bad else f"x{max(ratios):.3g}" if ratios else "fails"
     return out
 
@@ -131,7 +85,9 @@ def run(m: Mutant, timeout: float) -> dict:
         for node in failed:
             short = node.split("::", 1)[-1]
             caught.setdefault(short, "fails")
-        status = "caught" if proc.returncode == 1 and failed else "survived" if proc.returncode == 0 else \
+        # Failed tests are a catch even where the process then died (a writer thread the
+        # mutant left running can abort the interpreter at exit: pytest exit -6).
+        status = "caught" if proc.returncode != 0 and failed else "survived" if proc.returncode == 0 else \
             f"error (pytest exit {proc.returncode})"
         return {"status": status, "caught": caught, "seconds": time.monotonic() - start,
                 "tail": proc.stdout[-2000:] if status.startswith("error") else ""}
@@ -144,7 +100,7 @@ def table(results: list[tuple[Mutant, dict]]) -> str:
              "| mutant | planted in | result | caught by (margin) | seconds |", "|---|---|---|---|---|"]
     for m, r in results:
         caught = "; ".join(f"`{t}` {x}" for t, x in sorted(r["caught"].items())) or "-"
-        lines.append(f"| {m.what} | `{m.file}` | {r['status']} | {caught} | {r['seconds']:.0f} |")
+        lines.append(f"| `{m.name}`: {m.what} | `{m.file}` | {r['status']} | {caught} | {r['seconds']:.0f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -153,8 +109,20 @@ def main() -> int:
     parser.add_argument("--only", nargs="*", help="Mutant names to run (default: all).")
     parser.add_argument("--timeout", type=float, default=3600, help="Seconds per mutant.")
     parser.add_argument("--out", help="Also write the table to this file.")
+    parser.add_argument("--check", action="store_true",
+                        help="Only check that every snippet occurs once in its file (seconds, no tests run).")
     args = parser.parse_args()
-    chosen = [m for m in MUTANTS if not args.only or m.name in args.only]
+    unknown = set(args.only or ()) - {m.name for m in MUTANTS + KNOWN_SURVIVORS}
+    if unknown:
+        parser.error(f"no mutant named {', '.join(sorted(unknown))}")
+    # A known survivor runs only when named.
+    chosen = [m for m in MUTANTS + KNOWN_SURVIVORS if m.name in (args.only or ())] if args.only else MUTANTS
+    if args.check:
+        chosen = chosen if args.only else MUTANTS + KNOWN_SURVIVORS
+        stale = [m.name for m in chosen if (ROOT / m.file).read_text().count(m.old) != 1]
+        print(f"{len(chosen) - len(stale)} of {len(chosen)} snippets found once" +
+              (f"; stale: {', '.join(stale)}" if stale else ""))
+        return 1 if stale else 0
     results = []
     for m in chosen:
         r = run(m, args.timeout)
