@@ -123,3 +123,32 @@ def test_a_run_writing_in_the_background_trains_and_resumes_as_a_synchronous_one
         resumed[name] = [{k: r[k] for k in keys} for r in read_metrics(again)]
     assert resumed["sync"] == resumed["async"] and [r["step"] for r in resumed["sync"]] == [5, 6, 7, 8]
     assert torch.tensor([r["loss"] for r in resumed["sync"]]).isfinite().all()
+
+
+def _agree_while_one_rank_writes() -> list[bool]:
+    """Four step ends on 2 ranks whose background writes end at different steps: rank 0's
+    is still writing at the ends of steps 1 and 2, rank 1's only at step 1's. What each
+    rank takes as 'every rank's write has finished' after the stop agreement."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from meshtrain.run.fit import _Run
+
+    rank, seen = dist.get_rank(), []
+    for step in range(1, 5):
+        writing = step <= (2 if rank == 0 else 1)
+        run = SimpleNamespace(ranks=SimpleNamespace(world=2), device=torch.device("cpu"),
+                              saves=SimpleNamespace(writing=writing, finished_everywhere=True))
+        assert _Run._stop_agreed(run) is None  # no signal
+        seen.append(run.saves.finished_everywhere)
+    return seen
+
+
+def test_every_rank_joins_a_background_write_at_the_same_step():
+    """A rank whose own write has finished must not join it (and log or raise its result)
+    before every rank's has: the all-reduce of the stop agreement carries the flag. Both
+    ranks see it finished from step 3 on, not rank 1 from step 2 on."""
+    from meshtrain.testing import run_ranks
+
+    assert run_ranks(_agree_while_one_rank_writes, 2) == [[False, False, True, True]] * 2
