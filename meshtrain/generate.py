@@ -22,7 +22,7 @@ from typing import Iterable, Mapping
 
 import torch
 
-from .checkpoint import META, CheckpointError, latest, load
+from .checkpoint import META, CheckpointError, load, newest_under
 from .config.schema import ModelConfig, RunConfig
 from .data.errors import DataError
 from .data.tokenizer import load_tokenizer
@@ -157,7 +157,7 @@ def load_for_generate(source: str | os.PathLike, device: torch.device | str = "c
         return _load_meshtrain(path, device)
     if _is_hf_dir(path):
         return _load_hf(path, device)
-    found = latest(path / "checkpoints") or latest(path)
+    found = newest_under(path)
     if found is None:
         raise ConfigError(f"--checkpoint {source} holds no complete meshtrain checkpoint (no step_XXXXXXXX "
                           "with meta.json under it or its checkpoints/) and is no Hugging Face directory "

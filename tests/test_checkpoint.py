@@ -20,7 +20,8 @@ from meshtrain.models.spec import init_slice
 from meshtrain.testing import run_ranks
 from meshtrain import checkpoint as ckpt
 from meshtrain.checkpoint import CheckpointError
-from meshtrain.train.optim import init_state, local
+from meshtrain.parallel.placements import local_tensor
+from meshtrain.train.optim import init_state
 
 CFG = LlamaConfig(dim=32, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=64, max_seq_len=16)
 MODEL = build("llama", CFG)
@@ -32,7 +33,7 @@ def _fill_optimizer(state: TrainState) -> None:
         for n_i, (n, t) in enumerate(state.optimizer[k].items()):
             full = torch.randn(tuple(t.shape), generator=torch.Generator().manual_seed(1000 * (k_i + 1) + n_i))
             if isinstance(t, DTensor):
-                local(t).copy_(distribute_tensor(full, t.device_mesh, t.placements, src_data_rank=None).to_local())
+                local_tensor(t).copy_(distribute_tensor(full, t.device_mesh, t.placements, src_data_rank=None).to_local())
             else:
                 t.copy_(full)
 
@@ -242,8 +243,8 @@ def _fsdp_ranks(root: str):
     rank = dist.get_rank()
     root = Path(root)
     state = _sharded_state({"fsdp": 2}, seed=0, filled=True, step=11)
-    saved_local = {n: local(t).clone() for n, t in state.params.items()}
-    saved_exp_avg = {n: local(t).clone() for n, t in state.optimizer["exp_avg"].items()}
+    saved_local = {n: local_tensor(t).clone() for n, t in state.params.items()}
+    saved_exp_avg = {n: local_tensor(t).clone() for n, t in state.optimizer["exp_avg"].items()}
     torch.manual_seed(100 + rank)
     rng = torch.get_rng_state()
     path = ckpt.save(root / "fsdp", 11, state, {"consumed_samples": 88}, keep_last=2)
@@ -252,8 +253,8 @@ def _fsdp_ranks(root: str):
 
     fresh = _sharded_state({"fsdp": 2}, seed=1, filled=False)
     meta = ckpt.load(path, fresh)
-    same_layout = (all(torch.equal(local(fresh.params[n]), saved_local[n]) for n in saved_local)
-                   and all(torch.equal(local(fresh.optimizer["exp_avg"][n]), saved_exp_avg[n]) for n in saved_local))
+    same_layout = (all(torch.equal(local_tensor(fresh.params[n]), saved_local[n]) for n in saved_local)
+                   and all(torch.equal(local_tensor(fresh.optimizer["exp_avg"][n]), saved_exp_avg[n]) for n in saved_local))
     rng_restored = torch.equal(torch.get_rng_state(), rng)
 
     tp = _sharded_state({"tp": 2}, seed=1, filled=False)

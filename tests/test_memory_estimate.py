@@ -86,7 +86,8 @@ def kept_instead(ctx, t):
 def measure(world: int):
     """On every rank: each layout x precision, one forward + backward of one micro-batch."""
     from meshtrain.parallel.context import ShardedContext
-    from meshtrain.train.optim import init_state, local
+    from meshtrain.parallel.placements import local_tensor
+    from meshtrain.train.optim import init_state
 
     out = {}
     for name in LAYOUTS[world]:
@@ -120,9 +121,9 @@ def measure(world: int):
             loss.backward()
             state = init_state(params)
             out[(name, precision)] = {
-                "params": sum(local(p).nbytes for p in params.values()),
-                "grads": sum(local(p.grad).nbytes for p in params.values()),
-                "optimizer": sum(local(t).nbytes for group in state.values() for t in group.values()),
+                "params": sum(local_tensor(p).nbytes for p in params.values()),
+                "grads": sum(local_tensor(p.grad).nbytes for p in params.values()),
+                "optimizer": sum(local_tensor(t).nbytes for group in state.values() for t in group.values()),
                 "activations": sum(n for n, _ in kept.values()),
                 "regathered": sum(regathered.values()),
             }
@@ -229,7 +230,7 @@ def measure_moe(model, plan, precision, monkeypatch):
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from meshtrain.parallel.context import ShardedContext
-    from meshtrain.train.optim import local
+    from meshtrain.parallel.placements import local_tensor
 
     real = dist.all_to_all_single
 
@@ -266,7 +267,7 @@ def measure_moe(model, plan, precision, monkeypatch):
 
         with ctx.regather_in_backward(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             ctx.cross_entropy_sum(model.forward(params, tokens, ctx), tokens)
-        return {"params": sum(local(p).nbytes for p in params.values()),
+        return {"params": sum(local_tensor(p).nbytes for p in params.values()),
                 "activations": sum(n for n, _ in kept.values()), "regathered": sum(regathered.values())}
     finally:
         dist.destroy_process_group()

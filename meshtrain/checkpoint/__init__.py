@@ -42,9 +42,10 @@ Guarantees:
 """
 
 from .background import BackgroundSaver
-from .layout import META, CheckpointError, cleanup_incomplete, complete, latest, read_meta, step_dir
+from .layout import (META, CheckpointError, cleanup_incomplete, complete, in_run, latest, newest_under, read_meta,
+                     step_dir)
 from .reader import SafeReader, quiet_dcp
 from .store import load, save
 
-__all__ = ["META", "BackgroundSaver", "CheckpointError", "SafeReader", "cleanup_incomplete", "complete", "latest",
-           "load", "quiet_dcp", "read_meta", "save", "step_dir"]
+__all__ = ["META", "BackgroundSaver", "CheckpointError", "SafeReader", "cleanup_incomplete", "complete", "in_run",
+           "latest", "load", "newest_under", "quiet_dcp", "read_meta", "save", "step_dir"]

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from ..parallel.placements import local_tensor
 from .layout import _rank_world
 from .store import Pending, TrainState, begin
 
@@ -92,7 +93,7 @@ class BackgroundSaver:
         """The state's tensors copied into the staging buffers, as DCP saves them."""
         def stage(key, t: torch.Tensor) -> torch.Tensor:
             t = t.detach()
-            local = t._local_tensor if isinstance(t, DTensor) else t
+            local = local_tensor(t)
             buf = self._staging.get(key)
             if buf is None or buf.shape != local.shape or buf.dtype != local.dtype:
                 buf = torch.zeros(local.shape, dtype=local.dtype, pin_memory=local.is_cuda)

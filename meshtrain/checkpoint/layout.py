@@ -235,6 +235,16 @@ def latest(root: str | os.PathLike) -> Path | None:
     return found[-1][1] if found else None
 
 
+def in_run(run_dir: str | os.PathLike) -> Path:
+    """Where a run_dir keeps its checkpoints: <run_dir>/checkpoints."""
+    return Path(run_dir) / "checkpoints"
+
+
+def newest_under(path: str | os.PathLike) -> Path | None:
+    """The newest complete checkpoint of a run_dir, or of a checkpoints root; None if none."""
+    return latest(in_run(path)) or latest(path)
+
+
 def cleanup_incomplete(root: str | os.PathLike) -> None:
     """Remove what interrupted saves left under root: temporary and half-deleted
     directories and final-named ones without a valid meta.json; a checkpoint that was

@@ -14,7 +14,7 @@ from typing import Callable, Mapping
 
 import torch
 
-from ..checkpoint import META, CheckpointError, SafeReader, latest, quiet_dcp
+from ..checkpoint import META, CheckpointError, SafeReader, in_run, newest_under, quiet_dcp
 from ..data.tokenizer import ByteTokenizer, load_tokenizer
 from ..errors import ConfigError
 from .hf_config import to_hf_config
@@ -111,11 +111,10 @@ def resolve_checkpoint(checkpoint: str | os.PathLike) -> Path:
                               "checkpoints/step_XXXXXXXX directories")
     if (path / META).is_file() or (path / ".metadata").is_file():
         return path
-    for root in (path / "checkpoints", path):
-        found = latest(root)
-        if found is not None:
-            return found
-    raise CheckpointError(f"checkpoint {path}: no complete checkpoint in it or under {path / 'checkpoints'}: "
+    found = newest_under(path)
+    if found is not None:
+        return found
+    raise CheckpointError(f"checkpoint {path}: no complete checkpoint in it or under {in_run(path)}: "
                           "train with checkpoint.every > 0, or give a step_XXXXXXXX directory")
 
 

@@ -17,7 +17,8 @@ from .hf import HFFormat
 from .spec import ParamSpec
 
 # Logical layouts of the activations every family's blocks pass around (the cost walks
-# name them): the residual stream between blocks, a block's normed input, the token ids.
+# name them): the residual stream between blocks (also what crosses a pipeline stage
+# boundary), a block's normed input, the token ids.
 RESIDUAL = ("batch", "seq_sp", None)
 BLOCK_IN = ("batch", "seq", None)
 TOKENS = ("batch", "seq")

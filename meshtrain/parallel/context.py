@@ -44,6 +44,7 @@ from ..models.policy import Policy
 from .buckets import (BucketGather, BucketRun, Groups, InFlight, grad_layouts, group_dims, held_partials,
                       plan_buckets, traced_gather)
 from .cp_attention import context_parallel_attention, zigzag_order
+from .placements import local_tensor
 from .expert_parallel import AllToAllExchange, CopyToTensorParallel
 from .mesh import device_mesh_for
 from .plan import Plan
@@ -161,7 +162,7 @@ class _Regather:
     def __init__(self, fetch, saved: torch.Tensor):
         self.fetch = fetch
         self.spec = (saved.placements, saved.shape, saved.stride()) if isinstance(saved, DTensor) else None
-        local = saved._local_tensor if isinstance(saved, DTensor) else saved
+        local = local_tensor(saved)
         self.view = (local.size(), local.stride(), local.storage_offset())
 
     def value(self) -> torch.Tensor:
@@ -403,7 +404,7 @@ class ShardedContext:
         self._views = []
 
         def pack(t):
-            local = t._local_tensor if isinstance(t, DTensor) else t
+            local = local_tensor(t)
             # Plain tensors too (a weight used through to_local); not wrappers such as a
             # pending collective's result, which have no storage of their own.
             if type(local) is torch.Tensor and local.device.type != "meta":

@@ -1,8 +1,10 @@
-"""Placements as text, and the activation layouts a plan shows beside its parameters."""
+"""Placements as text, the activation layouts a plan shows beside its parameters, and a
+maybe-DTensor's local part."""
 
 from __future__ import annotations
 
-from torch.distributed.tensor import Replicate, Shard
+import torch
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 # Activation layouts worth showing next to the parameters.
@@ -15,6 +17,11 @@ MARKED_ACTIVATIONS: dict[str, tuple[str | None, ...]] = {
     "mlp_hidden": ("batch", "seq", "mlp"),
     "logits": ("batch", "seq", "vocab"),
 }
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a tensor that may be a DTensor (not differentiable: the storage)."""
+    return t._local_tensor if isinstance(t, DTensor) else t
 
 
 def placement_str(p: Placement) -> str:

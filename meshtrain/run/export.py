@@ -32,8 +32,8 @@ def export_run(cfg: RunConfig, run_dir: Path, params: dict, step: int, pipelined
         dist.barrier()
     dtype = export_dtype(cfg.train.precision)
     if pipelined:
-        ckpt = checkpoint.latest(run_dir / "checkpoints")
-        if ckpt != checkpoint.step_dir(run_dir / "checkpoints", step):
+        ckpt = checkpoint.latest(checkpoint.in_run(run_dir))
+        if ckpt != checkpoint.step_dir(checkpoint.in_run(run_dir), step):
             ckpt = save()
         if rank == 0:
             export_checkpoint(ckpt, fresh, dtype=dtype)

@@ -318,7 +318,7 @@ class _Run:
 
     def _on_disk(self) -> str:
         """What a run stopped at once leaves: its latest complete checkpoint."""
-        latest = checkpoint.latest(self.run_dir / "checkpoints")
+        latest = checkpoint.latest(checkpoint.in_run(self.run_dir))
         return f"{latest} is the latest checkpoint, intact" if latest else "no checkpoint was written"
 
     def _load_resume(self) -> list[str]:

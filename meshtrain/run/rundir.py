@@ -37,7 +37,7 @@ def history(run_dir: Path) -> str | None:
     """What of a run the directory holds (its checkpoints, its metrics), in words; None
     when it holds neither."""
     found = []
-    steps = [p.name for p in checkpoint.complete(run_dir / "checkpoints")]
+    steps = [p.name for p in checkpoint.complete(checkpoint.in_run(run_dir))]
     if steps:
         found.append(f"checkpoints up to {steps[-1]}" if len(steps) > 1 else f"checkpoint {steps[0]}")
     metrics = run_dir / "metrics.jsonl"

@@ -19,7 +19,7 @@ class Saves:
 
     def __init__(self, run_dir: Path, keep_last: int, background: bool, extra: Callable[[], dict],
                  mark: Callable[[int, str], None], in_save: Callable[[int], None]):
-        self.root, self.keep_last = run_dir / "checkpoints", keep_last
+        self.root, self.keep_last = checkpoint.in_run(run_dir), keep_last
         self.extra, self.mark, self.in_save = extra, mark, in_save
         self.saver = checkpoint.BackgroundSaver() if background else None
         self.finished_everywhere = True  # every rank's background save had finished at the last step's end

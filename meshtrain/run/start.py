@@ -143,7 +143,7 @@ def resume_path(cfg: RunConfig, repair: bool = False) -> Path | None:
     if resume in ("none", "restart"):
         return None
     if resume == "auto":
-        root = Path(cfg.run_dir) / "checkpoints"
+        root = checkpoint.in_run(cfg.run_dir)
         if repair:
             checkpoint.cleanup_incomplete(root)
         return checkpoint.latest(root)

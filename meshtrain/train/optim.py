@@ -31,10 +31,6 @@ class AdamW:
         return ndim >= 2 and not any(fnmatch.fnmatchcase(name, g) for g in self.no_decay)
 
 
-def local(t: torch.Tensor) -> torch.Tensor:
-    return t._local_tensor if isinstance(t, DTensor) else t
-
-
 def init_state(params: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
     """exp_avg and exp_avg_sq with the same layout as each parameter."""
     return {"exp_avg": {n: torch.zeros_like(p, requires_grad=False) for n, p in params.items()},

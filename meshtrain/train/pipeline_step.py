@@ -44,20 +44,21 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from ..errors import ConfigError
 from ..models import ModelDef
 from ..models.context import LocalContext
+from ..models.family import RESIDUAL
 from ..models.policy import Policy
 from ..parallel.context import ShardedContext
 from ..parallel.keep_gathered import KeptStage
 from ..parallel.mesh import sub_mesh
+from ..parallel.placements import local_tensor
 from ..parallel.plan import without_pp
 from ..pipeline.partition import Stage
 from ..pipeline.schedule import B, BI, BW, F, RECV_B, RECV_F, SEND_B, SEND_F, PipelineSchedule, forward_only
-from .optim import AdamW, local
+from .optim import AdamW
 from .schedule import LRSchedule
 from .split_backward import SplitBackward
-from .step import (InspectGrads, MoeTerms, TrainState, check_compile, compiled, count_targets, documents, full_value,
-                   make_update, moe_step)
+from .step import (InspectGrads, MoeTerms, TrainState, check_compile, check_split, compiled, count_targets, documents,
+                   full_value, make_update, moe_step)
 
-RESIDUAL = ("batch", "seq_sp", None)  # the layout activations cross stage boundaries in
 _TIED_TAG = 7  # the tied-embedding gradient exchange, apart from the schedule's traffic
 
 
@@ -203,7 +204,7 @@ def _run(pipe: _Pipe, actions, params: dict, tokens, targets, n_tokens: int, *, 
                 out_grads[key] = pipe.wrap(buf, spec)
         elif a.kind in (SEND_F, SEND_B):
             value = outputs[key] if a.kind == SEND_F else in_grads.pop(key)
-            value = local(value.detach()).contiguous()
+            value = local_tensor(value.detach()).contiguous()
             pending.append((dist.isend(value, dst=pipe.peer(a.peer)), value))
         elif a.kind == F:
             with pipe.scope():
@@ -211,7 +212,7 @@ def _run(pipe: _Pipe, actions, params: dict, tokens, targets, n_tokens: int, *, 
                                         targets[j] if s == last else None, None if docs is None else docs[j])
                 if s == last:
                     out = out / n_tokens
-                    loss += local(out.detach())
+                    loss += local_tensor(out.detach())
                 extra = moe.add(aux, s)
                 if extra is not None and train:
                     extras[key] = extra
@@ -307,9 +308,7 @@ def make_pipeline_step(model: ModelDef, stages: list[Stage], pipeline_schedule: 
         if len(tokens) != pipeline_schedule.m:
             raise ConfigError(f"pipeline schedule {pipeline_schedule.name} is built for {pipeline_schedule.m} "
                               f"micro-batches per step but the batch has {len(tokens)}")
-        if tokens[0].shape[0] % data_ranks:
-            raise ConfigError(f"batch: {tokens[0].shape[0]} sequences per micro-step cannot be split evenly over "
-                              f"{data_ranks} data-parallel ranks (dp x fsdp); use a multiple of {data_ranks}")
+        check_split(tokens, data_ranks)
         n_tokens = batch.get("num_targets") or count_targets(targets)
         timings = [] if record_timings else None
         moe = MoeTerms.of(tokens)
@@ -323,7 +322,7 @@ def make_pipeline_step(model: ModelDef, stages: list[Stage], pipeline_schedule: 
         if pipe.holds_partials:  # what the graphs left partial (dp replicas, sp norms), reduced once
             pipe.ctx.reduce_held(state.params)
         for n in tied_here:  # both copies get the sum of both contributions, in one order
-            g = local(state.params[n].grad)
+            g = local_tensor(state.params[n].grad)
             other = torch.empty_like(g)
             work = dist.isend(g.contiguous(), dst=tied_peer, tag=_TIED_TAG)
             dist.recv(other, src=tied_peer, tag=_TIED_TAG)

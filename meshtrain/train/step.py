@@ -18,13 +18,13 @@ from ..models.moe import expert_bias_step, imbalance
 from ..models.policy import Policy
 from ..parallel.context import ShardedContext
 from ..parallel.overlap import aot_eager_overlapped, inductor_pass
+from ..parallel.placements import local_tensor
 from .optim import (
     AdamW,
     adamw_update,
     all_reduce_sum,
     grad_norm_squared_local,
     init_state,
-    local,
     replica_count,
 )
 from .schedule import LRSchedule
@@ -104,9 +104,7 @@ def make_train_step(model: ModelDef, plan=None, device_mesh=None, *, optimizer: 
 
     def step(state: TrainState, batch: dict) -> dict:
         tokens, targets = batch["tokens"], batch["targets"]
-        if tokens[0].shape[0] % data_ranks:
-            raise ConfigError(f"batch: {tokens[0].shape[0]} sequences per micro-step cannot be split evenly over "
-                              f"{data_ranks} data-parallel ranks (dp x fsdp); use a multiple of {data_ranks}")
+        check_split(tokens, data_ranks)
         n_tokens = batch.get("num_targets") or count_targets(targets)
         docs = documents(batch)
         terms = MoeTerms.of(tokens)
@@ -179,7 +177,7 @@ def moe_step(state: TrainState, cfg, layers, load: torch.Tensor, updated: bool =
     if cfg.balance == "aux_free" and updated:
         with torch.no_grad():
             for j, i in enumerate(layers):
-                bias = local(state.params[f"layers.{i}.moe.expert_bias"])
+                bias = local_tensor(state.params[f"layers.{i}.moe.expert_bias"])
                 bias.copy_(expert_bias_step(bias, load[j], cfg.bias_update_rate))
     return imbalance(load)
 
@@ -228,10 +226,10 @@ def make_update(optimizer: AdamW, lr_schedule: LRSchedule, grad_clip: float | No
 
     def apply(state: TrainState, uncounted=(), loss: float | None = None) -> tuple[torch.Tensor, float, bool]:
         names = [n for n, p in state.params.items() if p.requires_grad]
-        params = [local(state.params[n]).data for n in names]
-        grads = [local(state.params[n].grad) for n in names]
-        exp_avg = [local(state.optimizer["exp_avg"][n]) for n in names]
-        exp_avg_sq = [local(state.optimizer["exp_avg_sq"][n]) for n in names]
+        params = [local_tensor(state.params[n]).data for n in names]
+        grads = [local_tensor(state.params[n].grad) for n in names]
+        exp_avg = [local_tensor(state.optimizer["exp_avg"][n]) for n in names]
+        exp_avg_sq = [local_tensor(state.optimizer["exp_avg_sq"][n]) for n in names]
         decay = [optimizer.decays(n, state.params[n].ndim) for n in names]
         replicas = [float("inf") if n in uncounted else replica_count(state.params[n]) for n in names]
         lr = lr_schedule(state.step)
@@ -299,7 +297,7 @@ def documents(batch: dict) -> list[Documents | None]:
     if segments is None and positions is None:
         return [None] * n
     return [Documents(None if segments is None else segments[m], None if positions is None else positions[m],
-                      None if segments is None else document_window(local(segments[m])))
+                      None if segments is None else document_window(local_tensor(segments[m])))
             for m in range(n)]
 
 
@@ -323,6 +321,13 @@ def compiled(fn, compile: bool | str, prefetch: int = 0):
 def _local(x: torch.Tensor) -> torch.Tensor:
     """This rank's local value, differentiable (its gradient keeps x's placements)."""
     return x.to_local() if hasattr(x, "to_local") else x
+
+
+def check_split(tokens: list[torch.Tensor], data_ranks: int) -> None:
+    """A micro-step's sequences must split evenly over the data-parallel ranks."""
+    if tokens[0].shape[0] % data_ranks:
+        raise ConfigError(f"batch: {tokens[0].shape[0]} sequences per micro-step cannot be split evenly over "
+                          f"{data_ranks} data-parallel ranks (dp x fsdp); use a multiple of {data_ranks}")
 
 
 def full_value(x: torch.Tensor) -> torch.Tensor:
