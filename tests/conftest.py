@@ -4,7 +4,9 @@ import sys
 import pytest
 import torch
 
-# Test modules import shared fixtures from each other (e.g. the equivalence config).
+# Test modules import their shared helpers from the package tests/support/ as `support`
+# (never from each other: tests/test_layering.py). The ranks that meshtrain.testing forks
+# or spawns inherit this sys.path, so they import it too.
 sys.path.insert(0, os.path.dirname(__file__))
 
 

@@ -1,19 +1,15 @@
 """`meshtrain fit`: the config contract, the command line, and real (small) training runs.
 
-Subprocess runs pin OMP_NUM_THREADS=1: on a small, shared CPU box a few threads spinning
-against other processes make a tiny model a hundred times slower.
+Subprocess runs (support/cli.py's run_cli) pin OMP_NUM_THREADS=1: on a small, shared CPU
+box a few threads spinning against other processes make a tiny model a hundred times slower.
 """
 
 from __future__ import annotations
 
 import ast
-import contextlib
 import dataclasses
 import json
 import math
-import os
-import re
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -26,9 +22,8 @@ from meshtrain.cli import main
 from meshtrain.config import RunConfig
 from meshtrain.errors import ConfigError
 from meshtrain.run.fit import fit
-
-ROOT = Path(__file__).resolve().parent.parent
-TINY = ROOT / "configs" / "tiny.yaml"
+from support.cli import ROOT, SMALL, TINY, cli_env, read_metrics, run_cli, step_rows
+from support.configs import small_cfg
 
 # The contract: exactly these keys in configs/tiny.yaml; at least these in --print_config.
 CONTRACT = {
@@ -42,48 +37,6 @@ CONTRACT = {
     "data": ["paths", "tokenizer"],
     "checkpoint": ["every", "keep_last", "resume", "export"],
 }
-
-# The tiny config shrunk to seconds on one CPU core (1 layer, dim 64, 8 x 32 tokens), saving
-# no checkpoint unless a test asks for one.
-SMALL = ["--train.steps", "3", "--train.warmup_steps", "1", "--model.n_layers", "1", "--model.dim", "64",
-         "--model.n_heads", "4", "--model.n_kv_heads", "2", "--model.ffn_dim", "128", "--model.vocab_size", "264",
-         "--model.max_seq_len", "64", "--train.seq_len", "32", "--train.global_batch", "8",
-         "--train.micro_batch", "2", "--checkpoint.every", "0"]
-
-
-def _env() -> dict:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-
-
-def run_cli(*args: str, launcher: list[str] | None = None, timeout: float = 300,
-            env: dict | None = None) -> subprocess.CompletedProcess:
-    """`python [launcher] -m meshtrain.cli args` in its own process group: on a timeout the
-    whole group (a launcher's workers included) gets SIGABRT, so Python prints where each
-    process was stuck, and nothing is left running."""
-    cmd = [sys.executable, *(launcher or []), "-m", "meshtrain.cli", *args]
-    env = {**_env(), "PYTHONFAULTHANDLER": "1", **(env or {})}
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGABRT)
-        try:
-            out, err = proc.communicate(timeout=30)
-        finally:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-        pytest.fail(f"{' '.join(cmd)} did not finish in {timeout} s:\n{out}\n{err}")
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
-
-
-def step_rows(stdout: str) -> list[int]:
-    """The steps of the console's table rows (`  3/3   5.4817 ...`)."""
-    return [int(m) for m in re.findall(r"^ *(\d+)/\d+ ", stdout, re.M)]
-
-
-def read_metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 @pytest.fixture(scope="module")
@@ -313,13 +266,13 @@ def test_bad_values_exit_2_without_a_traceback(args, key):
 
 def test_root_cli_py_and_console_script_run_the_same_main():
     proc = subprocess.run([sys.executable, "cli.py", "fit", "--config", str(TINY), "--print_config"],
-                          cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)
+                          cwd=ROOT, env=cli_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and yaml.safe_load(proc.stdout)["run_dir"] == "runs/tiny", proc.stderr
     script = Path(sys.executable).parent / "meshtrain"
     if not script.exists():
         pytest.skip("console script not installed (pip install -e .)")
     proc = subprocess.run([str(script), "fit", "--config", str(TINY), "--parallel.pp", "8"], cwd=ROOT,
-                          env=_env(), capture_output=True, text=True, timeout=120)
+                          env=cli_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "parallel.pp" in proc.stderr and "Traceback" not in proc.stderr
 
 
@@ -341,18 +294,8 @@ def test_two_ranks_under_torchrun_match_one_process(single_run, tmp_path):
 
 # --- training in this process ------------------------------------------------------------
 
-def _small_cfg(tmp_path, **train) -> RunConfig:
-    cfg = RunConfig.from_dict(yaml.safe_load(TINY.read_text()))
-    cfg = dataclasses.replace(cfg, run_dir=str(tmp_path / "run"))
-    cfg.model = dataclasses.replace(cfg.model, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=176,
-                                    vocab_size=264, max_seq_len=64)
-    cfg.train = dataclasses.replace(cfg.train, seq_len=64, global_batch=16, micro_batch=8, **train)
-    cfg.checkpoint = dataclasses.replace(cfg.checkpoint, every=0)  # as SMALL: none unless asked for
-    return cfg
-
-
 def test_loss_falls_on_the_builtin_corpus(tmp_path, one_thread):
-    cfg = _small_cfg(tmp_path, steps=30, warmup_steps=3, lr=3e-3, min_lr=3e-4)
+    cfg = small_cfg(tmp_path, steps=30, warmup_steps=3, lr=3e-3, min_lr=3e-4)
     history = fit(cfg)
     losses = [r["loss"] for r in history]
     assert len(losses) == 30 and all(math.isfinite(x) for x in losses)
@@ -362,7 +305,7 @@ def test_loss_falls_on_the_builtin_corpus(tmp_path, one_thread):
 
 
 def test_gpt2_fits(tmp_path, one_thread):
-    cfg = _small_cfg(tmp_path, steps=2, warmup_steps=1, log_every=2)
+    cfg = small_cfg(tmp_path, steps=2, warmup_steps=1, log_every=2)
     cfg.model = dataclasses.replace(cfg.model, arch="gpt2", n_kv_heads=None, rope_theta=None)
     history = fit(cfg)
     assert [r["step"] for r in history] == [2] and math.isfinite(history[0]["loss"])

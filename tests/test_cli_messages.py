@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from meshtrain.cli import main
-from test_cli import ROOT, SMALL, TINY, _env
+from support.cli import ROOT, SMALL, TINY, cli_env
 
 MOE = ROOT / "configs" / "tiny-moe.yaml"
 PP2 = ROOT / "configs" / "tiny-pp2.yaml"
@@ -230,7 +230,7 @@ def test_moe_layers_1_colon_trains_with_a_dense_first_block(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "meshtrain.cli", "fit", "--config", str(MOE), "--model.moe.layers",
                            "1:", "--parallel.nproc_per_node", "1", "--parallel.ep", "1", "--parallel.fsdp", "1",
                            "--train.steps", "1", "--train.global_batch", "4", "--train.micro_batch", "4",
-                           "--train.seq_len", "32", "--run_dir", str(tmp_path)], cwd=ROOT, env=_env(),
+                           "--train.seq_len", "32", "--run_dir", str(tmp_path)], cwd=ROOT, env=cli_env(),
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     plan = json.loads((tmp_path / "plan.json").read_text())
@@ -245,5 +245,5 @@ def test_subcommand_flags_take_underscores_and_dashes(tmp_path):
         prefix = tmp_path / spelling.strip("-")
         proc = subprocess.run([sys.executable, "-m", "meshtrain.cli", "preprocess", "--input", str(data), spelling,
                                str(prefix), "--text-key" if "-" in spelling[2:] else "--text_key", "body"],
-                              cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)
+                              cwd=ROOT, env=cli_env(), capture_output=True, text=True, timeout=120)
         assert proc.returncode == 0 and prefix.with_suffix(".bin").exists(), proc.stdout + proc.stderr

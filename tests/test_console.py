@@ -10,7 +10,7 @@ from rich.console import Console
 
 from meshtrain.cli import main
 from meshtrain.run.report import Reporter, StepTable, duration
-from test_cli import SMALL, TINY, read_metrics
+from support.cli import SMALL, TINY, read_metrics
 
 RECORD = {"step": 14, "loss": 5.31327, "lr": 2.998e-4, "grad_norm": 2.0284, "tokens_per_s": 1234.5,
           "step_time_s": 0.0631, "mfu": None, "memory_gib": 0.352, "elapsed_s": 9.5, "eta_s": 430.0}

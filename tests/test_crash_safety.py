@@ -50,7 +50,7 @@ from pathlib import Path
 import pytest
 
 from meshtrain import checkpoint
-from test_cli import ROOT, SMALL, TINY, _env, read_metrics
+from support.cli import ROOT, SMALL, TINY, cli_env, read_metrics
 
 SEED = 10_03
 ARGS = ["fit", "--config", str(TINY), *SMALL, "--checkpoint.every", "1", "--checkpoint.keep_last", "2",
@@ -271,7 +271,7 @@ def _curve(run_dir: Path) -> list[dict]:
 def test_kill_9_at_random_moments_resumes_on_the_uninterrupted_curve(tmp_path):
     scratch = tmp_path / "tmp"  # what a killed launcher leaves in its TMPDIR stays in here
     scratch.mkdir()
-    env = {**_env(), "PYTHONUNBUFFERED": "1", "TMPDIR": str(scratch)}
+    env = {**cli_env(), "PYTHONUNBUFFERED": "1", "TMPDIR": str(scratch)}
     rng = random.Random(SEED)
     seeds = {name: rng.randrange(2**32) for name, _, _ in RUNS}
     with ThreadPoolExecutor(2 * len(RUNS)) as pool:

@@ -43,7 +43,7 @@ from meshtrain.data.tokenizer import ByteTokenizer
 from meshtrain.models.context import LocalContext
 from meshtrain.models.spec import init_slice
 from meshtrain.run.start import open_data
-from test_cli import SMALL, TINY, read_metrics
+from support.cli import SMALL, TINY, read_metrics
 
 EOD = ByteTokenizer().eos_id  # the bytes tokenizer's end of document, which --append_eod writes
 RTOL = 1e-5  # fp32 forward and backward against the same in a float64 loss

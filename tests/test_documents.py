@@ -117,11 +117,11 @@ def test_fit_trains_documents_and_resumes_exactly(tmp_path, one_thread):
     """Through fit on the embedded corpus (its documents end with EOS): the three keys
     change the run, and a run stopped and resumed equals the uninterrupted one bitwise
     (the documents are found from the tokens themselves)."""
-    from test_cli import _small_cfg
-    from test_fit import losses
+    from support.cli import losses
+    from support.configs import small_cfg
     from meshtrain.run.fit import fit
 
-    base = _small_cfg(tmp_path, steps=4, warmup_steps=1)
+    base = small_cfg(tmp_path, steps=4, warmup_steps=1)
     on = dataclasses.replace(base.data, document_mask=True, reset_positions=True, eod_mask_loss=True)
     plain = fit(dataclasses.replace(base, run_dir=str(tmp_path / "plain")))
     whole = fit(dataclasses.replace(base, data=on, run_dir=str(tmp_path / "whole")))
@@ -258,8 +258,7 @@ def test_the_tile_masks_are_built_once_per_micro_batch(monkeypatch):
 def test_context_parallel_fit_with_documents_matches_one_process(tmp_path):
     """Through the CLI: configs/tiny-cp2.yaml (2 self-launched ranks, ring) with the three
     keys equals one process with them (the batch arrives as DTensors of zigzag columns)."""
-    from test_cli import SMALL, TINY, run_cli
-    from test_fit import losses
+    from support.cli import SMALL, TINY, losses, run_cli
 
     on = ["--data.document_mask", "true", "--data.reset_positions", "true", "--data.eod_mask_loss", "true"]
     runs = {}
@@ -279,7 +278,7 @@ def test_document_keys_with_a_tokenizer_without_eos_are_refused_before_training(
     pytest.importorskip("tokenizers")
     from meshtrain.data import preprocess
     from meshtrain.data.tokenizer import ByteTokenizer
-    from test_cli import SMALL, TINY, run_cli
+    from support.cli import SMALL, TINY, run_cli
 
     files = ByteTokenizer().hf_files()
     tokenizer = json.loads(files["tokenizer.json"])
@@ -306,7 +305,7 @@ def test_document_keys_on_data_without_end_of_document_tokens_are_refused(tmp_pa
 
     from meshtrain.cli import main
     from meshtrain.data import preprocess
-    from test_cli import SMALL, TINY
+    from support.cli import SMALL, TINY
 
     (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": f"document {i} " * 9}) + "\n" for i in range(30)))
     preprocess(tmp_path / "docs.jsonl", tmp_path / "plain", tokenizer="bytes")

@@ -17,21 +17,13 @@ import yaml
 from meshtrain.config import RunConfig
 from meshtrain.errors import ConfigError
 from meshtrain.estimate.dryrun import GPU_MEMORY, dry_run
-from test_cli import ROOT, run_cli
+from support.cli import ROOT, run_cli
+from support.configs import preset
 
 GOLDEN = Path(__file__).parent / "golden"
 REGEN = os.environ.get("MESHTRAIN_REGEN_GOLDEN") == "1"
 # The presets at their recipe scale: 8B on 8 nodes, 70B on 64, 405B on 2048 nodes (16384 GPUs).
 PRESETS = {"llama3-8b": 64, "llama3-70b": 512, "llama3-405b": 16384}
-
-
-def preset(name: str, **train) -> RunConfig:
-    cfg = RunConfig.from_dict(yaml.safe_load((ROOT / "configs" / f"{name}.yaml").read_text()))
-    if train:
-        import dataclasses
-
-        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, **train))
-    return cfg.validate()
 
 
 # And every preset at 16384 ranks, with a global batch that 16384 / tp data-parallel ranks divide.

@@ -14,7 +14,7 @@ from meshtrain.config import RunConfig
 from meshtrain.data import build_data
 from meshtrain.interop.hf import load_hf_params
 from meshtrain.models.context import LocalContext
-from test_cli import SMALL, TINY, read_metrics, run_cli
+from support.cli import SMALL, TINY, read_metrics, run_cli
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 LOGIT_ATOL = 3e-6

@@ -17,7 +17,7 @@ from meshtrain.cli import main
 from meshtrain import checkpoint
 from meshtrain.run.guards import LossGuard
 from meshtrain.run.watchdog import Watchdog
-from test_cli import SMALL, TINY, run_cli
+from support.cli import SMALL, TINY, run_cli
 
 ONE = ["fit", "--config", str(TINY), *SMALL, "--train.log_every", "1"]
 TWO = [*ONE, "--parallel.nproc_per_node", "2"]

@@ -1,7 +1,7 @@
 """`meshtrain fit` end to end: self-launched ranks, two "nodes" under torchrun, exact
 resume, evaluation, real datasets through the CLI, and bad input that costs nothing.
 
-Multi-process runs use the tiny model shrunk to seconds (test_cli.SMALL) and compare
+Multi-process runs use the tiny model shrunk to seconds (support/cli.py's SMALL) and compare
 with one process of the same config: fp32, rtol 1e-5 across layouts, bitwise for the
 same layout.
 """
@@ -31,15 +31,12 @@ from meshtrain import checkpoint
 from meshtrain.run.fit import fit
 from meshtrain.train.metrics import flops_per_token
 from meshtrain.train.step import TrainState
-from test_cli import ROOT, SMALL, TINY, _env, _small_cfg, read_metrics, run_cli, step_rows
+from support.cli import ROOT, SMALL, TINY, cli_env, losses, read_metrics, run_cli, step_rows
+from support.configs import small_cfg
 
 TINY4 = ROOT / "configs" / "tiny-4proc.yaml"
 # 4 steps; 4 kv heads so that tp 4 is a valid layout to resume in, 2 layers for 2 stages.
 STEPS4 = ["--train.steps", "4", "--model.n_kv_heads", "4", "--model.n_layers", "2"]
-
-
-def losses(run_dir: Path) -> torch.Tensor:
-    return torch.tensor([r["loss"] for r in read_metrics(run_dir)], dtype=torch.float64)
 
 
 @pytest.fixture(scope="module")
@@ -221,7 +218,7 @@ def test_two_nodes_on_loopback_train_exactly_as_one_node(four_ranks, tmp_path):
                 "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{port}", "--rdzv_id", "loopback",
                 "-m", "meshtrain.cli", "fit", "--config", str(TINY4), *SMALL, *STEPS4,
                 "--parallel.nproc_per_node", "2", "--run_dir", str(run_dir)]
-    env = _env()
+    env = cli_env()
     nodes = [subprocess.Popen(torchrun, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True, start_new_session=True) for _ in range(2)]
     try:
@@ -245,7 +242,7 @@ def _final_state(cfg: RunConfig) -> TrainState:
 
 
 def test_stop_and_resume_equals_an_uninterrupted_run_bitwise(tmp_path, one_thread):
-    base = _small_cfg(tmp_path, steps=20, warmup_steps=2)
+    base = small_cfg(tmp_path, steps=20, warmup_steps=2)
     base.checkpoint = dataclasses.replace(base.checkpoint, every=5)
     whole = dataclasses.replace(base, run_dir=str(tmp_path / "whole"))
     pieces = dataclasses.replace(base, run_dir=str(tmp_path / "pieces"))
@@ -267,7 +264,7 @@ def test_stop_and_resume_equals_an_uninterrupted_run_bitwise(tmp_path, one_threa
 
 
 def test_a_finished_run_resumed_has_nothing_to_do(tmp_path, one_thread):
-    cfg = _small_cfg(tmp_path, steps=2, warmup_steps=1)
+    cfg = small_cfg(tmp_path, steps=2, warmup_steps=1)
     cfg.checkpoint = dataclasses.replace(cfg.checkpoint, every=2)
     assert len(fit(cfg)) == 2
     assert fit(cfg) == [] and len(read_metrics(Path(cfg.run_dir))) == 2
@@ -275,7 +272,7 @@ def test_a_finished_run_resumed_has_nothing_to_do(tmp_path, one_thread):
 
 @pytest.mark.parametrize("damage", ["truncated", "missing_file", "bad_metadata", "wrong_shapes"])
 def test_a_damaged_latest_checkpoint_falls_back_to_the_previous_one(tmp_path, one_thread, damage, capsys):
-    cfg = _small_cfg(tmp_path, steps=8, warmup_steps=1)
+    cfg = small_cfg(tmp_path, steps=8, warmup_steps=1)
     cfg.checkpoint = dataclasses.replace(cfg.checkpoint, every=2)
     whole = fit(dataclasses.replace(cfg, run_dir=str(tmp_path / "whole")))
     fit(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, stop_at=6)))
@@ -316,7 +313,7 @@ def test_sigterm_checkpoints_exits_0_and_the_resume_continues_the_curve(tmp_path
     args = ["fit", "--config", str(TINY), *SMALL, "--train.steps", "400"]
     run_dir = tmp_path / "preempted"
     cmd = [sys.executable, "-m", "meshtrain.cli", *args, "--run_dir", str(run_dir)]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), text=True,
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=cli_env(), text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     try:
         deadline = time.monotonic() + 300
@@ -364,7 +361,7 @@ def _held_out_loss(cfg: RunConfig, params: dict) -> float:
 
 
 def test_validation_loss_and_perplexity(tmp_path, one_thread):
-    cfg = _small_cfg(tmp_path, steps=4, warmup_steps=1, eval_every=2, log_every=3)
+    cfg = small_cfg(tmp_path, steps=4, warmup_steps=1, eval_every=2, log_every=3)
     records = fit(cfg)
     assert [r["step"] for r in records] == [2, 3, 4]
     evaluated = [r for r in records if "val_loss" in r]
@@ -492,7 +489,7 @@ def test_tensorboard_gets_the_metrics_and_the_run_says_so(tmp_path, one_thread, 
     """tensorboard is in the dev extra: this runs in CI."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    cfg = _small_cfg(tmp_path, steps=2, warmup_steps=1, eval_every=2)
+    cfg = small_cfg(tmp_path, steps=2, warmup_steps=1, eval_every=2)
     records = fit(cfg)
     assert f"tensorboard: {Path(cfg.run_dir) / 'tensorboard'}" in capsys.readouterr().out
     events = EventAccumulator(str(Path(cfg.run_dir) / "tensorboard"))

@@ -16,7 +16,7 @@ from meshtrain.config import RunConfig
 from meshtrain.models import fp8
 from meshtrain.models.spec import init_slice
 
-from test_cli import TINY
+from support.cli import TINY
 
 # (P, Q, R) of a @ b: odd, prime and size-1 dims, and the tiny model's own.
 SHAPES = [(1, 1, 1), (3, 5, 7), (17, 33, 9), (1, 64, 31), (31, 1, 5), (512, 256, 688)]

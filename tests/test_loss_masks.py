@@ -20,8 +20,8 @@ from meshtrain.data.indexed import IndexedDataset, loss_mask_path
 from meshtrain.data.tokenizer import ByteTokenizer
 from meshtrain.models.context import LocalContext
 from meshtrain.models.spec import init_slice
-from test_cli import SMALL, TINY, _small_cfg, run_cli
-from test_fit import losses
+from support.cli import SMALL, TINY, losses, run_cli
+from support.configs import small_cfg
 
 
 def _sft_lines(n: int = 80) -> list[dict]:
@@ -107,7 +107,7 @@ def test_fit_loss_is_the_mean_over_the_unmasked_targets_and_resumes_exactly(sft,
     from meshtrain.run.fit import fit
     from meshtrain.run.start import open_data
 
-    base = _small_cfg(tmp_path, steps=4, warmup_steps=1)
+    base = small_cfg(tmp_path, steps=4, warmup_steps=1)
     base.data = dataclasses.replace(base.data, paths=str(sft), valid_fraction=0.0)
     data = open_data(base)
     t = base.train
@@ -133,7 +133,7 @@ def test_context_parallel_fit_with_loss_masks_matches_one_process(sft, tmp_path)
     """Through the CLI: configs/tiny-cp2.yaml (2 self-launched ranks, zigzag columns of
     each row, so the mask is cut with the tokens) with a masked dataset and packed
     documents equals one process: losses and gradient norms."""
-    from test_cli import read_metrics
+    from support.cli import read_metrics
 
     args = [*SMALL, "--model.n_layers", "2", "--train.seq_len", "64", "--data.paths", str(sft),
             "--data.valid_fraction", "0", "--data.document_mask", "true", "--data.reset_positions", "true"]

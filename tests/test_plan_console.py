@@ -16,8 +16,8 @@ import pytest
 from meshtrain import cli
 from meshtrain.estimate.dryrun import GPU_MEMORY, dry_run
 from meshtrain.parallel.plan_table import human_bytes
-from test_cli import ROOT
-from test_dryrun import preset
+from support.cli import ROOT
+from support.configs import preset
 
 # The first screen: 405B at its showcase scale as the README used to run it
 # (no checkpointing, compiled), which does not fit; and the MoE preset with the longest names.

@@ -20,13 +20,14 @@ from meshtrain.models.context import Documents, LocalContext
 from meshtrain.models.spec import init_slice
 from meshtrain.train.metrics import flops_per_token
 from meshtrain.train.peak_memory import _allocation_events
-from test_cli import TINY, _small_cfg, run_cli
+from support.cli import TINY, run_cli
+from support.configs import small_cfg
 
 SEQ, DOC, LAYERS = 1024, 100, 4  # documents that do not align with the 128-query tiles
 
 
 def _cfg(tmp_path, compile=False, **data):
-    cfg = _small_cfg(tmp_path)
+    cfg = small_cfg(tmp_path)
     cfg.model = dataclasses.replace(cfg.model, n_layers=LAYERS, max_seq_len=SEQ)
     cfg.train = dataclasses.replace(cfg.train, seq_len=SEQ, global_batch=2, micro_batch=1, compile=compile)
     cfg.data = dataclasses.replace(cfg.data, **data)

@@ -10,7 +10,7 @@ import re
 import pytest
 
 from meshtrain import cli
-from test_cli import ROOT
+from support.cli import ROOT
 
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
 GPU_PRESETS = [p for p in CONFIGS if not p.name.startswith("tiny")]

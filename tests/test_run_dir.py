@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from meshtrain.cli import main
-from test_cli import SMALL, TINY
+from support.cli import SMALL, TINY
 
 
 def _fit(capsys, run_dir, *extra: str) -> tuple[int, str]:
@@ -130,11 +130,11 @@ def test_a_second_job_on_a_run_dir_is_refused_at_once_and_the_first_runs_on(tmp_
     import sys
     import time
 
-    from test_cli import ROOT, SMALL, TINY, _env, run_cli
+    from support.cli import ROOT, SMALL, TINY, cli_env, run_cli
 
     run_dir = tmp_path / "run"
     args = ["fit", "--config", str(TINY), *SMALL, "--train.steps", "100000", "--run_dir", str(run_dir)]
-    first = subprocess.Popen([sys.executable, "-m", "meshtrain.cli", *args], cwd=ROOT, env=_env(),
+    first = subprocess.Popen([sys.executable, "-m", "meshtrain.cli", *args], cwd=ROOT, env=cli_env(),
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         metrics = run_dir / "metrics.jsonl"

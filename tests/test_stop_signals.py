@@ -23,7 +23,7 @@ import pytest
 
 from meshtrain.run.stopping import DUPLICATE_S, first_line
 from meshtrain import checkpoint
-from test_cli import ROOT, SMALL, TINY, _env, read_metrics, run_cli
+from support.cli import ROOT, SMALL, TINY, cli_env, read_metrics, run_cli
 
 TINY4 = ROOT / "configs" / "tiny-4proc.yaml"
 # A long schedule: where a run stops does not change its curve.
@@ -38,7 +38,7 @@ class Run:
     def __init__(self, args: list[str], run_dir: Path, launcher: list[str] | None = None, env: dict | None = None):
         self.run_dir = run_dir
         cmd = [sys.executable, *(launcher or []), "-m", "meshtrain.cli", "fit", *args, "--run_dir", str(run_dir)]
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, env={**_env(), **(env or {})}, text=True,
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env={**cli_env(), **(env or {})}, text=True,
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
 
     def wait_for(self, what, timeout: float = 300) -> None:
@@ -278,7 +278,7 @@ def test_a_signal_caught_by_another_thread_still_stops_the_process_while_the_mai
     """The kernel hands a process's signal to any of its threads (gloo starts several per
     process group); a Python handler would then wait for a main thread that never wakes."""
     started = time.monotonic()
-    done = subprocess.run([sys.executable, "-c", _THREAD_SIGNALS], cwd=ROOT, env=_env(), capture_output=True,
+    done = subprocess.run([sys.executable, "-c", _THREAD_SIGNALS], cwd=ROOT, env=cli_env(), capture_output=True,
                           text=True, timeout=60)
     assert done.returncode == 128 + signal.SIGINT, done.stdout + done.stderr
     assert done.stdout == first_line("SIGTERM", "asleep") + "\n"

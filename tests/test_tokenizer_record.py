@@ -22,7 +22,7 @@ from meshtrain.data import ByteTokenizer, DataError, IndexedWriter, build_data, 
 from meshtrain.models import FAMILIES
 from meshtrain import checkpoint
 from meshtrain.train.step import TrainState
-from test_cli import SMALL, TINY, run_cli
+from support.cli import SMALL, TINY, run_cli
 
 # Text the byte-level machinery could get wrong: empty, leading and doubled spaces, newlines
 # and control bytes, multi-byte UTF-8 (accents, CJK, emoji, a ZWJ sequence), the names of
