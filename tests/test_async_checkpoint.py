@@ -17,14 +17,14 @@ import torch
 
 from meshtrain import checkpoint as ckpt
 from meshtrain.cli import main
-from test_cli import SMALL, TINY, read_metrics
-from test_disk import _assert_loads_as, _state, _tensors
+from support.checkpoints import assert_loads_as, tensors_of, train_state
+from support.cli import SMALL, TINY, read_metrics
 
 
 def test_the_checkpoint_holds_the_step_that_saved_and_is_latest_only_once_committed(tmp_path, monkeypatch):
     root = tmp_path / "checkpoints"
     saver = ckpt.BackgroundSaver()
-    ckpt.save(root, 1, _state(seed=1, step=1), {}, keep_last=2)
+    ckpt.save(root, 1, train_state(seed=1, step=1), {}, keep_last=2)
     # Hold the writer inside its first tensor file until the test has looked around.
     opened, go = threading.Event(), threading.Event()
 
@@ -32,8 +32,8 @@ def test_the_checkpoint_holds_the_step_that_saved_and_is_latest_only_once_commit
         opened.set()
         assert go.wait(60)
 
-    state = _state(seed=2, step=2)
-    expected = _tensors(state)
+    state = train_state(seed=2, step=2)
+    expected = tensors_of(state)
     final = saver.save(root, 2, state, {"n": 2}, keep_last=2, on_write=on_write)
     assert opened.wait(60) and saver.in_flight and not saver.done()
     for t in state.params.values():  # training goes on and changes the state
@@ -47,12 +47,12 @@ def test_the_checkpoint_holds_the_step_that_saved_and_is_latest_only_once_commit
     path, seconds = saver.wait()
     assert path == final == root / "step_00000002" and seconds > 0 and not saver.in_flight
     assert ckpt.latest(root) == final
-    _assert_loads_as(final, expected, 2)  # the state when it was saved, not after
+    assert_loads_as(final, expected, 2)  # the state when it was saved, not after
     assert saver.wait() is None  # nothing in flight
 
 
 def test_the_files_are_the_synchronous_ones_and_the_buffers_are_reused(tmp_path):
-    state = _state(seed=3, step=3)
+    state = train_state(seed=3, step=3)
     ckpt.save(tmp_path / "sync", 3, state, {"n": 3}, keep_last=2)
     saver = ckpt.BackgroundSaver()
     saver.save(tmp_path / "async", 3, state, {"n": 3}, keep_last=2)
@@ -64,7 +64,7 @@ def test_the_files_are_the_synchronous_ones_and_the_buffers_are_reused(tmp_path)
             assert filecmp.cmp(a / name, b / name, shallow=False), name
     assert ckpt.read_meta(a) == ckpt.read_meta(b)
     buffers = {k: v.data_ptr() for k, v in saver._staging.items()}
-    saver.save(tmp_path / "async", 4, _state(seed=4, step=4), {"n": 4}, keep_last=2)
+    saver.save(tmp_path / "async", 4, train_state(seed=4, step=4), {"n": 4}, keep_last=2)
     saver.wait()
     assert {k: v.data_ptr() for k, v in saver._staging.items()} == buffers  # no new allocation
 
@@ -73,10 +73,10 @@ def test_one_save_in_flight_the_next_waits_for_it(tmp_path):
     root = tmp_path / "checkpoints"
     saver = ckpt.BackgroundSaver()
     release = threading.Event()
-    saver.save(root, 1, _state(seed=1, step=1), {}, keep_last=2, on_write=lambda: release.wait(60))
+    saver.save(root, 1, train_state(seed=1, step=1), {}, keep_last=2, on_write=lambda: release.wait(60))
     timer = threading.Timer(0.3, release.set)
     timer.start()
-    saver.save(root, 2, _state(seed=2, step=2), {}, keep_last=2)  # returns once step 1 is committed
+    saver.save(root, 2, train_state(seed=2, step=2), {}, keep_last=2)  # returns once step 1 is committed
     assert ckpt.latest(root) == root / "step_00000001"
     saver.wait()
     assert [p.name for p in ckpt.complete(root)] == ["step_00000001", "step_00000002"]

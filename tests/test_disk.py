@@ -23,49 +23,19 @@ import subprocess
 from pathlib import Path
 
 import pytest
-import torch
 from torch.distributed.checkpoint import filesystem as dcp_fs
 
-from meshtrain import TrainState, build
+from meshtrain import TrainState
 from meshtrain.cli import main
-from meshtrain.models.llama import LlamaConfig
-from meshtrain.models.spec import init_slice
 from meshtrain.testing import run_ranks
 from meshtrain import checkpoint as ckpt
 from meshtrain.checkpoint import CheckpointError
 from meshtrain.train.optim import init_state
-from test_cli import SMALL, TINY, read_metrics
+from support.checkpoints import MODEL, assert_loads_as, tensors_of, train_state
+from support.cli import SMALL, TINY, read_metrics
 
-MODEL = build("llama", LlamaConfig(dim=32, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=64,
-                                   max_seq_len=16))
 REASONS = {errno.ENOSPC: ("No space left on device", "free space on the disk of"),
            errno.EROFS: ("Read-only file system", "writable")}
-
-
-def _state(seed: int, step: int = 0) -> TrainState:
-    params = {n: init_slice(s, n, seed=seed).requires_grad_() for n, s in MODEL.specs.items()}
-    state = TrainState(params, init_state(params), step)
-    for k_i, group in enumerate(state.optimizer.values()):
-        for n_i, t in enumerate(group.values()):
-            t.copy_(torch.randn(t.shape, generator=torch.Generator().manual_seed(seed * 1000 + k_i * 100 + n_i)))
-    return state
-
-
-def _tensors(state: TrainState) -> dict:
-    return {"params": {n: t.detach().clone() for n, t in state.params.items()},
-            "optimizer": {k: {n: t.clone() for n, t in g.items()} for k, g in state.optimizer.items()}}
-
-
-def _assert_loads_as(path: Path, expected: dict, step: int) -> None:
-    fresh = _state(seed=99)
-    meta = ckpt.load(path, fresh)
-    assert fresh.step == step and meta["step"] == step
-    got = _tensors(fresh)
-    for n, t in expected["params"].items():
-        assert torch.equal(got["params"][n], t), f"{path}: params {n}"
-    for k, group in expected["optimizer"].items():
-        for n, t in group.items():
-            assert torch.equal(got["optimizer"][k][n], t), f"{path}: {k} {n}"
 
 
 def _save(kind: str, root, step: int, state, extra: dict, keep_last: int) -> Path:
@@ -187,25 +157,25 @@ POINTS = ["tmp_dir", "first_tensor_file", "tensor_half_written", "dcp_metadata",
 @pytest.mark.parametrize("point", POINTS)
 def test_a_failed_write_leaves_the_previous_checkpoints_intact_and_says_so(tmp_path, monkeypatch, point, code, kind):
     root = tmp_path / "checkpoints"
-    first, second = _state(seed=1, step=1), _state(seed=2, step=2)
+    first, second = train_state(seed=1, step=1), train_state(seed=2, step=2)
     ckpt.save(root, 1, first, {"n": 1}, keep_last=2)
     ckpt.save(root, 2, second, {"n": 2}, keep_last=2)
-    saved = {1: _tensors(first), 2: _tensors(second)}
+    saved = {1: tensors_of(first), 2: tensors_of(second)}
     new_step = 2 if point == "replace_rename" else 3  # replace_rename saves step 2 again
     _inject(monkeypatch, point, code)
 
     if point == "prune":  # the new checkpoint is final before pruning: a warning, not a failed save
         with pytest.warns(UserWarning, match="could not delete it"):
-            assert _save(kind, root, 3, _state(seed=3, step=3), {"n": 3}, keep_last=2) == root / "step_00000003"
+            assert _save(kind, root, 3, train_state(seed=3, step=3), {"n": 3}, keep_last=2) == root / "step_00000003"
         monkeypatch.undo()
         assert ckpt.latest(root) == root / "step_00000003"
         assert sorted(p.name for p in root.iterdir()) == ["step_00000001", "step_00000002", "step_00000003"]
-        _assert_loads_as(root / "step_00000002", saved[2], 2)
-        _assert_loads_as(root / "step_00000001", saved[1], 1)
+        assert_loads_as(root / "step_00000002", saved[2], 2)
+        assert_loads_as(root / "step_00000001", saved[1], 1)
         return
 
     with pytest.raises(CheckpointError) as e:
-        _save(kind, root, new_step, _state(seed=3, step=new_step), {"n": 3}, keep_last=2)
+        _save(kind, root, new_step, train_state(seed=3, step=new_step), {"n": 3}, keep_last=2)
     monkeypatch.undo()
     message = str(e.value)
     reason, fix = REASONS[code]
@@ -216,8 +186,8 @@ def test_a_failed_write_leaves_the_previous_checkpoints_intact_and_says_so(tmp_p
     # Nothing older was touched, the partial directory is gone, and both still load.
     assert sorted(p.name for p in root.iterdir()) == ["step_00000001", "step_00000002"]
     assert ckpt.latest(root) == root / "step_00000002"
-    _assert_loads_as(root / "step_00000002", saved[2], 2)
-    _assert_loads_as(root / "step_00000001", saved[1], 1)
+    assert_loads_as(root / "step_00000002", saved[2], 2)
+    assert_loads_as(root / "step_00000001", saved[1], 1)
     ckpt.cleanup_incomplete(root)  # and the next start finds nothing to repair
     assert sorted(p.name for p in root.iterdir()) == ["step_00000001", "step_00000002"]
 
@@ -225,14 +195,14 @@ def test_a_failed_write_leaves_the_previous_checkpoints_intact_and_says_so(tmp_p
 def test_the_first_checkpoint_failing_says_that_none_is_lost(tmp_path, monkeypatch):
     _inject(monkeypatch, "first_tensor_file", errno.ENOSPC)
     with pytest.raises(CheckpointError, match="no complete checkpoint exists there, so none is lost") as e:
-        ckpt.save(tmp_path / "checkpoints", 2, _state(seed=1), {}, keep_last=2)
+        ckpt.save(tmp_path / "checkpoints", 2, train_state(seed=1), {}, keep_last=2)
     assert "starts from the beginning" in str(e.value)
     assert list((tmp_path / "checkpoints").iterdir()) == []
 
 
 def test_leftovers_that_cannot_be_removed_stop_the_start_with_the_reason(tmp_path, monkeypatch):
     root = tmp_path / "checkpoints"
-    ckpt.save(root, 1, _state(seed=1), {}, keep_last=2)
+    ckpt.save(root, 1, train_state(seed=1), {}, keep_last=2)
     (root / ".tmp-step_00000002").mkdir()
 
     def rmtree(path, *args, **kwargs):
@@ -368,21 +338,21 @@ def test_a_real_full_disk_and_a_real_read_only_remount(tmp_path, small_disk):
     """No injection: a tmpfs too small for a second checkpoint (torch.save reports the
     failed write as "RuntimeError: unexpected pos", the save still names the OS reason),
     then the same tmpfs remounted read-only."""
-    probe = ckpt.save(tmp_path / "probe", 1, _state(seed=1), {}, keep_last=1)
+    probe = ckpt.save(tmp_path / "probe", 1, train_state(seed=1), {}, keep_last=1)
     size = sum(p.stat().st_size for p in probe.iterdir())
     disk = small_disk(int(size * 1.5) // 1024 + 8)
     root = disk / "checkpoints"
-    first = _state(seed=1, step=1)
+    first = train_state(seed=1, step=1)
     ckpt.save(root, 1, first, {}, keep_last=2)
     with pytest.raises(CheckpointError, match=r"step_00000002 could not be written .*: No space left on device .*"
                                               r"__0_0.distcp.*the latest complete one is .*step_00000001"):
-        ckpt.save(root, 2, _state(seed=2, step=2), {}, keep_last=2)
+        ckpt.save(root, 2, train_state(seed=2, step=2), {}, keep_last=2)
     assert sorted(p.name for p in root.iterdir()) == ["step_00000001"]
-    _assert_loads_as(root / "step_00000001", _tensors(first), 1)
+    assert_loads_as(root / "step_00000001", tensors_of(first), 1)
 
     subprocess.run(["mount", "-o", "remount,ro", str(disk)], check=True)
     with pytest.raises(CheckpointError, match=r"step_00000002 could not be written .*: Read-only file system .*"
                                               r"the latest complete one is .*step_00000001.*writable"):
-        ckpt.save(root, 2, _state(seed=2, step=2), {}, keep_last=2)
-    _assert_loads_as(root / "step_00000001", _tensors(first), 1)
+        ckpt.save(root, 2, train_state(seed=2, step=2), {}, keep_last=2)
+    assert_loads_as(root / "step_00000001", tensors_of(first), 1)
     assert ckpt.latest(root) == root / "step_00000001"
