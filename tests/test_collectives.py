@@ -8,8 +8,9 @@ collective is issued with its real shape; the values are garbage, which does not
 matter here). Two independent counters watch the step:
 
 * `CommDebugMode` (torch's own): collectives per op type;
-* `_Recorder`, a TorchDispatchMode that records every c10d / functional collective with
-  its phase (forward, backward, optimizer), the mesh axis it runs over and its bytes.
+* `CollectiveRecorder` (support/collectives.py), a TorchDispatchMode that records every
+  c10d / functional collective with its phase (forward, backward, optimizer), the mesh
+  axis it runs over and its bytes.
 
 The expected values are computed here from the model config with the formulas in the
 doc, never by running meshtrain another way. Bytes are defined as in the doc:
@@ -27,27 +28,12 @@ the same with a real collective added to or removed from the step.
 from __future__ import annotations
 
 import math
-import sys
 from collections import Counter
-from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
-import torch
-import torch.distributed as dist
-from torch.distributed.tensor.debug import CommDebugMode
-from torch.testing._internal.distributed.fake_pg import FakeStore
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from meshtrain.models import build
 from meshtrain.models.llama import LlamaConfig
-from meshtrain.parallel.buckets import GROUP_AXES
-from meshtrain.parallel.init import init_params
-from meshtrain.parallel.mesh import MeshSpec
-from meshtrain.parallel.plan import make_plan
-from meshtrain.parallel.rules import Rules
-from meshtrain.train.optim import AdamW
-from meshtrain.train.step import TrainState, make_train_step
+from support.collectives import CFG, Msg, Observed, run_step
 
 FP32 = 4  # bytes per element; every case here trains in fp32
 
@@ -57,146 +43,6 @@ FP32 = 4  # bytes per element; every case here trains in fp32
 # documented design, not read from the code under test (a runtime that lost the re-gather
 # must fail here, not switch the expectation).
 REGATHER = True
-
-# Tiny, odd-sized: vocab 130 and ffn 100 are not powers of two, head_dim 8, GQA 6:2.
-CFG = LlamaConfig(dim=48, n_layers=2, n_heads=6, n_kv_heads=2, ffn_dim=100, vocab_size=130, max_seq_len=64)
-
-
-# ----------------------------------------------------------------------------------------
-# Recording
-
-@dataclass(frozen=True)
-class Msg:
-    """One collective: phase (fwd / bwd / opt), op (all_gather, reduce_scatter,
-    all_reduce_sum, all_reduce_max, ...), axis (mesh axis name, or "world") and bytes."""
-
-    phase: str
-    op: str
-    axis: str
-    nbytes: int
-
-
-_FUNCOL = ("_c10d_functional", "c10d_functional", "_c10d_functional_autograd")
-_NOT_COLLECTIVES = {"wait_tensor", "_wrap_tensor_autograd"}
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
-def _in_optimizer() -> bool:
-    """True inside the step's `norm_of` or `update` (grad norm, AdamW), found on the Python stack."""
-    f = sys._getframe(2)
-    while f is not None:
-        if f.f_code.co_name in ("norm_of", "update") and \
-                Path(f.f_code.co_filename).as_posix().endswith("meshtrain/train/step.py"):
-            return True
-        f = f.f_back
-    return False
-
-
-# c10d ops that parallel/cp_attention.py calls: name, and the argument whose bytes count
-# (the gathered output; the input of a reduce-scatter or all-to-all; the tensor sent).
-_C10D = {"_allgather_base_": ("all_gather", 0), "_reduce_scatter_base_": ("reduce_scatter_sum", 1),
-         "alltoall_base_": ("all_to_all_single", 1), "send": ("send", 0), "recv_": ("recv", 0)}
-
-
-class _Recorder(TorchDispatchMode):
-    def __init__(self, axis_of_group: dict[str, str]):
-        super().__init__()
-        self.axis_of_group = axis_of_group
-        self.msgs: list[Msg] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        ns, name = func.namespace, func.overloadpacket.__name__
-        if ns == "meshtrain":  # an opaque op (context-parallel attention): record what it calls
-            from torch._library.custom_ops import OPDEFS
-
-            with self:  # its Python body, under this mode again
-                return OPDEFS[func._schema.name]._init_fn(*args, **kwargs)
-        if ns in _FUNCOL and name not in _NOT_COLLECTIVES or ns == "c10d":
-            self.msgs.append(self._describe(ns, name, args))
-        return func(*args, **kwargs)
-
-    def _describe(self, ns: str, name: str, args) -> Msg:
-        if torch._C._current_autograd_node() is not None:
-            phase = "bwd"
-        elif _in_optimizer():
-            phase = "opt"
-        else:
-            phase = "fwd"
-        if ns == "c10d" and name in _C10D:  # context-parallel attention's own calls
-            op, where = _C10D[name]
-            group = next(dist.ProcessGroup.unbox(a) for a in args if isinstance(a, torch.ScriptObject))
-            tensor = args[where][0] if isinstance(args[where], list) else args[where]
-            return Msg(phase, op, self.axis_of_group.get(group.group_name, "?"), _nbytes(tensor))
-        if ns == "c10d":  # any other non-functional c10d call: never expected, recorded as is
-            tensors = [a for a in args if isinstance(a, torch.Tensor)]
-            tensors += [t for a in args if isinstance(a, (list, tuple)) for t in a if isinstance(t, torch.Tensor)]
-            return Msg(phase, f"c10d.{name}", "?", sum(_nbytes(t) for t in tensors))
-        group = args[-1]
-        axis = self.axis_of_group.get(group, f"group:{group}")
-        if name == "all_gather_into_tensor":
-            inp, group_size = args[0], args[1]
-            return Msg(phase, "all_gather", axis, _nbytes(inp) * group_size)
-        if name == "reduce_scatter_tensor":
-            inp, op = args[0], args[1]
-            return Msg(phase, f"reduce_scatter_{op}", axis, _nbytes(inp))
-        if name == "all_reduce":
-            inp, op = args[0], args[1]
-            return Msg(phase, f"all_reduce_{op}", axis, _nbytes(inp))
-        # all_to_all_single, broadcast, coalesced variants...: unexpected, still recorded
-        tensors = [a for a in args if isinstance(a, torch.Tensor)]
-        tensors += [t for a in args if isinstance(a, (list, tuple)) for t in a if isinstance(t, torch.Tensor)]
-        return Msg(phase, name, axis, sum(_nbytes(t) for t in tensors))
-
-
-@dataclass
-class Observed:
-    msgs: list[Msg]
-    comm_counts: dict[str, int]  # CommDebugMode: op name -> count
-    tied: bool = False  # the step's model tied its embeddings
-    bucket: str = "param"  # the step's unit of parameter traffic
-
-
-def axis_names(mesh) -> dict[str, str]:
-    """Process group name -> the axis a recorded collective is labelled with: the mesh's
-    groups by their axis (the whole world of a mesh of several dims "world"), the
-    parameter buckets' groups (parallel/buckets.py `Groups`) by their axes joined by "+"
-    (GROUP_AXES: call after the step is built, which makes them)."""
-    names = dict(GROUP_AXES)
-    if mesh.ndim > 1:
-        names[dist.group.WORLD.group_name] = "world"
-    for i, axis in enumerate(mesh.mesh_dim_names):
-        names[mesh.get_group(i).group_name] = axis
-    return names
-
-
-def run_step(layout: dict, *, bucket: str | float, sp: bool = False, tied: bool = False, batch: int, seq: int,
-             micro: int = 1, world: int = 2, precision: str = "fp32", cfg: LlamaConfig = CFG,
-             cp_comm: str = "allgather") -> Observed:
-    """One real optimizer step on the fake process group, with both counters on. `bucket`
-    (make_train_step's: "param", "block" or a size in MB) is always given: a case says
-    which parameter traffic it checks."""
-    cfg = LlamaConfig(**{**cfg.__dict__, "tie_embeddings": tied})
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
-    try:
-        model = build("llama", cfg)
-        plan = make_plan(model.specs, Rules.default(sp=sp), MeshSpec(**layout), world=world, cp_comm=cp_comm)
-        mesh = plan.mesh.build()
-        params = init_params(plan, mesh, seed=0)
-        step = make_train_step(model, plan, mesh, optimizer=AdamW(lr=3e-4), precision=precision, bucket=bucket)
-        axis_of_group = axis_names(mesh)
-        state = TrainState.create(params)
-        t = torch.randint(0, cfg.vocab_size, (micro, batch, seq + 1), generator=torch.Generator().manual_seed(0))
-        recorder = _Recorder(axis_of_group)
-        with CommDebugMode() as comm, recorder:
-            step(state, {"tokens": t[..., :-1], "targets": t[..., 1:]})
-        counts = {k.__name__: v for k, v in comm.get_comm_counts().items() if v}
-        return Observed(recorder.msgs, counts, tied, bucket)
-    finally:
-        dist.destroy_process_group()
 
 
 # ----------------------------------------------------------------------------------------

@@ -1,10 +1,11 @@
 """`step_collectives` (estimate/comms.py, a table of what the runtime issues) against the
-collectives of real steps, recorded on the fake process group by test_collectives's
-`_Recorder`: for every layout that test exercises, and for GPT-2, the estimate must equal
-the recording (same (phase, op, axis) keys, equal count and bytes), with one collective
-per parameter (bucket="param", the reference), per block (bucket="block", the default)
-and per bucket of a size in MB (buckets that split blocks and span them). Also: the
-estimate at llama3-405b scale is fast and has the magnitudes first principles give."""
+collectives of real steps, recorded on the fake process group by `CollectiveRecorder`
+(support/collectives.py): for every layout test_collectives exercises, and for GPT-2, the
+estimate must equal the recording (same (phase, op, axis) keys, equal count and bytes),
+with one collective per parameter (bucket="param", the reference), per block
+(bucket="block", the default) and per bucket of a size in MB (buckets that split blocks
+and span them). Also: the estimate at llama3-405b scale is fast and has the magnitudes
+first principles give."""
 
 from __future__ import annotations
 
@@ -20,65 +21,17 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from meshtrain.models import build
 from meshtrain.models.gpt2 import GPT2Config
 from meshtrain.models.llama import PRESETS, LlamaConfig
-from meshtrain.estimate.comms import PHASES, step_collectives
+from meshtrain.estimate.comms import step_collectives
 from meshtrain.parallel.init import init_params
 from meshtrain.parallel.mesh import MeshSpec
 from meshtrain.parallel.plan import make_plan
 from meshtrain.parallel.rules import Rules
 from meshtrain.train.optim import AdamW
 from meshtrain.train.step import TrainState, make_train_step
-from test_collectives import CFG, Msg, _Recorder, axis_names, run_step
+from support.collectives import CFG, CollectiveRecorder, Msg, axis_names, run_model_step, run_step
+from support.comms import SHORT, assert_same, estimate, totals
 
-SHORT = {v: k for k, v in PHASES.items()}
 GPT2_CFG = GPT2Config(dim=48, n_layers=2, n_heads=6, ffn_dim=100, vocab_size=130, max_seq_len=16)
-
-
-def totals(msgs) -> dict[tuple, tuple[int, int]]:
-    out: dict[tuple, list[int]] = {}
-    for m in msgs:
-        t = out.setdefault((m.phase, m.op, m.axis), [0, 0])
-        t[0] += 1
-        t[1] += m.nbytes
-    return {k: tuple(v) for k, v in out.items()}
-
-
-def estimate(model, layout, *, bucket, sp, batch, seq, micro=1, world=2, precision="fp32", compiled=False,
-             cp_comm="allgather", **traffic):
-    """step_collectives as (phase, op, axis) -> (count, bytes); `bucket` always given.
-    traffic: prefetch, reshard_after_forward."""
-    plan = make_plan(model.specs, Rules.default(sp=sp), MeshSpec(**layout), world=world, cp_comm=cp_comm)
-    got = step_collectives(plan, model, micro_batch_rows=batch, seq_len=seq, micro_steps=micro,
-                           precision=precision, compiled=compiled, bucket=bucket, **traffic)
-    keys = [(SHORT[e["phase"]], e["op"], e["axis"]) for e in got]
-    assert len(set(keys)) == len(keys), "entries are not aggregated per (axis, op, phase)"
-    return {k: (e["count"], e["bytes"]) for k, e in zip(keys, got)}
-
-
-def assert_same(est: dict, rec: dict) -> None:
-    lines = [f"  {k}: estimate {est.get(k)}, recorded {rec.get(k)}"
-             for k in sorted(set(est) | set(rec)) if est.get(k) != rec.get(k)]
-    assert not lines, "estimate differs from the recorded step:\n" + "\n".join(lines)
-
-
-def run_model_step(model, layout, *, bucket, sp, batch, seq, micro=1, world=2, precision="fp32",
-                   cp_comm="allgather", **traffic) -> list[Msg]:
-    """run_step for any ModelDef (test_collectives's is fixed to its Llama config).
-    traffic: make_train_step's prefetch, reshard_after_forward."""
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
-    try:
-        plan = make_plan(model.specs, Rules.default(sp=sp), MeshSpec(**layout), world=world, cp_comm=cp_comm)
-        mesh = plan.mesh.build()
-        step = make_train_step(model, plan, mesh, optimizer=AdamW(lr=3e-4), precision=precision, bucket=bucket,
-                               **traffic)
-        groups = axis_names(mesh)
-        state = TrainState.create(init_params(plan, mesh, seed=0))
-        t = torch.randint(0, model.cfg.vocab_size, (micro, batch, seq + 1), generator=torch.Generator().manual_seed(0))
-        recorder = _Recorder(groups)
-        with recorder:
-            step(state, {"tokens": t[..., :-1], "targets": t[..., 1:]})
-        return recorder.msgs
-    finally:
-        dist.destroy_process_group()
 
 
 # id, layout, sp, tied, batch, seq, micro, world, precision: every case of test_collectives
@@ -359,8 +312,8 @@ MOE_CASES = [
 ]
 
 
-class _MoeRecorder(_Recorder):
-    """_Recorder, plus the tp all-reduces of CopyToTensorParallel (a plain c10d all_reduce)
+class _MoeRecorder(CollectiveRecorder):
+    """CollectiveRecorder, plus the tp all-reduces of CopyToTensorParallel (a plain c10d all_reduce)
     and the expert mesh's groups; all-to-alls on the ep group are named "ep" (with ep =
     fsdp its group is the fsdp group, under that name in `axis_of_group`)."""
 
@@ -460,7 +413,7 @@ def test_moe_plan_with_every_block_moe():
 
     from meshtrain.config import RunConfig
     from meshtrain.estimate.dryrun import dry_run
-    from test_cli import ROOT
+    from support.cli import ROOT
 
     raw = yaml.safe_load((ROOT / "configs" / "tiny-moe.yaml").read_text())
     raw["model"]["moe"]["layers"] = "all"

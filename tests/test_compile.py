@@ -15,7 +15,7 @@ from meshtrain.models.spec import init_slice
 from meshtrain.train.optim import AdamW
 from meshtrain.train.schedule import LRSchedule
 from meshtrain.train.step import TrainState, make_train_step
-from test_equivalence import CFG, batches
+from support.equivalence import CFG, batches
 
 
 def _compiled_run(steps: int, smaller_from: int | None = None, **options):

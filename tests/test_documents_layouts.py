@@ -26,7 +26,7 @@ from meshtrain.pipeline.schedule import build_pipeline_schedule
 from meshtrain.testing import run_ranks
 from meshtrain.train.optim import AdamW
 from meshtrain.train.pipeline_step import local_stage_layout, make_pipeline_step
-from test_equivalence import CFG, SEQ
+from support.equivalence import CFG, SEQ
 
 STEPS, BATCH, MICRO = 4, 8, 2
 EOD = 3

@@ -34,8 +34,9 @@ from meshtrain.parallel.rules import Rules
 from meshtrain.testing import run_ranks
 from meshtrain.train.optim import AdamW
 from meshtrain.train.step import TrainState, make_train_step
-from test_comms_estimate import assert_same, estimate, run_model_step, totals
-from test_memory_estimate import kept_instead
+from support.collectives import run_model_step
+from support.comms import assert_same, estimate, totals
+from support.memory import kept_instead
 
 
 # ----------------------------------------------------------------------------- the family

@@ -12,7 +12,7 @@ import torch
 
 from meshtrain.errors import ConfigError
 from meshtrain.testing import run_ranks
-from test_dryrun import preset
+from support.configs import preset
 
 
 def _with(cfg, **parallel):
@@ -53,7 +53,8 @@ def _steps(names, compile):
     from meshtrain.pipeline.partition import partition
     from meshtrain.pipeline.schedule import build_pipeline_schedule
     from meshtrain.train.pipeline_step import local_stage_layout, make_pipeline_step
-    from test_pipeline_exec import BATCH, GRAD_CLIP, LLAMA4, SEQ, STEPS, _loss_and_norm, _lr, _optimizer, batches
+    from support.equivalence import GRAD_CLIP, SEQ, batches
+    from support.pipeline import BATCH, LLAMA4, STEPS, adamw, loss_and_norm, lr_schedule
 
     torch.set_num_threads(1)
     out = {}
@@ -67,10 +68,10 @@ def _steps(names, compile):
             stages = partition(model, 2, 1, None, seq_len=SEQ, micro_batch=BATCH // 4)
             params, sub_plan, sub_mesh = local_stage_layout(plan, mesh, stages)
             step = make_pipeline_step(model, stages, build_pipeline_schedule(schedule, 2, 4), plan, mesh,
-                                      precision=precision, optimizer=_optimizer(), lr_schedule=_lr(),
+                                      precision=precision, optimizer=adamw(), lr_schedule=lr_schedule(),
                                       grad_clip=GRAD_CLIP, bucket=bucket, keep_gathered=kept, compile=compile)
             state = TrainState.create(init_params(sub_plan, sub_mesh, seed=0, names=params))
-            out[name, kept] = [_loss_and_norm(step(state, b)) for b in batches(4, STEPS)]
+            out[name, kept] = [loss_and_norm(step(state, b)) for b in batches(4, STEPS)]
     return out
 
 

@@ -14,14 +14,14 @@ import pytest
 from meshtrain.estimate.dryrun import dry_run
 from meshtrain.estimate.pipeline import pipeline_estimate
 from meshtrain.parallel.plan import without_pp
-from test_pipeline_plan import PIPE_ROWS, PIPE_SEQ, _pipe_model, _pipe_plan, pipelined
+from support.pipeline import PIPE_ROWS, PIPE_SEQ, pipe_model, pipe_plan, pipelined
 
 FSDP = 2
 
 
 def _estimate(keep: bool, m: int, precision: str = "fp32", **kw):
-    model = _pipe_model(False)
-    return pipeline_estimate(_pipe_plan(model), model, pp_schedule="1f1b", virtual=1, layout=None,
+    model = pipe_model(False)
+    return pipeline_estimate(pipe_plan(model), model, pp_schedule="1f1b", virtual=1, layout=None,
                              micro_batch=PIPE_ROWS // FSDP, seq_len=PIPE_SEQ, micro_steps=m, precision=precision,
                              keep_gathered=keep, device="cpu", **kw)
 
@@ -34,8 +34,8 @@ def _gathered_fp32(rank: int) -> tuple[int, int]:
     """(buckets, bytes) of a pp rank's weights gathered whole over fsdp in fp32: each
     parameter's shard (the largest, rank 0's) times fsdp, 4 bytes an element; one bucket
     per block and one for what comes before (embedding) or after (final norm, head)."""
-    model = _pipe_model(False)
-    sub = without_pp(_pipe_plan(model))
+    model = pipe_model(False)
+    sub = without_pp(pipe_plan(model))
     stage = _estimate(True, 2).stages[rank]
     names = stage.params + stage.shared
     return stage.n_layers + 1, sum(FSDP * math.prod(sub.params[n].local_shape) * 4 for n in names)

@@ -23,6 +23,7 @@ from meshtrain import MeshSpec, Rules, build, init_params, make_plan
 from meshtrain.models import gpt2, llama
 from meshtrain.estimate.memory import per_rank_memory
 from meshtrain.testing import run_ranks
+from support.memory import kept_instead
 
 CFG = llama.LlamaConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=128, max_seq_len=64)
 # 130 rows over fsdp 4: shards of 33, 33, 32, 32 (rank 0 holds more).
@@ -61,26 +62,6 @@ def _storage(t):
 
     t = t._local_tensor if isinstance(t, DTensor) else t
     return t.untyped_storage()
-
-
-def kept_instead(ctx, t):
-    """What the eager runtime keeps for backward in place of the saved tensor `t` (the
-    ShardedContext's pack hook, regather_in_backward): ("shard", the shard DTensor) for
-    an all-gathered activation, ("weight", None) for a gathered weight it gathers again
-    from the shard it holds anyway, None when it keeps `t` itself."""
-    from torch.distributed.tensor import DTensor
-
-    from meshtrain.parallel.context import _FetchActivation
-
-    local = t._local_tensor if isinstance(t, DTensor) else t
-    if type(local) is not torch.Tensor:  # a pending collective's result: no storage of its own
-        return None
-    ptr = local.untyped_storage().data_ptr()
-    entry = ctx._gathered.get(ptr)
-    alive = entry[0]() if entry else None
-    if alive is None or alive.untyped_storage().data_ptr() != ptr:
-        return None
-    return ("shard", entry[1].shard) if isinstance(entry[1], _FetchActivation) else ("weight", None)
 
 
 def measure(world: int):

@@ -23,7 +23,7 @@ from meshtrain.models import llama
 from meshtrain.models.moe import MoeConfig, balance_loss, expert_bias_step, route, sequence_stats
 from meshtrain.models.spec import init_slice
 from meshtrain.testing import run_ranks
-from test_equivalence import GRAD_CLIP, NORM_RTOL, GradRecorder
+from support.equivalence import GRAD_CLIP, NORM_RTOL, GradRecorder
 
 # 8 experts of width 32, top 2, one shared expert; block 0 dense, block 1 MoE; z-loss on.
 # aux_coef 0.1: at 0.01 the balance loss's share of some dense-layer gradients is so small

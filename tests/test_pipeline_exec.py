@@ -24,17 +24,14 @@ from meshtrain.train.pipeline_step import local_stage_layout, make_pipeline_eval
 from meshtrain.pipeline.partition import partition
 from meshtrain.pipeline.schedule import build_pipeline_schedule
 from meshtrain.testing import run_ranks
-from meshtrain.train.optim import AdamW
-from meshtrain.train.schedule import LRSchedule
 from meshtrain.train.step import make_eval_step
-from test_equivalence import CFG, GRAD_CLIP, SEQ, GradRecorder, batches
+from support.equivalence import CFG, GRAD_CLIP, SEQ, GradRecorder, batches
+from support.pipeline import BATCH, LLAMA4, STEPS, adamw, loss_and_norm, lr_schedule
 
-STEPS, BATCH = 4, 8
 # The first step's whole gradients (each rank's, a tied table's copies summed) against
 # one process: measured at most 5.2e-8 (zb_pp2_tp2_sp_gpt2_tied), pp alone (bf16 included)
 # 0 to 7.5e-9 (torch 2.13, CPU); 10x the worst.
 GRAD_ATOL = 5e-7
-LLAMA4 = dataclasses.replace(CFG, n_layers=4)
 TIED4 = dataclasses.replace(CFG, n_layers=4, tie_embeddings=True)
 GPT2_TIED = gpt2.GPT2Config(dim=48, n_layers=3, n_heads=6, ffn_dim=100, vocab_size=130, max_seq_len=32,
                             tie_embeddings=True)
@@ -101,29 +98,17 @@ def _precision(name: str) -> str:
     return "bf16" if name in BF16 else "fp32"
 
 
-def _lr():
-    return LRSchedule(lr=3e-4, min_lr=3e-5, warmup_steps=2, total_steps=STEPS)
-
-
-def _optimizer():
-    return AdamW(lr=3e-4, weight_decay=0.1)
-
-
 def single(cfg, micro_steps, precision="fp32"):
     model = build(_arch(cfg), cfg)
     params = {n: init_slice(s, n, seed=0).requires_grad_() for n, s in model.specs.items()}
     recorder = GradRecorder()
-    step = make_train_step(model, optimizer=_optimizer(), lr_schedule=_lr(), grad_clip=GRAD_CLIP, precision=precision,
-                           inspect_grads=recorder)
+    step = make_train_step(model, optimizer=adamw(), lr_schedule=lr_schedule(), grad_clip=GRAD_CLIP,
+                           precision=precision, inspect_grads=recorder)
     state = TrainState.create(params)
     evaluate = make_eval_step(model, precision=precision)
     val = evaluate(params, next(batches(micro_steps, 1)))
-    losses = [_loss_and_norm(step(state, b)) for b in batches(micro_steps, STEPS)]
+    losses = [loss_and_norm(step(state, b)) for b in batches(micro_steps, STEPS)]
     return losses, {n: p.detach() for n, p in params.items()}, val, recorder.grads[1]
-
-
-def _loss_and_norm(metrics):
-    return metrics["loss"], metrics["grad_norm"]
 
 
 def _full(p):
@@ -152,13 +137,13 @@ def _pipelined(names, compile=False):
         val = evaluate(params, next(batches(micro_steps, 1)))  # eager, before any trace
         recorder = GradRecorder()
         step = make_pipeline_step(model, stages, build_pipeline_schedule(sched, pp, micro_steps, v), plan, mesh,
-                                  precision=_precision(name), optimizer=_optimizer(), lr_schedule=_lr(),
+                                  precision=_precision(name), optimizer=adamw(), lr_schedule=lr_schedule(),
                                   grad_clip=GRAD_CLIP, inspect_grads=recorder, compile=compile,
                                   activation_checkpointing="selective" if name in SELECTIVE else "none",
                                   keep_gathered=name in KEPT)
         state = TrainState.create(params)
         with torch._dynamo.config.patch(error_on_recompile=True):  # micro-batches and steps share graphs
-            losses = [_loss_and_norm(step(state, b)) for b in batches(micro_steps, STEPS)]
+            losses = [loss_and_norm(step(state, b)) for b in batches(micro_steps, STEPS)]
         out[name] = losses, {n: _full(p).detach().clone() for n, p in params.items()}, val, recorder.grads[1]
         # (graphs traced, stages on this rank): one each, whatever the micro-batches and steps
         out["graphs", name] = (torch._dynamo.utils.counters["stats"]["unique_graphs"] - traced,

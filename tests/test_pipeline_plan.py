@@ -4,7 +4,6 @@ the non-pipelined plan."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 
 import pytest
@@ -12,14 +11,8 @@ import pytest
 from meshtrain.estimate.dryrun import dry_run
 from meshtrain.parallel.plan import without_pp
 from meshtrain.pipeline.schedule import SEND_B, SEND_F
-from test_cli import ROOT, run_cli
-from test_dryrun import preset
-
-
-def pipelined(name="llama3-70b", world=512, **parallel):
-    cfg = preset(name, compile=False, activation_checkpointing="none")  # every schedule, zero-bubble included
-    p = dataclasses.replace(cfg.parallel, fsdp=-1, **parallel)
-    return dataclasses.replace(cfg, parallel=p).validate(), world
+from support.cli import ROOT, run_cli
+from support.pipeline import PIPE_MICRO, PIPE_ROWS, PIPE_SEQ, pipe_model, pipe_plan, pipelined
 
 
 @pytest.mark.parametrize("schedule, virtual", [("1f1b", 1), ("gpipe", 1), ("zb", 1), ("interleaved", 2)])
@@ -92,27 +85,10 @@ PIPE_CASES = [("interleaved-block-tied", "interleaved", 2, "block", True, "none"
               ("zb-block-kept", "zb", 1, "block", False, "none"),
               ("interleaved-block-tied-kept", "interleaved", 2, "block", True, "none"),
               ("gpipe-0.05MB-kept-full", "gpipe", 1, 0.05, False, "full")]
-PIPE_MICRO, PIPE_ROWS, PIPE_SEQ = 2, 4, 6
 
 
 def _kept(cid: str) -> bool:
     return "-kept" in cid
-
-
-def _pipe_model(tied: bool):
-    from meshtrain.models import build
-    from meshtrain.models.llama import LlamaConfig
-    from test_collectives import CFG
-
-    return build("llama", LlamaConfig(**{**CFG.__dict__, "tie_embeddings": tied, "n_layers": 4}))
-
-
-def _pipe_plan(model):
-    from meshtrain.parallel.mesh import MeshSpec
-    from meshtrain.parallel.plan import make_plan
-    from meshtrain.parallel.rules import Rules
-
-    return make_plan(model.specs, Rules.default(), MeshSpec(pp=2, fsdp=2), world=4)
 
 
 def _recorded_pipeline_steps():
@@ -125,13 +101,13 @@ def _recorded_pipeline_steps():
     from meshtrain.train import pipeline_step
     from meshtrain.train.optim import AdamW
     from meshtrain.train.step import TrainState
-    from test_collectives import _Recorder, axis_names
-    from test_comms_estimate import totals
+    from support.collectives import CollectiveRecorder, axis_names
+    from support.comms import totals
 
     out, groups = {}, {}
     for cid, schedule, virtual, bucket, tied, mode in PIPE_CASES:
-        model = _pipe_model(tied)
-        plan = _pipe_plan(model)
+        model = pipe_model(tied)
+        plan = pipe_plan(model)
         mesh = plan.mesh.build()
         stages = partition(model, 2, virtual, None, seq_len=PIPE_SEQ, micro_batch=PIPE_ROWS // 2)
         names, sub_plan, sub_mesh = pipeline_step.local_stage_layout(plan, mesh, stages)
@@ -143,7 +119,7 @@ def _recorded_pipeline_steps():
         # Every case's groups: DTensor may run a stage mesh equal to an earlier case's on
         # that mesh's groups (the same ranks and axes).
         groups.update(axis_names(mesh))
-        recorder = _Recorder(dict(groups))
+        recorder = CollectiveRecorder(dict(groups))
         t = torch.randint(0, model.cfg.vocab_size, (PIPE_MICRO, PIPE_ROWS, PIPE_SEQ + 1),
                           generator=torch.Generator().manual_seed(0))
         with recorder:
@@ -159,12 +135,12 @@ def test_pipeline_rank_collectives_equal_recorded_steps():
     point-to-point exchange and the optimizer's scalars are counted apart (first test)."""
     from meshtrain.estimate.pipeline import pipeline_estimate
     from meshtrain.testing import run_ranks
-    from test_comms_estimate import SHORT, assert_same
+    from support.comms import SHORT, assert_same
 
     results = run_ranks(_recorded_pipeline_steps, 4)
     for cid, schedule, virtual, bucket, tied, mode in PIPE_CASES:
-        model = _pipe_model(tied)
-        est = pipeline_estimate(_pipe_plan(model), model, pp_schedule=schedule, virtual=virtual, layout=None,
+        model = pipe_model(tied)
+        est = pipeline_estimate(pipe_plan(model), model, pp_schedule=schedule, virtual=virtual, layout=None,
                                 micro_batch=PIPE_ROWS // 2, seq_len=PIPE_SEQ, micro_steps=PIPE_MICRO, bucket=bucket,
                                 activation_checkpointing=mode, keep_gathered=_kept(cid))
         for rank in (0, 2):  # pp rank 0 (the embedding) and 1 (the head)

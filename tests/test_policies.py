@@ -20,8 +20,8 @@ from meshtrain.models.policy import Policy
 from meshtrain.models.spec import init_slice
 from meshtrain.testing import run_ranks
 
-from test_equivalence import (CFG, GRAD_ATOL, GRAD_CLIP, LOSS_RTOL, NORM_RTOL, PARAM_ATOL, GradRecorder, _optimizer,
-                              batches)
+from support.equivalence import (CFG, GRAD_ATOL, GRAD_CLIP, LOSS_RTOL, NORM_RTOL, PARAM_ATOL, GradRecorder, batches,
+                                 optimizer_args)
 
 STEPS = 4
 # fp8 layouts' first-step gradients against one fp8 process: 10x the measured 1.1e-6
@@ -34,7 +34,7 @@ def _single(micro_steps=1, **options):
     model = build("llama", CFG)
     params = {n: init_slice(s, n, seed=0).requires_grad_() for n, s in model.specs.items()}
     recorder = GradRecorder()
-    step = make_train_step(model, **_optimizer(), **options, inspect_grads=recorder)
+    step = make_train_step(model, **optimizer_args(), **options, inspect_grads=recorder)
     state = TrainState.create(params)
     metrics = [step(state, b) for b in batches(micro_steps=micro_steps, steps=STEPS)]
     return ([m["loss"] for m in metrics], {n: p.detach() for n, p in params.items()},
@@ -102,7 +102,7 @@ def train_layouts():
         mesh = plan.mesh.build()
         params = init_params(plan, mesh, seed=0)
         recorder = GradRecorder()
-        step = make_train_step(model, plan, mesh, **_optimizer(), **options, inspect_grads=recorder)
+        step = make_train_step(model, plan, mesh, **optimizer_args(), **options, inspect_grads=recorder)
         state = TrainState.create(params)
         metrics = [step(state, b) for b in batches(micro_steps=2, steps=STEPS)]
         out[name] = ([m["loss"] for m in metrics], {n: p.full_tensor().detach() for n, p in params.items()},
@@ -135,7 +135,7 @@ def test_fp8_30_steps_end_within_3_percent_of_fp32():
 
     def run(**options):
         params = {n: init_slice(s, n, seed=0).requires_grad_() for n, s in model.specs.items()}
-        opt = _optimizer()
+        opt = optimizer_args()
         opt["optimizer"] = dataclasses.replace(opt["optimizer"], lr=3e-3)
         opt["lr_schedule"] = dataclasses.replace(opt["lr_schedule"], lr=3e-3, min_lr=3e-4, total_steps=steps)
         step = make_train_step(model, **opt, **options)

@@ -21,7 +21,7 @@ from meshtrain import AdamW, LRSchedule, MeshSpec, Rules, TrainState, build, ini
 from meshtrain.models.spec import init_slice
 from meshtrain.testing import run_ranks
 
-from test_equivalence import BATCH, CFG, SEQ
+from support.equivalence import BATCH, CFG, SEQ
 
 STEPS, LR = 6, 3e-3
 # Measured (this CPU, torch 2.13) as the largest |loss - fp32 loss| / fp32 loss over the 6

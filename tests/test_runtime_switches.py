@@ -46,8 +46,8 @@ from meshtrain.models.policy import Policy
 from meshtrain.models.spec import init_slice
 from meshtrain.testing import run_ranks
 
-from test_equivalence import (BATCH, CFG, GRAD_CLIP, LOSS_RTOL, NORM_RTOL, GradRecorder, _check, _optimizer, batches,
-                              single_process, train_layouts)
+from support.equivalence import (BATCH, CFG, GRAD_CLIP, LOSS_RTOL, NORM_RTOL, GradRecorder, batches, check_layouts,
+                                 optimizer_args, single_process, train_layouts)
 
 # --- the sharded step's parameter traffic, one switch at a time ----------------------------
 
@@ -84,7 +84,7 @@ def _async_save_files(root: str) -> dict:
     plan = make_plan(model.specs, Rules.default(), MeshSpec(fsdp=2), world=dist.get_world_size())
     mesh = plan.mesh.build()
     state = TrainState.create(init_params(plan, mesh, seed=0))
-    step = make_train_step(model, plan, mesh, **_optimizer())
+    step = make_train_step(model, plan, mesh, **optimizer_args())
     data = batches(micro_steps=2)
     step(state, next(data))
     sync = ckpt.save(os.path.join(root, "sync"), 1, state, {"n": 1}, keep_last=2)
@@ -145,7 +145,7 @@ def test_a_size_bucket_spans_a_block_boundary():
 @pytest.mark.parametrize("case", list(SWITCHES))
 def test_traffic_switch_alone_equals_one_process(reference, tmp_path_factory, case):
     for rank_result in _launch(tmp_path_factory):  # every rank sees the same replicated numbers
-        _check(reference, {case: rank_result[case]})
+        check_layouts(reference, {case: rank_result[case]})
 
 
 @pytest.mark.slow
@@ -322,7 +322,7 @@ def test_fp8_step_equals_by_hand_dequantised_gemms(recipe, one_thread):
         return contexts[-1]
 
     def step(recorder):
-        return make_train_step(model, precision="fp8", fp8_recipe=recipe, inspect_grads=recorder, **_optimizer())
+        return make_train_step(model, precision="fp8", fp8_recipe=recipe, inspect_grads=recorder, **optimizer_args())
 
     _steps_against_hand(model, step, params, make_ctx, steps=3, micro_steps=1, grad_atol=FP8_STEP_GRAD_ATOL)
     assert all(c.fp8_calls == 7 * CFG.n_layers for c in contexts)
@@ -427,7 +427,7 @@ def test_moe_balance_mode_equals_by_hand(balance, one_thread):
                                         != (probs + before).topk(2, -1).indices.sort(-1).values).any(-1).sum())
 
     def step(recorder):
-        return make_train_step(model, inspect_grads=recorder, **_optimizer())
+        return make_train_step(model, inspect_grads=recorder, **optimizer_args())
 
     _steps_against_hand(model, step, params, make_ctx, steps=MOE_STEPS, micro_steps=2, grad_atol=MOE_GRAD_ATOL,
                         after_step=after_step)

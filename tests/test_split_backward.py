@@ -21,7 +21,7 @@ from meshtrain.parallel.context import ShardedContext
 from meshtrain.testing import run_ranks
 from meshtrain.train.split_backward import SplitBackward
 
-from test_equivalence import CFG
+from support.equivalence import CFG
 
 LAYERS = 2
 MM = torch.ops.aten.mm.default
