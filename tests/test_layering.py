@@ -3,6 +3,9 @@
 Read from the source (every import statement, module level or inside a function), not
 from what happens to be imported at run time, so a function-local import cannot hide a
 cycle. docs/architecture.md draws the same layers.
+
+The tests stand alone the same way: a test module imports meshtrain and the helpers
+package tests/support/, never another test module (nor does the helpers package).
 """
 
 from __future__ import annotations
@@ -113,3 +116,58 @@ def test_the_python_api_resolves_and_importing_it_is_cheap():
     code = "import sys, meshtrain, meshtrain.config; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False", "importing meshtrain or its config must not import torch"
+
+
+# --- tests that stand alone ------------------------------------------------------------
+
+TESTS = Path(__file__).resolve().parent
+
+
+def imports_of_test_modules(root: Path = TESTS) -> dict[str, set[str]]:
+    """File (relative to `root`) -> the test modules it imports, at any depth of the code.
+    A test module is any module directly in `root` (test_*.py, conftest.py, the scripts);
+    `tests.` names count too (a second copy of a module under another name). The
+    helpers package (root/support/, imported as `support`) is what they share instead."""
+    modules = {p.stem for p in root.glob("*.py")}
+    found: dict[str, set[str]] = {}
+    for path in sorted(root.rglob("*.py")):
+        package = list(path.relative_to(root).parent.parts)  # [] in tests/, ["support"] in tests/support/
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets = [a.name.split(".") for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                if node.level > len(package) + 1:  # above tests/: never a helper
+                    targets = [["tests", *(node.module or "").split(".")]]
+                else:
+                    base = package[:len(package) - node.level + 1] if node.level else []
+                    module = node.module.split(".") if node.module else []
+                    targets = [base + module] if node.module else [base + [a.name] for a in node.names]
+            else:
+                continue
+            for target in targets:
+                if target[0] in modules or target[0] == "tests":
+                    found.setdefault(path.relative_to(root).as_posix(), set()).add(".".join(target))
+    return found
+
+
+def test_no_test_module_imports_another():
+    found = imports_of_test_modules()
+    assert not found, "test modules imported by other test files (move the helper to tests/support/):\n" + \
+        "\n".join(f"  {f}: {', '.join(sorted(m))}" for f, m in sorted(found.items()))
+
+
+@pytest.mark.parametrize("file, planted, imported", [
+    ("test_equivalence.py", "def _planted():\n    from test_cli import ROOT\n", "test_cli"),
+    ("test_layering.py", "import test_fit as fit_helpers\n", "test_fit"),
+    ("support/cli.py", "def _planted():\n    from .. import test_dryrun\n", "test_dryrun"),
+    ("support/equivalence.py", "from tests.support.cli import ROOT\n", "tests.support.cli"),
+], ids=["function-local", "module-level", "relative-from-support", "tests-package"])
+def test_a_planted_test_module_import_is_seen(tmp_path, file, planted, imported):
+    """The same check on a copy of tests/ with one import of a test module planted (inside
+    a function, at module level, relatively from the helpers package, through `tests.`)."""
+    copy = tmp_path / "tests"
+    shutil.copytree(TESTS, copy, ignore=shutil.ignore_patterns("__pycache__", "golden"))
+    target = copy / file
+    target.write_text(target.read_text() + "\n\n" + planted)
+    assert file not in imports_of_test_modules()
+    assert imports_of_test_modules(copy) == {file: {imported}}
