@@ -7,7 +7,7 @@ collect it); run it when the suite changes a lot and put the table in docs/mutan
     python tests/mutants.py --out /tmp/mutants.md   # then the table into docs/mutants.md
     python tests/mutants.py --check              # every snippet still in its file (seconds)
 
-The mutants are listed in tests/mutant_list.py (and the known survivors, which run only
+The mutants are listed in tests/support/mutant_list.py (and the known survivors, which run only
 when named with --only). Each replaces one exact snippet of the source: a snippet that no
 longer exists is reported as stale (the code moved; update the mutant), never silently
 skipped. A mutant is caught when at least one of its tests fails; the margin is the
@@ -30,7 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from mutant_list import KNOWN_SURVIVORS, MUTANTS, Mutant
+from support.mutant_list import KNOWN_SURVIVORS, MUTANTS, Mutant
 
 ROOT = Path(__file__).resolve().parent.parent
 
