@@ -105,9 +105,9 @@ from meshtrain.models.llama import LlamaConfig  # noqa: E402
 from meshtrain.models.moe import MoeConfig  # noqa: E402
 from meshtrain.parallel.buckets import GROUP_AXES, check_bucket  # noqa: E402
 from meshtrain.parallel.init import init_params  # noqa: E402
-from meshtrain.parallel.mesh import MeshSpec, device_mesh_for  # noqa: E402
-from meshtrain.parallel.plan import make_plan  # noqa: E402
-from meshtrain.parallel.rules import Rules  # noqa: E402
+from meshtrain.layout.mesh import MeshSpec, device_mesh_for  # noqa: E402
+from meshtrain.layout.plan import make_plan  # noqa: E402
+from meshtrain.layout.rules import Rules  # noqa: E402
 from meshtrain.train.optim import AdamW  # noqa: E402
 from meshtrain.train.step import TrainState, make_train_step  # noqa: E402
 

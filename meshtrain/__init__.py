@@ -12,8 +12,8 @@ import importlib
 _EXPORTS = {  # name -> (module, attribute)
     "ConfigError": (".errors", "ConfigError"), "TrainingError": (".errors", "TrainingError"),
     "ModelDef": (".models", "ModelDef"), "ParamSpec": (".models", "ParamSpec"), "build": (".models", "build"),
-    "MeshSpec": (".parallel.mesh", "MeshSpec"), "Rules": (".parallel.rules", "Rules"),
-    "Plan": (".parallel.plan", "Plan"), "make_plan": (".parallel.plan", "make_plan"),
+    "MeshSpec": (".layout.mesh", "MeshSpec"), "Rules": (".layout.rules", "Rules"),
+    "Plan": (".layout.plan", "Plan"), "make_plan": (".layout.plan", "make_plan"),
     "init_params": (".parallel.init", "init_params"),
     "partition": (".pipeline", "partition"), "build_pipeline_schedule": (".pipeline", "build_pipeline_schedule"),
     "AdamW": (".train.optim", "AdamW"), "LRSchedule": (".train.schedule", "LRSchedule"),

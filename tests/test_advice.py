@@ -17,7 +17,7 @@ from meshtrain.config import RunConfig
 from meshtrain.config.worlds import preset_worlds
 from meshtrain.errors import ConfigError
 from meshtrain.estimate.dryrun import GPU_MEMORY, dry_run
-from meshtrain.parallel.plan_table import human_bytes
+from meshtrain.layout.plan_table import human_bytes
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 GPU_PRESETS = sorted(p for p in CONFIGS.glob("*.yaml") if not p.name.startswith("tiny"))

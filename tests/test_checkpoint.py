@@ -20,7 +20,7 @@ from meshtrain.models.spec import init_slice
 from meshtrain.testing import run_ranks
 from meshtrain import checkpoint as ckpt
 from meshtrain.checkpoint import CheckpointError
-from meshtrain.parallel.placements import local_tensor
+from meshtrain.layout.placements import local_tensor
 from meshtrain.train.optim import init_state
 
 CFG = LlamaConfig(dim=32, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=64, max_seq_len=16)

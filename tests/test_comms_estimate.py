@@ -23,9 +23,9 @@ from meshtrain.models.gpt2 import GPT2Config
 from meshtrain.models.llama import PRESETS, LlamaConfig
 from meshtrain.estimate.comms import step_collectives
 from meshtrain.parallel.init import init_params
-from meshtrain.parallel.mesh import MeshSpec
-from meshtrain.parallel.plan import make_plan
-from meshtrain.parallel.rules import Rules
+from meshtrain.layout.mesh import MeshSpec
+from meshtrain.layout.plan import make_plan
+from meshtrain.layout.rules import Rules
 from meshtrain.train.optim import AdamW
 from meshtrain.train.step import TrainState, make_train_step
 from support.collectives import CFG, CollectiveRecorder, Msg, axis_names, run_model_step, run_step
@@ -336,7 +336,7 @@ def run_moe_step(model, layout, *, bucket, sp, batch, seq, world, precision, mon
     """One step on the fake process group: (recorded totals, rows sent, rows received by
     this rank's experts), both summed over the MoE calls."""
     from meshtrain.parallel import expert_parallel
-    from meshtrain.parallel.mesh import device_mesh_for
+    from meshtrain.layout.mesh import device_mesh_for
 
     real_a2a, real_dispatch = dist.all_to_all_single, expert_parallel.AllToAllExchange.dispatch
     routed = [0, 0]

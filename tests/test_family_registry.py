@@ -28,9 +28,9 @@ from meshtrain.models.family import BLOCK_IN, RESIDUAL
 from meshtrain.models.layers import rms_norm
 from meshtrain.models.spec import init_slice
 from meshtrain.models.walks import walk_embed, walk_head
-from meshtrain.parallel.mesh import MeshSpec
-from meshtrain.parallel.plan import make_plan
-from meshtrain.parallel.rules import Rules
+from meshtrain.layout.mesh import MeshSpec
+from meshtrain.layout.plan import make_plan
+from meshtrain.layout.rules import Rules
 from meshtrain.testing import run_ranks
 from meshtrain.train.optim import AdamW
 from meshtrain.train.step import TrainState, make_train_step

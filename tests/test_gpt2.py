@@ -130,7 +130,7 @@ def test_specs_and_init():
     assert "output" not in specs
     assert specs["layers.0.attn.wq"].units == (16, 1) and specs["layers.0.attn.bq"].units == (16,)
     assert specs["layers.5.mlp.b_up"].axes == ("mlp",)
-    from meshtrain.parallel.rules import LOGICAL_AXES
+    from meshtrain.layout.rules import LOGICAL_AXES
 
     assert {a for s in specs.values() for a in s.axes} <= set(LOGICAL_AXES)
     for name, spec in specs.items():
@@ -212,9 +212,9 @@ def _train_sharded(tie: bool):
     import torch.distributed as dist
 
     from meshtrain.parallel.init import init_params
-    from meshtrain.parallel.mesh import MeshSpec
-    from meshtrain.parallel.plan import make_plan
-    from meshtrain.parallel.rules import Rules
+    from meshtrain.layout.mesh import MeshSpec
+    from meshtrain.layout.plan import make_plan
+    from meshtrain.layout.rules import Rules
 
     model = _model(tie)
     plan = make_plan(model.specs, Rules.default(sp=True), MeshSpec(fsdp=2, tp=2), world=dist.get_world_size())

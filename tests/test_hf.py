@@ -463,7 +463,7 @@ def test_config_roundtrip_and_transformers5_rope_parameters():
 
 
 def _strided_rules():
-    from meshtrain.parallel.rules import Rules
+    from meshtrain.layout.rules import Rules
 
     base = Rules.default()
     return Rules(base.mapping, {"layers.*.mlp.*": {"mlp": ("tp", "fsdp"), "embed": ()}})
@@ -478,9 +478,9 @@ def _sharded_ranks(llama_dir: str, gpt2_dir: str, root: str):
     from torch.distributed.tensor import distribute_tensor
     from torch.distributed.tensor.placement_types import _StridedShard
 
-    from meshtrain.parallel.mesh import MeshSpec
-    from meshtrain.parallel.plan import make_plan
-    from meshtrain.parallel.rules import Rules
+    from meshtrain.layout.mesh import MeshSpec
+    from meshtrain.layout.plan import make_plan
+    from meshtrain.layout.rules import Rules
 
     read = {"bytes": 0}
     real_open = safetensors.safe_open

@@ -293,9 +293,9 @@ def _expert_parallel_ranks(directory: str, balance: str):
     import torch.distributed as dist
     from torch.distributed.tensor import distribute_tensor
 
-    from meshtrain.parallel.mesh import MeshSpec
-    from meshtrain.parallel.plan import make_plan
-    from meshtrain.parallel.rules import Rules
+    from meshtrain.layout.mesh import MeshSpec
+    from meshtrain.layout.plan import make_plan
+    from meshtrain.layout.rules import Rules
 
     fields = read_hf_config(directory)
     cfg = _family({**fields, "moe": {**fields["moe"], "balance": balance}})

@@ -13,7 +13,7 @@ import pytest
 
 from meshtrain.estimate.dryrun import dry_run
 from meshtrain.estimate.pipeline import pipeline_estimate
-from meshtrain.parallel.plan import without_pp
+from meshtrain.layout.plan import without_pp
 from support.pipeline import PIPE_ROWS, PIPE_SEQ, pipe_model, pipe_plan, pipelined
 
 FSDP = 2

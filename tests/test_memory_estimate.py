@@ -67,7 +67,7 @@ def _storage(t):
 def measure(world: int):
     """On every rank: each layout x precision, one forward + backward of one micro-batch."""
     from meshtrain.parallel.context import ShardedContext
-    from meshtrain.parallel.placements import local_tensor
+    from meshtrain.layout.placements import local_tensor
     from meshtrain.train.optim import init_state
 
     out = {}
@@ -211,7 +211,7 @@ def measure_moe(model, plan, precision, monkeypatch):
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from meshtrain.parallel.context import ShardedContext
-    from meshtrain.parallel.placements import local_tensor
+    from meshtrain.layout.placements import local_tensor
 
     real = dist.all_to_all_single
 

@@ -16,7 +16,7 @@ from meshtrain.estimate.memory import per_rank_memory
 from meshtrain.estimate.pipeline import pipeline_estimate
 from meshtrain.models.llama import LlamaConfig
 from meshtrain.models.spec import init_slice
-from meshtrain.parallel.plan import without_pp
+from meshtrain.layout.plan import without_pp
 from meshtrain.testing import run_ranks
 
 # A large vocabulary makes the head's stage the heavier one; a small one with a 1/4/2/1

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from meshtrain.estimate.dryrun import dry_run
-from meshtrain.parallel.plan import without_pp
+from meshtrain.layout.plan import without_pp
 from meshtrain.pipeline.schedule import SEND_B, SEND_F
 from support.cli import ROOT, run_cli
 from support.pipeline import PIPE_MICRO, PIPE_ROWS, PIPE_SEQ, pipe_model, pipe_plan, pipelined

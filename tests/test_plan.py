@@ -19,9 +19,9 @@ from meshtrain.models import build, llama
 from meshtrain.models.llama import LlamaConfig
 from meshtrain.models.spec import ParamSpec
 from meshtrain.parallel.init import init_params
-from meshtrain.parallel.mesh import MeshSpec
-from meshtrain.parallel.plan import Layout, layout_for, make_plan, placement_str
-from meshtrain.parallel.rules import Rules
+from meshtrain.layout.mesh import MeshSpec
+from meshtrain.layout.plan import Layout, layout_for, make_plan, placement_str
+from meshtrain.layout.rules import Rules
 
 GOLDEN = Path(__file__).parent / "golden"
 REGEN = os.environ.get("MESHTRAIN_REGEN_GOLDEN") == "1"

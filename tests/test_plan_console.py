@@ -15,7 +15,7 @@ import pytest
 
 from meshtrain import cli
 from meshtrain.estimate.dryrun import GPU_MEMORY, dry_run
-from meshtrain.parallel.plan_table import human_bytes
+from meshtrain.layout.plan_table import human_bytes
 from support.cli import ROOT
 from support.configs import preset
 

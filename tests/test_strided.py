@@ -14,9 +14,9 @@ import torch
 from meshtrain.models import build
 from meshtrain.models.llama import LlamaConfig
 from meshtrain.models.spec import init_slice
-from meshtrain.parallel.mesh import MeshSpec
-from meshtrain.parallel.plan import make_plan, placement_str
-from meshtrain.parallel.rules import Rules
+from meshtrain.layout.mesh import MeshSpec
+from meshtrain.layout.plan import make_plan, placement_str
+from meshtrain.layout.rules import Rules
 from meshtrain.train.optim import AdamW
 from meshtrain.train.step import TrainState, make_train_step
 

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from ..parallel.placements import local_tensor
+from ..layout.placements import local_tensor
 from .layout import _rank_world
 from .store import Pending, TrainState, begin
 

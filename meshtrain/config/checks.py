@@ -65,7 +65,7 @@ def _validate_parallel(p: ParallelConfig) -> None:
     check_bool(p.sp, "parallel.sp")
     _check_int(p.ep, "parallel.ep", minimum=1)
     _check_int(p.cp, "parallel.cp", minimum=1)
-    from ..parallel.plan import CP_COMMS
+    from ..layout.mesh import CP_COMMS
 
     check_choice(p.cp_comm, "parallel.cp_comm", CP_COMMS)
     _check_int(p.pp, "parallel.pp", minimum=1)

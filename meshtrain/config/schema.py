@@ -150,7 +150,7 @@ class RunConfig:
     def plan(self, world: int | None, fill: int | None = None):
         """The Plan of this config for `world` ranks (None: the product of the fixed sizes,
         with a -1 axis taken as `fill`)."""
-        from ..parallel.plan import make_plan
+        from ..layout.plan import make_plan
         from ..train.step import check_compile
 
         plan = make_plan(self.model_def().specs, self.rules(), self.mesh_spec(fill=fill), world=world,
@@ -188,13 +188,13 @@ class RunConfig:
         return build(self.model.arch, self.family_config())
 
     def rules(self):
-        from ..parallel.rules import Rules
+        from ..layout.rules import Rules
 
         return Rules.default(sp=self.parallel.sp)
 
     def mesh_spec(self, fill: int | None = None):
         """The MeshSpec of parallel.*; `fill` replaces a -1 axis (None keeps -1)."""
-        from ..parallel.mesh import MeshSpec
+        from ..layout.mesh import MeshSpec
 
         p = self.parallel
         sizes = {a: getattr(p, a) for a in ("pp", "dp", "fsdp", "cp", "tp", "ep")}

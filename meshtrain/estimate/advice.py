@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 from ..errors import ConfigError
 from ..models.policy import CHECKPOINTING  # least recompute first
-from ..parallel.plan_table import human_bytes
+from ..layout.plan_table import human_bytes
 from .step_memory import step_memory
 
 # Step-time cost of a change, as a rough fraction of the step: selective checkpointing

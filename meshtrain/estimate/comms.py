@@ -83,7 +83,7 @@ from ..models import ModelDef
 from ..models.family import BLOCK_IN
 from ..models.policy import Policy
 from ..parallel.buckets import check_bucket, group_dims, plan_buckets
-from ..parallel.plan import Plan
+from ..layout.plan import Plan
 from .walker import FP32, INT64, PHASES, P, R, _Walker, bucket_traffic, routed_rows
 
 

@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 
 from ..errors import ConfigError
 from ..parallel.buckets import check_bucket, plan_buckets
-from ..parallel.mesh import MESH_AXES
-from ..parallel.plan import Plan, placement_str, without_pp
-from ..parallel.plan_table import human_bytes
+from ..layout.mesh import MESH_AXES
+from ..layout.plan import Plan, placement_str, without_pp
+from ..layout.plan_table import human_bytes
 from .advice import Fit, layouts_that_fit, nothing_fits, search_space, what_would_fit
 from .comms import expert_exchange, step_collectives
 from .compute import step_compute

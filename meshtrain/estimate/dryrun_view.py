@@ -9,8 +9,8 @@ from __future__ import annotations
 from rich.table import Table
 
 from .advice import nothing_fits
-from ..parallel.plan import without_pp
-from ..parallel.plan_table import activation_table, human_bytes, param_table
+from ..layout.plan import without_pp
+from ..layout.plan_table import activation_table, human_bytes, param_table
 from .step_memory import GPU_MEMORY, MEMORY_KEYS
 
 

@@ -157,8 +157,8 @@ from ..models.experts import expert_capacity
 from ..models.losses import CHUNK_ROWS
 from ..models.policy import keeps_fp32
 from ..parallel.buckets import plan_buckets
-from ..parallel.mesh import GATHERED_AXES
-from ..parallel.plan import Plan
+from ..layout.mesh import GATHERED_AXES
+from ..layout.plan import Plan
 from .compute import MaskKeys
 
 _DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp8": 2}  # fp8: bf16 activations, fp8 GEMM operands transient

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from .comms import backward_regathers, step_collectives
 from .memory import per_rank_memory, total_peak
 from ..models.family import RESIDUAL
-from ..parallel.plan import Plan, without_pp
+from ..layout.plan import Plan, without_pp
 from ..pipeline.partition import Stage, partition
 from ..pipeline.schedule import B, BI, BW, F, PipelineSchedule, build_pipeline_schedule
 from ..pipeline.simulate import Result, in_flight, simulate, stage_costs_from_partition

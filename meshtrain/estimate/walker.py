@@ -13,7 +13,7 @@ from ..models.experts import expert_capacity
 from ..models.family import TOKENS
 from ..models.policy import Policy, keeps_fp32
 from ..parallel.buckets import DATA_AXES, gather_sets, group_axes, group_dims, plan_buckets
-from ..parallel.plan import Plan
+from ..layout.plan import Plan
 
 R, P = ("R",), ("P",)
 

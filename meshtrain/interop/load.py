@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from ..errors import ConfigError
-from ..parallel.mesh import device_mesh_for
+from ..layout.mesh import device_mesh_for
 from ..models.hf import HFTensor, Piece
 from .hf_config import _model_fields, read_hf_config
 from .layout import hf_layout

@@ -1,1 +1,3 @@
-"""Layouts as data: mesh spec, rules, plan; the DTensor runtime that executes a plan."""
+"""The runtime half of parallelism: executes a plan (meshtrain/layout) with DTensors and
+collectives: initialisation, the gather/reduce engine, context-parallel attention, the
+expert exchange, overlap, keep-gathered stages."""

@@ -27,8 +27,8 @@ from torch.distributed.tensor import DTensor, Partial, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from ..errors import ConfigError
-from .mesh import GATHERED_AXES, MeshSpec
-from .plan import ParamPlan, Plan
+from ..layout.mesh import GATHERED_AXES, MeshSpec
+from ..layout.plan import ParamPlan, Plan
 
 BUCKET_UNITS = ("block", "param")
 # Every parameter-traffic group made in this process: group name -> its mesh axes joined

@@ -44,10 +44,10 @@ from ..models.policy import Policy
 from .buckets import (BucketGather, BucketRun, Groups, InFlight, grad_layouts, group_dims, held_partials,
                       plan_buckets, traced_gather)
 from .cp_attention import context_parallel_attention, zigzag_order
-from .placements import local_tensor
+from ..layout.placements import local_tensor
 from .expert_parallel import AllToAllExchange, CopyToTensorParallel
-from .mesh import device_mesh_for
-from .plan import Plan
+from ..layout.mesh import device_mesh_for
+from ..layout.plan import Plan
 
 
 @torch.library.custom_op("meshtrain::row_parallel_linear", mutates_args=())

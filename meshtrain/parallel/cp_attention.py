@@ -26,8 +26,8 @@ import torch
 import torch.distributed as dist
 
 from ..errors import ConfigError
+from ..layout.mesh import CP_COMMS
 
-CP_COMMS = ("allgather", "ring", "a2a")
 aten = torch.ops.aten
 
 

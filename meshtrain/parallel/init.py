@@ -10,8 +10,8 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from ..models.spec import init_slice
-from .mesh import device_mesh_for
-from .plan import Plan
+from ..layout.mesh import device_mesh_for
+from ..layout.plan import Plan
 
 
 def init_params(plan: Plan, mesh: DeviceMesh, seed: int = 0, device: str | torch.device = "cpu",

@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor
 from ..errors import ConfigError
 from ..models.policy import Policy
 from .context import ShardedContext
-from .plan import Plan, gathered
+from ..layout.plan import Plan, gathered
 
 
 class KeptStage:

@@ -48,9 +48,9 @@ from ..models.family import RESIDUAL
 from ..models.policy import Policy
 from ..parallel.context import ShardedContext
 from ..parallel.keep_gathered import KeptStage
-from ..parallel.mesh import sub_mesh
-from ..parallel.placements import local_tensor
-from ..parallel.plan import without_pp
+from ..layout.mesh import sub_mesh
+from ..layout.placements import local_tensor
+from ..layout.plan import without_pp
 from ..pipeline.partition import Stage
 from ..pipeline.schedule import B, BI, BW, F, RECV_B, RECV_F, SEND_B, SEND_F, PipelineSchedule, forward_only
 from .optim import AdamW

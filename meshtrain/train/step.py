@@ -18,7 +18,7 @@ from ..models.moe import expert_bias_step, imbalance
 from ..models.policy import Policy
 from ..parallel.context import ShardedContext
 from ..parallel.overlap import aot_eager_overlapped, inductor_pass
-from ..parallel.placements import local_tensor
+from ..layout.placements import local_tensor
 from .optim import (
     AdamW,
     adamw_update,

@@ -27,9 +27,9 @@ from meshtrain.models import build
 from meshtrain.models.llama import LlamaConfig
 from meshtrain.parallel.buckets import GROUP_AXES
 from meshtrain.parallel.init import init_params
-from meshtrain.parallel.mesh import MeshSpec
-from meshtrain.parallel.plan import make_plan
-from meshtrain.parallel.rules import Rules
+from meshtrain.layout.mesh import MeshSpec
+from meshtrain.layout.plan import make_plan
+from meshtrain.layout.rules import Rules
 from meshtrain.train.optim import AdamW
 from meshtrain.train.step import TrainState, make_train_step
 

@@ -5,9 +5,9 @@
 from __future__ import annotations
 
 from meshtrain.estimate.comms import PHASES, step_collectives
-from meshtrain.parallel.mesh import MeshSpec
-from meshtrain.parallel.plan import make_plan
-from meshtrain.parallel.rules import Rules
+from meshtrain.layout.mesh import MeshSpec
+from meshtrain.layout.plan import make_plan
+from meshtrain.layout.rules import Rules
 
 # estimate/comms.py's phase names -> the recorder's (fwd, bwd, opt)
 SHORT = {v: k for k, v in PHASES.items()}

@@ -10,9 +10,9 @@ import dataclasses
 
 from meshtrain.models import build
 from meshtrain.models.llama import LlamaConfig
-from meshtrain.parallel.mesh import MeshSpec
-from meshtrain.parallel.plan import make_plan
-from meshtrain.parallel.rules import Rules
+from meshtrain.layout.mesh import MeshSpec
+from meshtrain.layout.plan import make_plan
+from meshtrain.layout.rules import Rules
 from meshtrain.train.optim import AdamW
 from meshtrain.train.schedule import LRSchedule
 

@@ -7,6 +7,9 @@ from dataclasses import asdict, dataclass
 
 from ..errors import ConfigError
 
+# How context-parallel attention exchanges keys and values (parallel/cp_attention.py).
+CP_COMMS = ("allgather", "ring", "a2a")
+
 # Outer to inner: tp innermost so it stays within a node, pp outermost.
 MESH_AXES = ("pp", "dp", "fsdp", "cp", "tp")
 # Axes whose parameter shards are gathered before use (storage-only sharding, ZeRO-3

@@ -18,8 +18,7 @@ from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from ..errors import ConfigError
 from ..models.spec import ParamSpec
-from .cp_attention import CP_COMMS
-from .mesh import GATHERED_AXES, MESH_AXES, ExpertMeshSpec, MeshSpec
+from .mesh import CP_COMMS, GATHERED_AXES, MESH_AXES, ExpertMeshSpec, MeshSpec
 from .placements import MARKED_ACTIVATIONS, placement_str
 from .rules import Rules
 
