@@ -19,6 +19,7 @@ from meshtrain.models.llama import LlamaConfig
 from meshtrain.models.spec import init_slice
 from meshtrain.testing import run_ranks
 from meshtrain import checkpoint as ckpt
+from meshtrain import files
 from meshtrain.checkpoint import CheckpointError
 from meshtrain.layout.placements import local_tensor
 from meshtrain.train.optim import init_state
@@ -138,7 +139,7 @@ def test_keep_last_prunes_the_oldest(tmp_path):
 
 def _crash_on_rename(monkeypatch, nth: int):
     calls = []
-    real = ckpt.layout._rename
+    real = files.rename
 
     def rename(src, dst):
         calls.append((src, dst))
@@ -146,7 +147,7 @@ def _crash_on_rename(monkeypatch, nth: int):
             raise KeyboardInterrupt("simulated crash")
         real(src, dst)
 
-    monkeypatch.setattr(ckpt.layout, "_rename", rename)
+    monkeypatch.setattr(files, "rename", rename)
 
 
 def test_crash_before_rename_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
@@ -170,7 +171,7 @@ def test_crash_before_rename_keeps_the_previous_checkpoint(tmp_path, monkeypatch
 def test_replacing_a_step_is_safe(tmp_path, monkeypatch, exchange):
     state = _single_state(seed=0, filled=False)
     if not exchange:
-        monkeypatch.setattr(ckpt.layout, "_exchange", lambda a, b: False)
+        monkeypatch.setattr(files, "exchange", lambda a, b: False)
     ckpt.save(tmp_path, 5, state, {"v": 1}, keep_last=1)
     ckpt.save(tmp_path, 5, state, {"v": 2}, keep_last=1)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000005"]

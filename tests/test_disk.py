@@ -29,6 +29,7 @@ from meshtrain import TrainState
 from meshtrain.cli import main
 from meshtrain.testing import run_ranks
 from meshtrain import checkpoint as ckpt
+from meshtrain import files
 from meshtrain.checkpoint import CheckpointError
 from meshtrain.train.optim import init_state
 from support.checkpoints import MODEL, assert_loads_as, tensors_of, train_state
@@ -129,7 +130,7 @@ def _inject(monkeypatch, point: str, code: int) -> None:
             return io.TextIOWrapper(io.BufferedWriter(_FillingStream(open(path, "wb"), room=100, code=code)),
                                     encoding="utf-8")
 
-        monkeypatch.setattr(ckpt.layout, "open", open_meta, raising=False)
+        monkeypatch.setattr(files, "open", open_meta, raising=False)
     elif point in ("rename", "replace_rename", "prune"):
         # rename(s): the directory cannot be renamed into place; prune: the oldest
         # checkpoint cannot be moved aside to be deleted
@@ -143,7 +144,7 @@ def _inject(monkeypatch, point: str, code: int) -> None:
 
         monkeypatch.setattr(os, "rename", rename)
         if point == "replace_rename":  # no atomic swap: the old one is moved aside first
-            monkeypatch.setattr(ckpt.layout, "_exchange", lambda a, b: False)
+            monkeypatch.setattr(files, "exchange", lambda a, b: False)
     else:
         raise AssertionError(point)
 
@@ -241,14 +242,14 @@ def _two_ranks(root: str, point: str, kind: str = "sync"):
     if point == "rank1_tensor_file":
         dcp_fs.FileSystem.create_stream = create_stream
     else:
-        ckpt.layout.open = open_meta
+        files.open = open_meta
     try:
         _save(kind, root, 2, state, {}, keep_last=2)
     except CheckpointError as e:
         return {"message": str(e)}
     finally:
         dcp_fs.FileSystem.create_stream = real_stream
-        vars(ckpt.layout).pop("open", None)
+        vars(files).pop("open", None)
     return {"message": None}
 
 

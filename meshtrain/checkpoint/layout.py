@@ -3,20 +3,19 @@
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import errno
 import json
 import os
 import re
 import shutil
-import sys
 import warnings
 from pathlib import Path
 from typing import Callable
 
 import torch
 import torch.distributed as dist
+
+from .. import files
 
 META = "meta.json"
 
@@ -108,33 +107,10 @@ def _fresh_dir(path: Path) -> None:
 def _publish(root: Path, tmp: Path, final: Path, meta: dict, keep_last: int) -> None:
     """Rank 0: meta.json last, then the atomic rename, then pruning. An OSError before
     the new checkpoint is final leaves every complete checkpoint as it was; one after
-    it (deleting the replaced or the oldest ones) is only a warning."""
-    with open(tmp / META, "w") as f:
-        json.dump(meta, f, indent=1)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    _fsync_dir(tmp)
-    replaced = None  # where the checkpoint this one replaces went, to be deleted
-    if not final.exists():
-        _rename(tmp, final)
-    elif _exchange(tmp, final):
-        replaced = tmp
-    else:
-        # No atomic swap: move the old one aside first. A crash between the two renames
-        # leaves it complete under .old-, and cleanup_incomplete puts it back.
-        old = root / f".old-{final.name}"
-        if old.exists():
-            shutil.rmtree(old)
-        _rename(final, old)
-        try:
-            _rename(tmp, final)
-        except OSError:
-            with contextlib.suppress(OSError):
-                _rename(old, final)  # put it back now, not at the next start
-            raise
-        replaced = old
-    _fsync_dir(root)
+    it (deleting the replaced or the oldest ones) is only a warning. Without an atomic
+    swap the replaced one waits under .old-, where cleanup_incomplete puts it back."""
+    files.write_json(tmp / META, meta, indent=1)
+    replaced = files.publish_dir(tmp, final, aside=root / f".old-{final.name}")
     if replaced is not None:
         try:
             shutil.rmtree(replaced)
@@ -157,48 +133,12 @@ def _prune(root: Path, keep_last: int, keep: Path) -> None:
         try:
             if trash.exists():
                 shutil.rmtree(trash)
-            _rename(path, trash)  # it stops counting as complete at once
-            _fsync_dir(root)
+            files.rename(path, trash)  # it stops counting as complete at once
+            files.fsync_dir(root)
             shutil.rmtree(trash)
         except OSError as e:
             warnings.warn(f"checkpoint {path}: could not delete it while keeping the last {keep_last} "
                           f"({e}); delete it by hand", stacklevel=3)
-
-
-def _rename(src: Path, dst: Path) -> None:
-    os.rename(src, dst)
-
-
-_RENAME_EXCHANGE = 2
-
-
-_AT_FDCWD = -100
-
-
-def _exchange(a: Path, b: Path) -> bool:
-    """Swap two directories atomically (Linux renameat2); False where the OS cannot."""
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).renameat2
-    except (OSError, AttributeError):
-        return False
-    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
-    fn.restype = ctypes.c_int
-    return fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:  # platforms that cannot open a directory
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def read_meta(path: Path) -> dict | None:
@@ -272,12 +212,12 @@ def _cleanup(root: Path) -> None:
             continue
         final = root / f"step_{m.group(2)}"
         if m.group(1) == "old" and not final.exists() and read_meta(entry) is not None:
-            _rename(entry, final)
+            files.rename(entry, final)
         elif entry.is_dir():
             shutil.rmtree(entry)
         else:
             entry.unlink()
-    _fsync_dir(root)
+    files.fsync_dir(root)
 
 
 def _rank_world() -> tuple[int, int]:

@@ -3,7 +3,6 @@ checkpoint (export_dcp), safetensors shards and tokenizer files, published whole
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import secrets
@@ -14,6 +13,7 @@ from typing import Callable, Mapping
 
 import torch
 
+from ..files import publish_dir, write_json
 from ..checkpoint import META, CheckpointError, SafeReader, in_run, newest_under, quiet_dcp
 from ..data.tokenizer import ByteTokenizer, load_tokenizer
 from ..errors import ConfigError
@@ -190,11 +190,11 @@ def _export(arch: str, cfg, fetch: Callable[[str], torch.Tensor], out, dtype: st
             return
         if len(files) > 1:
             weight_map = {t.name: file for file, shard in zip(files, shards) for t in shard}
-            _write_json(tmp / INDEX_FILE, {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))})
-        _write_json(tmp / "config.json", config)
+            write_json(tmp / INDEX_FILE, {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))})
+        write_json(tmp / "config.json", config)
         generation = {"_from_model_config": True}
         generation.update({k: config[k] for k in ("bos_token_id", "eos_token_id") if config[k] is not None})
-        _write_json(tmp / "generation_config.json", generation)
+        write_json(tmp / "generation_config.json", generation)
         for name, content in tok_files.items():
             with open(tmp / name, "wb") as f:
                 f.write(content)
@@ -298,14 +298,6 @@ def _tokenizer_files(tokenizer: str | None) -> tuple[dict[str, bytes], int | Non
         return files, None, None
 
 
-def _write_json(path: Path, value: dict) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(value, f, indent=2)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-
-
 def _publish(out: Path, build: Callable[[Path], None]) -> None:
     """build(tmp) in a temporary sibling of `out`, then rename it to `out`."""
     _check_out(out)
@@ -316,27 +308,15 @@ def _publish(out: Path, build: Callable[[Path], None]) -> None:
     tmp.mkdir()
     try:
         build(tmp)
-        _fsync_dir(tmp)
-        if out.exists():
-            out.rmdir()
-        os.rename(tmp, out)
-        _fsync_dir(out.parent)
+        replaced = publish_dir(tmp, out, aside=tmp.with_name(tmp.name + "-old"))
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    if replaced is not None:  # the empty directory `out` was
+        shutil.rmtree(replaced, ignore_errors=True)
 
 
 def _check_out(out: Path) -> None:
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError(f"export: {out} already exists and is not an empty directory: choose a new output "
                           "directory or delete it")
-
-
-def _fsync_dir(path: Path) -> None:
-    with contextlib.suppress(OSError):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
