@@ -22,13 +22,14 @@ from typing import Iterable, Mapping
 
 import torch
 
-from .checkpoint import META, CheckpointError, load, newest_under
+from .checkpoint import META, load, newest_under
 from .config.schema import ModelConfig, RunConfig
 from .data.errors import DataError
 from .data.tokenizer import load_tokenizer
 from .errors import ConfigError
 from .interop.hf import load_hf_params, read_hf_config
 from .models import FAMILIES
+from .run.export import saved_run
 from .train.step import TrainState
 
 OUTPUT_FORMATS = ("text", "json")
@@ -167,14 +168,7 @@ def load_for_generate(source: str | os.PathLike, device: torch.device | str = "c
 
 
 def _load_meshtrain(step_path: Path, device):
-    try:
-        meta = json.loads((step_path / META).read_text())
-        config = meta["extra"]["config"]
-    except (OSError, ValueError, KeyError, TypeError):
-        raise CheckpointError(f"checkpoint {step_path}: {META} has no extra.config (the run config it was "
-                              "trained with), so the model cannot be rebuilt; use a checkpoint written by "
-                              "meshtrain fit") from None
-    run = RunConfig.from_dict(config)
+    _, run = saved_run(step_path, "use a checkpoint written by meshtrain fit")
     arch, cfg = run.model.arch, run.family_config()
     specs = _family(arch).param_specs(cfg)
     params = {name: torch.empty(spec.shape, dtype=spec.dtype) for name, spec in specs.items()}

@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from .. import checkpoint
 from ..checkpoint import CheckpointError, read_meta
+from ..files import publish_dir
 from ..config import RunConfig
 from ..interop.export import export_dcp
 from ..interop.hf import export_dtype, resolve_checkpoint, save_hf
@@ -40,10 +41,9 @@ def export_run(cfg: RunConfig, run_dir: Path, params: dict, step: int, pipelined
     else:
         save_hf(params, cfg.model.arch, cfg.family_config(), fresh, dtype=dtype, tokenizer=cfg.data.tokenizer)
     if rank == 0:
-        if out.exists():
-            out.rename(old)
-        fresh.rename(out)
-        shutil.rmtree(old, ignore_errors=True)
+        replaced = publish_dir(fresh, out, aside=old)
+        if replaced is not None:
+            shutil.rmtree(replaced, ignore_errors=True)
     if world > 1:
         dist.barrier()
     return out
@@ -71,15 +71,21 @@ def export_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike, dty
     Returns a summary dict: out, checkpoint, step, arch, dtype, files, total_bytes, config.
     """
     path = resolve_checkpoint(checkpoint)
-    meta = read_meta(path)
-    if meta is None:
-        raise CheckpointError(f"checkpoint {path}: meta.json is missing or corrupt: export a complete checkpoint")
-    config = (meta.get("extra") or {}).get("config")
-    if not isinstance(config, Mapping):
-        raise CheckpointError(f"checkpoint {path}: meta.json has no extra.config (the run's RunConfig), so the "
-                              "model is unknown; export a checkpoint written by meshtrain fit, or use save_hf")
-    run = RunConfig.from_dict(config)
+    meta, run = saved_run(path, "export a checkpoint written by meshtrain fit, or use save_hf")
     dtype = export_dtype(run.train.precision) if dtype is None else dtype
     summary = export_dcp(path, run.model.arch, run.family_config(), out, dtype, tokenizer=run.data.tokenizer,
                          max_shard_bytes=max_shard_bytes)
     return {**summary, "checkpoint": str(path), "step": meta["step"]}
+
+
+def saved_run(path: Path, fix: str) -> tuple[dict, RunConfig]:
+    """meta.json of the checkpoint at `path` and the RunConfig it was trained with (its
+    extra.config); a CheckpointError that ends with `fix` when either is missing."""
+    meta = read_meta(path)
+    if meta is None:
+        raise CheckpointError(f"checkpoint {path}: meta.json is missing or corrupt: {fix}")
+    config = (meta.get("extra") or {}).get("config")
+    if not isinstance(config, Mapping):
+        raise CheckpointError(f"checkpoint {path}: meta.json has no extra.config (the run's RunConfig), so the "
+                              f"model is unknown: {fix}")
+    return meta, RunConfig.from_dict(config)
