@@ -13,7 +13,7 @@ from torch._dynamo.utils import counters
 from meshtrain.models import build
 from meshtrain.models.spec import init_slice
 from meshtrain.train.optim import AdamW
-from meshtrain.train.schedule import LRSchedule
+from meshtrain.train.lr_schedule import LRSchedule
 from meshtrain.train.step import TrainState, make_train_step
 from support.equivalence import CFG, batches
 

@@ -379,13 +379,13 @@ def _bad_precision():
 
 
 def _bad_schedule():
-    from meshtrain.train.schedule import LRSchedule
+    from meshtrain.train.lr_schedule import LRSchedule
 
     LRSchedule(lr=1e-3, kind="cosin")
 
 
 def _bad_warmup():
-    from meshtrain.train.schedule import LRSchedule
+    from meshtrain.train.lr_schedule import LRSchedule
 
     LRSchedule(lr=1e-3, warmup_steps=-1, total_steps=10)
 

@@ -116,7 +116,7 @@ def _validate_parallel(p: ParallelConfig) -> None:
 def _validate_train(t: TrainConfig) -> None:
     from ..models.fp8 import RECIPES
     from ..models.policy import CHECKPOINTING, PRECISIONS
-    from ..train.schedule import LR_SCHEDULES
+    from ..train.lr_schedule import LR_SCHEDULES
 
     for key in ("steps", "global_batch", "micro_batch", "seq_len", "log_every", "eval_batches"):
         _check_int(getattr(t, key), f"train.{key}", minimum=1)

@@ -17,7 +17,7 @@ from ..pipeline import partition
 from ..pipeline.schedule import build_pipeline_schedule
 from ..train import pipeline_step
 from ..train.optim import AdamW
-from ..train.schedule import LRSchedule
+from ..train.lr_schedule import LRSchedule
 from ..train.step import make_eval_step, make_train_step
 from .rows import RowSlice
 

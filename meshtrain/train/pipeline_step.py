@@ -54,7 +54,7 @@ from ..layout.plan import without_pp
 from ..pipeline.partition import Stage
 from ..pipeline.schedule import B, BI, BW, F, RECV_B, RECV_F, SEND_B, SEND_F, PipelineSchedule, forward_only
 from .optim import AdamW
-from .schedule import LRSchedule
+from .lr_schedule import LRSchedule
 from .split_backward import SplitBackward
 from .step import (InspectGrads, MoeTerms, TrainState, check_compile, check_split, compiled, count_targets, documents,
                    full_value, make_update, moe_step)

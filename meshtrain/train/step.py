@@ -27,7 +27,7 @@ from .optim import (
     init_state,
     replica_count,
 )
-from .schedule import LRSchedule
+from .lr_schedule import LRSchedule
 
 # Called with {name: gradient} for every trainable parameter: see make_update.
 InspectGrads = Callable[[dict[str, torch.Tensor]], None]

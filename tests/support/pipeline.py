@@ -14,7 +14,7 @@ from meshtrain.layout.mesh import MeshSpec
 from meshtrain.layout.plan import make_plan
 from meshtrain.layout.rules import Rules
 from meshtrain.train.optim import AdamW
-from meshtrain.train.schedule import LRSchedule
+from meshtrain.train.lr_schedule import LRSchedule
 
 from . import collectives, equivalence
 from .configs import preset
