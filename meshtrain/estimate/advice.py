@@ -28,6 +28,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+from ..config import RunConfig
 from ..errors import ConfigError
 from ..models.policy import CHECKPOINTING  # least recompute first
 from ..layout.plan_table import human_bytes
@@ -71,7 +72,7 @@ class Fit:
     world: int | None = None  # what_would_fit's: the ranks it was planned at
 
 
-def layouts_that_fit(cfg, world: int, capacity: float, *, limit: int = 3) -> tuple[list[Fit], Fit | None]:
+def layouts_that_fit(cfg: RunConfig, world: int, capacity: float, *, limit: int = 3) -> tuple[list[Fit], Fit | None]:
     """Up to `limit` layouts of `cfg` (validated) at `world` ranks whose peak is at most
     `capacity` bytes, cheapest first (the layout given first where it fits); and the lowest
     peak planned, the layout given among the candidates and named on a tie (None if no
@@ -126,7 +127,7 @@ def _search(cfg, world: int, capacity: float, limit: int,
     return fits, Fit(_flags(cfg, lowest, now), peak), floors
 
 
-def what_would_fit(cfg, world: int, capacity: float) -> list[Fit]:
+def what_would_fit(cfg: RunConfig, world: int, capacity: float) -> list[Fit]:
     """What fits when no layout of `cfg` does at `world` ranks, each planned: the least
     parallel.cp raise that fits at `world`, and the least larger world (doubled: whole
     nodes, a multiple of the fixed axes) at which a layout fits with cp as given; where
@@ -194,7 +195,7 @@ def nothing_fits(search: str, lowest: Fit | None, would: list[Fit], world: int) 
     return [f"no layout fits among {search}; {found}", "; or ".join(ways)]
 
 
-def search_space(cfg, world: int) -> str:
+def search_space(cfg: RunConfig, world: int) -> str:
     """What `layouts_that_fit` tried, in words (for when nothing fits): the sizes that can
     make `world` ranks."""
     tried = [c for c in _candidates(cfg, world) if _makes(cfg, c, world)] or [_given(cfg)]

@@ -14,11 +14,12 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from ..config import RunConfig
 from ..models.attention import TILE, window_for
 from ..train.metrics import flops_per_token
 
 
-def attention_span(cfg) -> int:
+def attention_span(cfg: RunConfig) -> int:
     """Keys per query in the FLOP count: the mean document length when documents are
     masked and it is given, else the sequence."""
     d, seq = cfg.data, cfg.train.seq_len
@@ -33,7 +34,7 @@ class MaskKeys(NamedTuple):
     padded: int = 0  # compiled windows: positions of keys and values each layer pads in front
 
 
-def mask_keys(cfg, cp: int) -> MaskKeys:
+def mask_keys(cfg: RunConfig, cp: int) -> MaskKeys:
     """Eager: the tiles, each over its queries' documents' span, about a tile plus half a
     document of keys. Compiled: a window per tile, a tile plus a document rounded up to a
     tile x a power of two (documents of data.mean_doc_len tokens), or one dense mask over
@@ -49,7 +50,7 @@ def mask_keys(cfg, cp: int) -> MaskKeys:
     return MaskKeys(tile + max(0, min(attention_span(cfg), seq - tile)) / 2, tiled=True)
 
 
-def step_compute(cfg, model, world: int) -> dict:
+def step_compute(cfg: RunConfig, model, world: int) -> dict:
     """The step's model FLOPs: per token (with the attention term apart, masked and over the
     whole row), per step and per rank (the step's over the world)."""
     m, t = cfg.model, cfg.train

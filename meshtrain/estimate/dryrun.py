@@ -17,6 +17,7 @@ import io
 import math
 from dataclasses import dataclass, field
 
+from ..config import RunConfig
 from ..errors import ConfigError
 from ..parallel.buckets import check_bucket, plan_buckets
 from ..layout.mesh import MESH_AXES
@@ -116,7 +117,7 @@ def _nodes_spanned(mesh, axis: str, gpus_per_node: int) -> int:
     return len({k * stride // gpus_per_node for k in range(mesh.size(axis))})
 
 
-def default_world(cfg) -> int:
+def default_world(cfg: RunConfig) -> int:
     """The smallest world a config can run at on whole nodes: its fixed axes, times (when
     an axis is -1) the least fill that lets ep fold from fsdp x cp, rounded up to whole
     nodes of parallel.nproc_per_node ranks."""
@@ -128,7 +129,7 @@ def default_world(cfg) -> int:
     return math.lcm(fixed * (p.ep // math.gcd(p.ep, p.cp)), p.nproc_per_node)
 
 
-def dry_run(cfg, world: int | None = None, gpu: str | None = None, *, suggest: bool = True) -> DryRun:
+def dry_run(cfg: RunConfig, world: int | None = None, gpu: str | None = None, *, suggest: bool = True) -> DryRun:
     """Plan `cfg` (a validated RunConfig) at `world` ranks (default: `default_world`). With
     `gpu` (h100, h200, a100), a peak over the device's memory sets `error` and `advice`,
     the layouts that fit (`check()` raises the error). Layouts that cannot be built at all
@@ -185,7 +186,7 @@ def dry_run(cfg, world: int | None = None, gpu: str | None = None, *, suggest: b
     return run
 
 
-def keep_gathered_sides(cfg, plan: Plan, model, pipeline) -> dict | None:
+def keep_gathered_sides(cfg: RunConfig, plan: Plan, model, pipeline) -> dict | None:
     """parallel.pp_keep_gathered off and on, for a pipelined layout (`pipeline`: its
     estimate as configured) whose stage mesh gathers parameters (fsdp or cp > 1) in
     buckets: per side, the pp rank with the highest peak, that peak and its parameter

@@ -8,6 +8,7 @@ and compile setting.
 
 from __future__ import annotations
 
+from ..config import RunConfig
 from .compute import mask_keys
 from .memory import per_rank_memory
 from .pipeline import pipeline_estimate
@@ -17,7 +18,7 @@ MEMORY_KEYS = ("params", "grads", "optimizer", "activations", "peak")  # what a 
 GPU_MEMORY = {"h100": 80 * 10**9, "h200": 141 * 10**9, "a100": 80 * 10**9}
 
 
-def step_memory(cfg, plan, model, keep_gathered: bool | None = None,
+def step_memory(cfg: RunConfig, plan, model, keep_gathered: bool | None = None,
                 memory_only: bool = False) -> tuple[dict, object | None]:
     """(memory of the most loaded rank, PipelineEstimate or None) of `cfg` (validated) on
     `plan`; under pp the memory also names its `pp_rank`. `keep_gathered`: under pp, in
