@@ -5,7 +5,9 @@ its own fields (models/moe.py:MoeConfig); here only how it fits the rest of the 
 from __future__ import annotations
 
 from ..errors import ConfigError, check_bool, check_choice, check_float, check_int
+from ..layout.mesh import CP_COMMS
 from ..pipeline.schedule import PP_SCHEDULES
+from ..train.lr_schedule import LR_SCHEDULES
 from .sections import (
     MAX_SIZES,
     MAX_STEPS,
@@ -65,8 +67,6 @@ def _validate_parallel(p: ParallelConfig) -> None:
     check_bool(p.sp, "parallel.sp")
     _check_int(p.ep, "parallel.ep", minimum=1)
     _check_int(p.cp, "parallel.cp", minimum=1)
-    from ..layout.mesh import CP_COMMS
-
     check_choice(p.cp_comm, "parallel.cp_comm", CP_COMMS)
     _check_int(p.pp, "parallel.pp", minimum=1)
     _check_int(p.pp_virtual, "parallel.pp_virtual", minimum=1)
@@ -116,7 +116,6 @@ def _validate_parallel(p: ParallelConfig) -> None:
 def _validate_train(t: TrainConfig) -> None:
     from ..models.fp8 import RECIPES
     from ..models.policy import CHECKPOINTING, PRECISIONS
-    from ..train.lr_schedule import LR_SCHEDULES
 
     for key in ("steps", "global_batch", "micro_batch", "seq_len", "log_every", "eval_batches"):
         _check_int(getattr(t, key), f"train.{key}", minimum=1)
