@@ -122,7 +122,7 @@ def _max_rel_diff(values: list[float], ref: list[float]) -> float:
 def _axes_of_groups(mesh) -> dict[str, str]:
     import torch.distributed as dist
 
-    from meshtrain.parallel.buckets import GROUP_AXES
+    from meshtrain.parallel.bucket_groups import GROUP_AXES
 
     out = {dist.group.WORLD.group_name: "world"}
     out.update({mesh.get_group(i).group_name: a for i, a in enumerate(mesh.mesh_dim_names)})

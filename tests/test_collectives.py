@@ -1,7 +1,7 @@
 """The collectives of one real training step, counted, against the closed forms of
 docs/parallelism.md ("Per-step collectives"), for both units of parameter traffic:
 bucket="param" (one collective per parameter and use: the reference) and the default
-bucket="block" (parallel/buckets.py: one collective per block per mesh group).
+bucket="block" (parallel/bucket_run.py: one collective per block per mesh group).
 
 Each case runs `make_train_step(...)` once, in-process, on the fake process group (every
 collective is issued with its real shape; the values are garbage, which does not

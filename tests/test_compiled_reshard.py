@@ -1,5 +1,5 @@
 """ZeRO-3 in compiled steps (parallel.reshard_after_forward): each bucket's gather (one
-all-gather per block, parallel/buckets.py `traced_gather`) sits under a checkpoint that
+all-gather per block, parallel/bucket_gather.py `traced_gather`) sits under a checkpoint that
 recomputes it, so the compiled backward gathers the block again where it needs it instead
 of keeping it from forward.
 
@@ -30,7 +30,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from meshtrain import AdamW, MeshSpec, Rules, TrainState, build, init_params, make_plan, make_train_step
 from meshtrain.estimate.comms import step_collectives
 from meshtrain.models import llama
-from meshtrain.parallel.buckets import plan_buckets
+from meshtrain.layout.buckets import plan_buckets
 from meshtrain.testing import run_ranks
 
 SMALL = llama.LlamaConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=64, max_seq_len=16)
@@ -190,7 +190,7 @@ def test_compiled_step_reduces_replicas_once_per_step(layout, monkeypatch):
     left partial, Partial DTensors in .grad) and the step all-reduces them once, after the
     last backward, one call per bucket and set of mesh dims: what the plan counts for a
     step of two micro-steps (each graph runs twice)."""
-    from meshtrain.parallel.buckets import BucketRun
+    from meshtrain.parallel.bucket_run import BucketRun
 
     world = math.prod(layout.values())
     torch._dynamo.reset()  # the compiled tests before this one in the process count towards the recompile limit
@@ -235,7 +235,7 @@ def test_compiled_unsharded_accumulation_reduce_scatters_once_per_step(monkeypat
     graph reduce-scatters nothing (each bucket's whole gradient goes to a leaf whose .grad
     sums the micro-steps); after the last backward each bucket is reduce-scattered once and
     its dp part all-reduced once: what the plan counts."""
-    from meshtrain.parallel.buckets import BucketRun
+    from meshtrain.parallel.bucket_run import BucketRun
 
     layout, world = dict(dp=2, fsdp=2), 4
     torch._dynamo.reset()

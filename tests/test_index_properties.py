@@ -877,7 +877,7 @@ def test_every_parameter_is_in_exactly_one_bucket_in_forward_order():
     first parameter would not fit, or is on another mesh). 34 plans x ~50 units: 1,756 cases."""
     from torch.distributed.tensor.placement_types import _StridedShard
 
-    from meshtrain.parallel.buckets import plan_buckets
+    from meshtrain.layout.buckets import plan_buckets
 
     cases = 0
     for plan in _bucket_plans():

@@ -134,7 +134,7 @@ def reference():
 
 def test_a_size_bucket_spans_a_block_boundary():
     """Guards the size case: some 0.03 MB bucket holds weights of two blocks."""
-    from meshtrain.parallel.buckets import plan_buckets
+    from meshtrain.layout.buckets import plan_buckets
 
     plan = make_plan(build("llama", CFG).specs, Rules.default(), MeshSpec(fsdp=2), world=2)
     blocks = [{n.split(".")[1] for n in b.names if n.startswith("layers.")} for b in plan_buckets(plan, SPANNING_MB)[0]]

@@ -80,7 +80,7 @@ def _validate_parallel(p: ParallelConfig) -> None:
                               "or null to balance by cost")
         for i, k in enumerate(p.pp_layout):
             _check_int(k, f"parallel.pp_layout[{i}]", minimum=1)
-    from ..parallel.buckets import check_bucket
+    from ..layout.buckets import check_bucket
 
     check_bucket(p.bucket, "parallel.bucket")
     _check_int(p.prefetch, "parallel.prefetch", minimum=0, maximum=64)

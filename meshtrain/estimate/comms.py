@@ -82,7 +82,7 @@ from ..errors import ConfigError
 from ..models import ModelDef
 from ..models.family import BLOCK_IN
 from ..models.policy import Policy
-from ..parallel.buckets import check_bucket, group_dims, plan_buckets
+from ..layout.buckets import check_bucket, group_dims, plan_buckets
 from ..layout.plan import Plan
 from .walker import FP32, INT64, PHASES, P, R, _Walker, bucket_traffic, routed_rows
 

@@ -156,7 +156,7 @@ from typing import Sequence
 from ..models.experts import expert_capacity
 from ..models.losses import CHUNK_ROWS
 from ..models.policy import keeps_fp32
-from ..parallel.buckets import plan_buckets
+from ..layout.buckets import plan_buckets
 from ..layout.mesh import GATHERED_AXES
 from ..layout.plan import Plan
 from .compute import MaskKeys

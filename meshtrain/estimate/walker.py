@@ -12,7 +12,7 @@ from torch.distributed.tensor import Shard
 from ..models.experts import expert_capacity
 from ..models.family import TOKENS
 from ..models.policy import Policy, keeps_fp32
-from ..parallel.buckets import DATA_AXES, gather_sets, group_axes, group_dims, plan_buckets
+from ..layout.buckets import DATA_AXES, gather_sets, group_axes, group_dims, plan_buckets
 from ..layout.plan import Plan
 
 R, P = ("R",), ("P",)

@@ -41,8 +41,10 @@ from ..models.fp8 import fp8_linear
 from ..models.losses import cross_entropy_sum
 from ..models.moe import balance_loss, route, routed_experts, sequence_stats, z_loss
 from ..models.policy import Policy
-from .buckets import (BucketGather, BucketRun, Groups, InFlight, grad_layouts, group_dims, held_partials,
-                      plan_buckets, traced_gather)
+from ..layout.buckets import group_dims, plan_buckets
+from .bucket_gather import BucketGather, traced_gather
+from .bucket_groups import Groups, InFlight
+from .bucket_run import BucketRun, grad_layouts, held_partials
 from .cp_attention import context_parallel_attention, zigzag_order
 from ..layout.placements import local_tensor
 from .expert_parallel import AllToAllExchange, CopyToTensorParallel

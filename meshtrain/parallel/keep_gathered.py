@@ -9,7 +9,7 @@ autograd over the micro-batches; `KeptStage.release` then sends that sum back th
 the gathers' own backward once: per bucket one reduce-scatter per gather set and one
 all-reduce of what is still partial (dp; tp for sequence-parallel norms), into the
 shards' .grad. The gathers and reductions are the eager bucket path's
-(parallel/buckets.py) in eager and compiled steps alike: they run outside the compiled
+(parallel/bucket_gather.py) in eager and compiled steps alike: they run outside the compiled
 stage graphs, which see the gathered weights as inputs.
 """
 

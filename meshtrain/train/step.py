@@ -71,7 +71,8 @@ def make_train_step(model: ModelDef, plan=None, device_mesh=None, *, optimizer: 
     clipped: see make_update.
     With a plan: `bucket` (block, param or a size in MB), `prefetch` (buckets gathered
     ahead of use) and `reshard_after_forward` (gather again in backward instead of keeping
-    the gathered weights) shape the parameter traffic: see parallel.buckets.
+    the gathered weights) shape the parameter traffic: see layout.buckets and
+    parallel.bucket_run.
     `fsdp_accumulate` "unsharded" (with buckets) adds each micro-step's full
     gradients up locally and reduce-scatters once per step instead of every micro-step.
     The loss is reduced once per step.

@@ -25,7 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from meshtrain.models import build
 from meshtrain.models.llama import LlamaConfig
-from meshtrain.parallel.buckets import GROUP_AXES
+from meshtrain.parallel.bucket_groups import GROUP_AXES
 from meshtrain.parallel.init import init_params
 from meshtrain.layout.mesh import MeshSpec
 from meshtrain.layout.plan import make_plan
@@ -143,7 +143,7 @@ class Observed:
 def axis_names(mesh) -> dict[str, str]:
     """Process group name -> the axis a recorded collective is labelled with: the mesh's
     groups by their axis (the whole world of a mesh of several dims "world"), the
-    parameter buckets' groups (parallel/buckets.py `Groups`) by their axes joined by "+"
+    parameter buckets' groups (parallel/bucket_groups.py `Groups`) by their axes joined by "+"
     (GROUP_AXES: call after the step is built, which makes them)."""
     names = dict(GROUP_AXES)
     if mesh.ndim > 1:

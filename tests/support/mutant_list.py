@@ -55,12 +55,12 @@ KEPT_BF16 = "tests/test_keep_gathered.py::test_kept_equals_sharded[False]"
 MUTANTS = [
     # --- the first nine: the gradient path, clipping, the norm, the loss scale, export ---
     Mutant("grad_1d_x0.5", "every 1-D (norm) gradient halved in the sharded backward (the buckets' reduction)",
-           "meshtrain/parallel/buckets.py",
+           "meshtrain/parallel/bucket_run.py",
            "        return grad._local_tensor, tuple(grad.placements)\n",
            "        return grad._local_tensor * (0.5 if grad.ndim == 1 else 1.0), tuple(grad.placements)\n",
            STEP),
     Mutant("grad_1d_x2", "every 1-D (norm) gradient doubled in the sharded backward (the buckets' reduction)",
-           "meshtrain/parallel/buckets.py",
+           "meshtrain/parallel/bucket_run.py",
            "        return grad._local_tensor, tuple(grad.placements)\n",
            "        return grad._local_tensor * (2.0 if grad.ndim == 1 else 1.0), tuple(grad.placements)\n",
            STEP),
@@ -80,7 +80,7 @@ MUTANTS = [
            "        return DTensor.from_local(grad.to_local(), grad.device_mesh, ctx.placements, run_check=False), "
            "None, None\n", (*STEP, TRAFFIC + "[dp2_bucket_param]")),  # buckets (the default) reduce elsewhere
     Mutant("bucket_all_reduce_avg", "the buckets' gradient all-reduce over dp averages instead of summing",
-           "meshtrain/parallel/buckets.py",
+           "meshtrain/parallel/bucket_run.py",
            'flat = funcol.all_reduce(flat, "sum", self.groups.name(group))',
            'flat = funcol.all_reduce(flat, "avg", self.groups.name(group))', STEP),
     Mutant("loss_per_micro_batch", "the loss averaged per micro-batch instead of over the global batch",
@@ -211,7 +211,7 @@ MUTANTS = [
            "        self.wait()\n        pending = begin(",
            "        pending = begin(", (ASYNC + "test_one_save_in_flight_the_next_waits_for_it",)),
 
-    # --- buckets, prefetch, reshard_after_forward, fsdp_accumulate (parallel/buckets.py, context.py) ---
+    # --- buckets, prefetch, reshard_after_forward, fsdp_accumulate (parallel/bucket_run.py, context.py) ---
     Mutant("regather_ahead_wrong_shards",
            "backward's gather issued ahead for the bucket before, made from this bucket's shards",
            "meshtrain/parallel/context.py",
@@ -229,12 +229,12 @@ MUTANTS = [
            ("tests/test_comms_estimate.py::test_estimate_follows_resharding_and_prefetch[block-kept]",)),
     Mutant("held_partials_dropped",
            "the partial sums held over earlier micro-steps (dp's no_sync) not added into the last reduction",
-           "meshtrain/parallel/buckets.py",
+           "meshtrain/parallel/bucket_run.py",
            "held = leaves[j].grad if self._held else None",
            "held = None", (TRAFFIC + "[dp2_prefetch0]",)),
     Mutant("unsharded_accumulation_dropped",
            "parallel.fsdp_accumulate unsharded: the earlier micro-steps' packed gradients dropped, not added",
-           "meshtrain/parallel/buckets.py",
+           "meshtrain/parallel/bucket_run.py",
            "                buf += self._packed.pop(k)\n",
            "                self._packed.pop(k)\n",
            ("tests/test_equivalence.py::test_unsharded_accumulation_matches_single_process[eager]",)),
