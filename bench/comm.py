@@ -103,7 +103,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from meshtrain.models import build  # noqa: E402
 from meshtrain.models.llama import LlamaConfig  # noqa: E402
 from meshtrain.models.moe import MoeConfig  # noqa: E402
-from meshtrain.layout.buckets import check_bucket  # noqa: E402
+from meshtrain.layout.traffic import check_bucket  # noqa: E402
 from meshtrain.parallel.bucket_groups import GROUP_AXES  # noqa: E402
 from meshtrain.parallel.init import init_params  # noqa: E402
 from meshtrain.layout.mesh import MeshSpec, device_mesh_for  # noqa: E402

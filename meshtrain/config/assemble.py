@@ -145,12 +145,10 @@ def _validate_experts(cfg: RunConfig) -> None:
 
 def _validate_unsharded_accumulation(cfg: RunConfig) -> None:
     p = cfg.parallel
-    for bad, why in ((p.bucket == "param", "parallel.bucket param (the per-parameter reference path)"),
-                     (p.pp > 1, "parallel.pp > 1 (a pipeline reduces every micro-batch; "
-                                "parallel.pp_keep_gathered true reduces once per step)")):
-        if bad:
-            raise ConfigError(f"parallel.fsdp_accumulate=unsharded does not work with {why}: set "
-                              "parallel.fsdp_accumulate sharded")
+    if p.pp > 1:  # with parallel.bucket param: Traffic.check
+        raise ConfigError("parallel.fsdp_accumulate=unsharded does not work with parallel.pp > 1 (a pipeline "
+                          "reduces every micro-batch; parallel.pp_keep_gathered true reduces once per step): set "
+                          "parallel.fsdp_accumulate sharded")
 
 
 def _validate_keep_gathered(cfg: RunConfig) -> None:

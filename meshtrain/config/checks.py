@@ -80,15 +80,7 @@ def _validate_parallel(p: ParallelConfig) -> None:
                               "or null to balance by cost")
         for i, k in enumerate(p.pp_layout):
             _check_int(k, f"parallel.pp_layout[{i}]", minimum=1)
-    from ..layout.buckets import check_bucket
-
-    check_bucket(p.bucket, "parallel.bucket")
-    _check_int(p.prefetch, "parallel.prefetch", minimum=0, maximum=64)
-    check_bool(p.reshard_after_forward, "parallel.reshard_after_forward")
-    check_bool(p.pp_keep_gathered, "parallel.pp_keep_gathered")
-    if p.fsdp_accumulate not in ("sharded", "unsharded"):
-        raise ConfigError(f"parallel.fsdp_accumulate={p.fsdp_accumulate!r}: choose sharded (reduce-scatter every "
-                          "micro-step) or unsharded (accumulate locally, reduce-scatter once per step)")
+    p.traffic().check()
     check_float(p.collective_timeout_s, "parallel.collective_timeout_s", positive=True)
     if p.collective_timeout_s > MAX_TIMEOUT_S:
         raise ConfigError(f"parallel.collective_timeout_s={p.collective_timeout_s} exceeds {MAX_TIMEOUT_S:g} s "

@@ -9,6 +9,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from ..layout.traffic import Traffic
+
 # For the annotation only: importing meshtrain.models here would import torch with
 # meshtrain.config. jsonargparse resolves the name from this block when the CLI builds its
 # parser; ModelConfig and RunConfig.from_dict import the class when a config has a model.moe.
@@ -129,6 +131,11 @@ class ParallelConfig:
     """Seconds a collective may wait for its peers before it fails (the process group's timeout; at most 1e8)."""
     watchdog_s: float = 600.0
     """Seconds a rank may go without progress (a step, an evaluation, a checkpoint) before the watchdog names the stalled rank, its step and operation, and ends the job; 0: off. Must be below collective_timeout_s so its report comes first; raise it above your slowest step (the first one compiles)."""
+
+    def traffic(self) -> Traffic:
+        """The traffic switches as the runtime and the estimators take them."""
+        return Traffic(bucket=self.bucket, prefetch=self.prefetch, reshard_after_forward=self.reshard_after_forward,
+                       fsdp_accumulate=self.fsdp_accumulate, keep_gathered=self.pp_keep_gathered)
 
 
 @dataclass

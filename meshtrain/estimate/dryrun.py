@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 
 from ..config import RunConfig
 from ..errors import ConfigError
-from ..layout.buckets import check_bucket, plan_buckets
+from ..layout.buckets import plan_buckets
+from ..layout.traffic import check_bucket
 from ..layout.mesh import MESH_AXES
 from ..layout.plan import Plan, placement_str, without_pp
 from ..layout.plan_table import human_bytes

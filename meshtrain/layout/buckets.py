@@ -16,26 +16,11 @@ from dataclasses import dataclass
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from ..errors import ConfigError
 from .mesh import GATHERED_AXES, MeshSpec
 from .plan import ParamPlan, Plan
+from .traffic import check_bucket
 
-BUCKET_UNITS = ("block", "param")
 DATA_AXES = ("dp", "fsdp", "cp")  # the mesh axes that split tokens: gradients are partial sums over them
-
-
-def check_bucket(value, key: str = "parallel.bucket") -> str | float:
-    """`block`, `param`, or a size in MB (> 0)."""
-    if isinstance(value, str) and value in BUCKET_UNITS:
-        return value
-    try:
-        mb = float(value)
-    except (TypeError, ValueError):
-        mb = None
-    if isinstance(value, bool) or mb is None or not math.isfinite(mb) or mb <= 0:
-        raise ConfigError(f"{key}={value!r}: use block (one bucket per transformer block), param (one "
-                          "collective per parameter) or a bucket size in MB (a number > 0)")
-    return mb
 
 
 @dataclass(frozen=True)
