@@ -43,7 +43,8 @@ from ..models.moe import balance_loss, route, routed_experts, sequence_stats, z_
 from ..models.policy import Policy
 from .buckets import (BucketGather, BucketRun, Groups, InFlight, grad_layouts, group_dims, held_partials,
                       plan_buckets, traced_gather)
-from .cp_attention import context_parallel_attention, zigzag_order
+from .cp_attention import context_parallel_attention
+from .zigzag import zigzag_order
 from ..layout.placements import local_tensor
 from .expert_parallel import AllToAllExchange, CopyToTensorParallel
 from ..layout.mesh import device_mesh_for

@@ -161,12 +161,12 @@ MUTANTS = [
     # --- context-parallel documents at cp 4 (a ring walked the wrong way is right at cp 2) ---
     Mutant("cp_ring_segments_forward",
            "cp ring forward: the document ids of block r + i matched to the keys of block r - i",
-           "meshtrain/parallel/cp_attention.py",
+           "meshtrain/parallel/cp_exchanges.py",
            "out, lse, segs[(r - i) % cp])",
            "out, lse, segs[(r + i) % cp])", (CP4_DOCUMENTS,)),
     Mutant("cp_ring_segments_backward",
            "cp ring backward: the document ids of block r + i matched to the keys of block r - i",
-           "meshtrain/parallel/cp_attention.py",
+           "meshtrain/parallel/cp_exchanges.py",
            "dq, dkv,\n                         segs[(r - i) % cp])",
            "dq, dkv,\n                         segs[(r + i) % cp])", (CP4_DOCUMENTS,)),
 
