@@ -29,7 +29,9 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from meshtrain.parallel import cp_attention as cpa  # noqa: E402
+from meshtrain.layout.mesh import CP_COMMS  # noqa: E402
+from meshtrain.parallel import cp_blocks, cp_exchanges  # noqa: E402
+from meshtrain.parallel.zigzag import zigzag_order  # noqa: E402
 
 
 WHOLE = [(slice(None), slice(None), True)]  # one causal block over the whole sequence
@@ -55,26 +57,26 @@ def _timed(fn, device, repeat):
 def _blocks(q, dout, groups):
     """Forward and backward of q against groups of (k, v, pieces), merged by LSE into one
     output, as a rank does (backward needs the merged output first)."""
-    out, lse = cpa._running(q)
+    out, lse = cp_blocks._running(q)
     for k, v, pieces in groups:
-        cpa._attend(q, k, v, pieces, out, lse)
+        cp_blocks._attend(q, k, v, pieces, out, lse)
     out = out.to(q.dtype)
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     for k, v, pieces in groups:
         dkv = torch.zeros((2,) + k.shape, dtype=torch.float32, device=q.device)
-        cpa._attend_backward(dout, q, k, v, out, lse, pieces, dq, dkv)
+        cp_blocks._attend_backward(dout, q, k, v, out, lse, pieces, dq, dkv)
 
 
 def rank_work(comm, r, cp, q, k, v, dout):
     """A closure running rank r's attention compute for this comm type (zigzag shards)."""
     S = q.shape[1]
     c = S // (2 * cp)
-    perm = cpa.zigzag_order(S, cp).to(q.device)
+    perm = zigzag_order(S, cp).to(q.device)
     zq, zk, zv, zd = (t.index_select(1, perm).chunk(cp, 1) for t in (q, k, v, dout))
     if comm == "allgather":
-        return lambda: _blocks(zq[r], zd[r], [(k, v, cpa._gather_pieces(r, cp, c))])
+        return lambda: _blocks(zq[r], zd[r], [(k, v, cp_exchanges._gather_pieces(r, cp, c))])
     if comm == "ring":
-        return lambda: _blocks(zq[r], zd[r], [(zk[j], zv[j], cpa._ring_pieces(j, r, c)) for j in range(cp)])
+        return lambda: _blocks(zq[r], zd[r], [(zk[j], zv[j], cp_exchanges._ring_pieces(j, r, c)) for j in range(cp)])
     hq, hkv = q.shape[2] // cp, k.shape[2] // cp  # a2a: whole sequence, cp-th of the heads
     qh, kh, vh, dh = (t[:, :, r * h:(r + 1) * h] for t, h in ((q, hq), (k, hkv), (v, hkv), (dout, hq)))
     return lambda: _blocks(qh, dh, [(kh, vh, WHOLE)])
@@ -87,7 +89,7 @@ def measure(device, dtype, b, S, hq, hkv, d, cps, repeat):
     full = _timed(lambda: _blocks(q, dout, [(k, v, WHOLE)]), device, repeat)
     rows = []
     for cp in cps:
-        for comm in cpa.CP_COMMS:
+        for comm in CP_COMMS:
             if comm == "a2a" and (hq % cp or hkv % cp):
                 continue
             times = [_timed(rank_work(comm, r, cp, q, k, v, dout), device, repeat) for r in range(cp)]

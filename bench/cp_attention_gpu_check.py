@@ -24,7 +24,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from meshtrain.parallel import cp_attention as cpa  # noqa: E402
+from meshtrain.parallel import cp_attention as cpa, cp_blocks, cp_exchanges  # noqa: E402
+from meshtrain.parallel.zigzag import zigzag_order  # noqa: E402
 
 TOL = {torch.bfloat16: 3e-2, torch.float16: 1e-2}
 failures = []
@@ -44,15 +45,15 @@ def kernels(dtype, b=2):
         for sq, sk, causal in ((256, 256, True), (128, 384, False)):
             q, dout = (torch.randn(b, sq, hq, d, device="cuda", dtype=dtype, generator=g) for _ in range(2))
             k, v = (torch.randn(b, sk, hkv, d, device="cuda", dtype=dtype, generator=g) for _ in range(2))
-            assert cpa._use_fused(q) and not cpa._use_fused(q.float())
-            out, lse = cpa._block_forward(q, k, v, causal)
+            assert cp_blocks._use_fused(q) and not cp_blocks._use_fused(q.float())
+            out, lse = cp_blocks._block_forward(q, k, v, causal)
             assert out.dtype == dtype and lse.dtype == torch.float32, (out.dtype, lse.dtype)
-            ref_out, ref_lse = cpa._block_forward(q.float(), k.float(), v.float(), causal)
+            ref_out, ref_lse = cp_blocks._block_forward(q.float(), k.float(), v.float(), causal)
             tag = f"{str(dtype)[6:]} hq={hq} hkv={hkv} d={d} sq={sq} sk={sk} causal={causal}"
             report(f"fwd out  {tag}", out, ref_out, dtype)
             report(f"fwd lse  {tag}", lse, ref_lse, dtype)
-            got = cpa._block_backward(dout, q, k, v, ref_out.to(dtype), ref_lse, causal)
-            want = cpa._block_backward(dout.float(), q.float(), k.float(), v.float(), ref_out, ref_lse, causal)
+            got = cp_blocks._block_backward(dout, q, k, v, ref_out.to(dtype), ref_lse, causal)
+            want = cp_blocks._block_backward(dout.float(), q.float(), k.float(), v.float(), ref_out, ref_lse, causal)
             for n, a, e in zip(("dq", "dk", "dv"), got, want):
                 report(f"bwd {n}   {tag}", a, e, dtype)
 
@@ -71,7 +72,7 @@ def _inputs_and_reference(dtype, seed, b, S, hq, hkv, d):
 
 def layouts(dtype, cp=4, b=2, S=1024, hq=8, hkv=2, d=64):
     (q, k, v, dout), ref, leaves = _inputs_and_reference(dtype, 1, b, S, hq, hkv, d)
-    perm, c = cpa.zigzag_order(S, cp).cuda(), S // (2 * cp)
+    perm, c = zigzag_order(S, cp).cuda(), S // (2 * cp)
     zig = [t.index_select(1, perm).chunk(cp, 1) for t in (q, k, v, dout)]
     want = [t.index_select(1, perm) for t in (ref.detach(), *(x.grad for x in leaves))]
     for comm in ("allgather", "ring"):
@@ -79,22 +80,22 @@ def layouts(dtype, cp=4, b=2, S=1024, hq=8, hkv=2, d=64):
         dkv = torch.zeros(cp, 2, b, 2 * c, hkv, d, device="cuda")  # by owner rank (zigzag shards)
         for r in range(cp):
             ql, dl = zig[0][r], zig[3][r]
-            out, lse = cpa._running(ql)
+            out, lse = cp_blocks._running(ql)
             if comm == "allgather":  # keys in natural order
-                pieces = cpa._gather_pieces(r, cp, c)
-                cpa._attend(ql, k, v, pieces, out, lse)
+                pieces = cp_exchanges._gather_pieces(r, cp, c)
+                cp_blocks._attend(ql, k, v, pieces, out, lse)
             else:
                 for j in range(cp):
-                    cpa._attend(ql, zig[1][j], zig[2][j], cpa._ring_pieces(j, r, c), out, lse)
+                    cp_blocks._attend(ql, zig[1][j], zig[2][j], cp_exchanges._ring_pieces(j, r, c), out, lse)
             out = out.to(dtype)
             dq = torch.zeros(ql.shape, device="cuda")
             if comm == "allgather":
                 full = torch.zeros(2, b, S, hkv, d, device="cuda")
-                cpa._attend_backward(dl, ql, k, v, out, lse, pieces, dq, full)
+                cp_blocks._attend_backward(dl, ql, k, v, out, lse, pieces, dq, full)
                 dkv += full.index_select(2, perm).unflatten(2, (cp, -1)).movedim(2, 0)
             else:
                 for j in range(cp):
-                    cpa._attend_backward(dl, ql, zig[1][j], zig[2][j], out, lse, cpa._ring_pieces(j, r, c), dq, dkv[j])
+                    cp_blocks._attend_backward(dl, ql, zig[1][j], zig[2][j], out, lse, cp_exchanges._ring_pieces(j, r, c), dq, dkv[j])
             outs.append(out)
             dqs.append(dq)
         got = [torch.cat(outs, 1), torch.cat(dqs, 1), dkv[:, 0].movedim(0, 1).flatten(1, 2),

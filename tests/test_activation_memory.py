@@ -1,7 +1,7 @@
 """What a block keeps for backward, at the textbook minimum (issue 25): norms that keep
 their input and per-row statistics only (models/layers.py), and sequence parallelism that
 keeps the shard of an all-gathered activation and gathers it again in backward
-(parallel/context.py `_FetchActivation`; the bytes are checked against the planner in
+(parallel/regather.py `_FetchActivation`; the bytes are checked against the planner in
 tests/test_memory_estimate.py)."""
 
 from __future__ import annotations

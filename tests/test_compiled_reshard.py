@@ -70,7 +70,7 @@ def test_a_compiled_recomputed_gather_prints_no_torch_warning(capfd):
     from torch._logging import warning_once
 
     from meshtrain.models.policy import CONTEXT_FN_WARNING
-    from meshtrain.parallel.context import _recomputed
+    from meshtrain.parallel.param_gather import _recomputed
 
     logger, seen = logging.getLogger("torch._higher_order_ops.wrap"), []
     handler = logging.Handler()

@@ -22,7 +22,8 @@ import torch.nn.functional as F
 
 from meshtrain.errors import ConfigError
 from meshtrain.models.attention import dense_document_attention
-from meshtrain.parallel import cp_attention as cpa
+from meshtrain.parallel import cp_attention as cpa, cp_blocks, cp_exchanges
+from meshtrain.parallel.zigzag import zigzag_order
 from meshtrain.testing import run_ranks
 
 # (phase, op) -> calls per layer, for a context-parallel group of cp ranks.
@@ -79,7 +80,7 @@ def _max_errors(comm, group, b, S, hq, hkv, d, dtype, seed=0, documents=False):
     `documents`: with random packed documents, against one dense document mask."""
     cp, r = dist.get_world_size(group), dist.get_rank(group)
     full = _full(b, S, hq, hkv, d, dtype, seed)
-    perm = cpa.zigzag_order(S, cp)
+    perm = zigzag_order(S, cp)
     segments = _segments(b, S, seed) if documents else None
     q, k, v, dout = (t.index_select(1, perm).chunk(cp, 1)[r].clone() for t in full)
     q, k, v = (t.requires_grad_() for t in (q, k, v))
@@ -135,20 +136,20 @@ def _count(comm, group, b, S, hq, hkv, d):
 def _ring_blocks_computed():
     """Forward block kernels the ring runs at cp 4 when every chunk is a document of its own:
     only the own block's diagonal (the other blocks are skipped)."""
-    calls, kernel = [0], cpa._block_forward
+    calls, kernel = [0], cp_blocks._block_forward
 
     def counted(*args):
         calls[0] += 1
         return kernel(*args)
 
-    cpa._block_forward = counted
+    cp_blocks._block_forward = counted
     try:
-        perm = cpa.zigzag_order(16, 4)
+        perm = zigzag_order(16, 4)
         segments = (torch.arange(16) // 2)[None].index_select(1, perm).chunk(4, 1)[dist.get_rank()]
         q = torch.randn(1, 4, 2, 8)
         cpa.context_parallel_attention(q, q, q, None, "ring", segments)
     finally:
-        cpa._block_forward = kernel
+        cp_blocks._block_forward = kernel
     return calls[0]
 
 
@@ -171,12 +172,12 @@ def _worker(cases, a2a_errors, count_shapes):
     counts = {(cp, comm): _count(comm, groups[cp], *shape) for cp, shape in count_shapes.items()
               for comm in cpa.CP_COMMS}
     # The ring's j > r rule broken on purpose: the comparison must see it.
-    rule = cpa._ring_pieces
-    cpa._ring_pieces = lambda j, r, c: [(slice(c, None), slice(0, c), False)] if j > r else rule(j, r, c)
+    rule = cp_exchanges._ring_pieces
+    cp_exchanges._ring_pieces = lambda j, r, c: [(slice(c, None), slice(0, c), False)] if j > r else rule(j, r, c)
     try:
         mutated = _max_errors("ring", None, 1, 16, 2, 2, 8, torch.float64)
     finally:
-        cpa._ring_pieces = rule
+        cp_exchanges._ring_pieces = rule
     return errors, messages, counts, _ring_blocks_computed(), mutated
 
 
@@ -213,15 +214,15 @@ def test_all_comms_match_full_attention_cp4_cp2_cp1():
 
 def test_zigzag_order_layout_and_errors():
     cp, c = 3, 2
-    perm = cpa.zigzag_order(2 * cp * c, cp)
+    perm = zigzag_order(2 * cp * c, cp)
     assert perm.dtype == torch.long and sorted(perm.tolist()) == list(range(2 * cp * c))
     chunks = torch.arange(2 * cp * c).view(2 * cp, c)
     for r, block in enumerate(perm.view(cp, 2, c)):
         assert torch.equal(block[0], chunks[r]) and torch.equal(block[1], chunks[2 * cp - 1 - r])
-    assert torch.equal(cpa.zigzag_order(4, 1), torch.arange(4))
+    assert torch.equal(zigzag_order(4, 1), torch.arange(4))
     for seq_len, cp in ((10, 2), (6, 2), (7, 1)):
         with pytest.raises(ConfigError) as e:
-            cpa.zigzag_order(seq_len, cp)
+            zigzag_order(seq_len, cp)
         assert all(s in str(e.value) for s in (str(seq_len), f"cp={cp}", f"multiple of 2*cp={2 * cp}")), e.value
 
 
@@ -237,7 +238,7 @@ def test_block_kernels_match_autograd(one_thread):
     q, dout = (torch.randn(2, 5, 6, 4, generator=g, dtype=torch.float64) for _ in range(2))
     for causal, sk in ((True, 5), (False, 7)):
         k, v = (torch.randn(2, sk, 2, 4, generator=g, dtype=torch.float64) for _ in range(2))
-        out, lse = cpa._block_forward(q, k, v, causal)
+        out, lse = cp_blocks._block_forward(q, k, v, causal)
         qs, ks, vs = (t.clone().requires_grad_() for t in (q, k, v))
         ref = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (qs, ks, vs)), is_causal=causal,
                                              enable_gqa=True).transpose(1, 2)
@@ -247,6 +248,6 @@ def test_block_kernels_match_autograd(one_thread):
             scores = scores.masked_fill(torch.ones(5, 5, dtype=torch.bool).triu(1), float("-inf"))
         torch.testing.assert_close(lse, scores.logsumexp(-1), rtol=0, atol=1e-12)
         torch.testing.assert_close(out, ref.detach(), rtol=0, atol=1e-12)
-        grads = cpa._block_backward(dout, q, k, v, out, lse, causal)
+        grads = cp_blocks._block_backward(dout, q, k, v, out, lse, causal)
         for got, want in zip(grads, (qs.grad, ks.grad, vs.grad)):
             torch.testing.assert_close(got, want, rtol=0, atol=1e-12)

@@ -391,7 +391,7 @@ def test_zigzag_order_gives_each_rank_chunks_i_and_2cp_minus_1_minus_i():
     the sequence, so every position is on exactly one cp rank; for cp 1..8 and every seq
     2cp x 1..6 (48 cases); every other seq up to 12 x cp (and cp 0) is refused."""
     from meshtrain.errors import ConfigError
-    from meshtrain.parallel.cp_attention import zigzag_order
+    from meshtrain.parallel.zigzag import zigzag_order
 
     for cp in range(1, 9):
         for seq in range(1, 12 * cp + 1):
@@ -412,7 +412,7 @@ def test_zigzag_segments_follow_their_tokens(monkeypatch):
     is the row's ids in zigzag order, and _natural_segments puts them back in row order:
     for cp 1..8, seq 2cp x 1..3, two rows of seeded adversarial documents each (the
     all-gather played here: rank r's shard is its hand-zigzag columns)."""
-    from meshtrain.parallel import cp_attention as cpa
+    from meshtrain.parallel import cp_exchanges as cpa
 
     rng = random.Random(43)
     for cp in range(1, 9):

@@ -21,7 +21,7 @@ per layer, per token:
   attention norm   c*D  its input (models/layers.py: backward rebuilds the rest)  [seq_sp]
                    4    rsqrt (one fp32 per token)                                [seq_sp]
   q/k/v matmuls    c*D  the normed input; under sp this rank's sequence shard,
-                        gathered again in backward (eager; parallel/context.py)   [seq_sp]
+                        gathered again in backward (eager; parallel/regather.py)  [seq_sp]
   attention        c*hd*(Hq + 2*Hkv)  rotated q, rotated k, v (flash/fused kernel)
                    c*hd*Hq + 4*Hq     output and log-sum-exp (the output is also wo's input)
   qk norms         c*hd + 4 per q and k head (qk_norm): the linears' outputs, rsqrt
@@ -218,7 +218,7 @@ class _Bucket:
 
     def transients(self, prefetch: int, reshard: bool, replicas: int, device: str) -> tuple[int, int, int]:
         """(forward, backward, the backward's communication buffers), as the eager bucket
-        path (parallel/buckets.py) allocates them. Forward: the gathered flat buffer and
+        path (parallel/bucket_run.py) allocates them. Forward: the gathered flat buffer and
         the weights unpacked from it, the packed shards, and `prefetch` gathers issued
         ahead. Backward: the weights gathered again (with resharding) and `prefetch`
         ahead, the weight gradients, the packed fp32 buffer of the reduce-scatter and

@@ -34,10 +34,10 @@ class _Walker:
     `eager`: gathered weights are dropped after forward and gathered again in backward
     where autograd saved them (an eager step with reshard_after_forward). `keep_shards`:
     an all-gathered activation autograd saves is kept as its shard and gathered again
-    in backward, once (parallel/context.py: eager `_FetchActivation`, compiled a
+    in backward, once (parallel/regather.py: eager `_FetchActivation`, compiled a
     recomputing checkpoint). `recompute`: a
     compiled step's, gathered again once per lookup whose weight backward needs (the
-    gather under a recomputing checkpoint, parallel/context.py). Every parameter
+    gather under a recomputing checkpoint, parallel/param_gather.py). Every parameter
     lookup is also kept in `events`, in order; `defer` leaves their traffic out of `out`,
     for `bucket_traffic` to replay them over the plan's buckets."""
 
@@ -105,7 +105,7 @@ class _Walker:
 
     def add_group(self, phase, op, dims, nbytes, n=1, mesh=None):
         """n collectives of nbytes each over the group of mesh dims `dims` (of the dense
-        mesh unless `mesh`: a parameter bucket's group, parallel/buckets.py), named as
+        mesh unless `mesh`: a parameter bucket's group, parallel/bucket_groups.py), named as
         `group_axes` names it."""
         mesh = mesh or self.mesh
         if n and math.prod(mesh.shape[i] for i in dims) > 1:
@@ -288,7 +288,7 @@ class _Walker:
         self.loss_dims = tuple(i for i, p in enumerate(logits) if p[0] == "S" and p[1] < 2)
 
     def moe(self, m, e: str, h, dim: int) -> tuple:
-        """ctx.moe (parallel/context.py) on the block input h (placements) of the MoE block
+        """ctx.moe (parallel/sharded_moe.py) on the block input h (placements) of the MoE block
         whose parameters start with `e`: the router and expert weights' uses and every
         collective the plan sizes, the token all-to-alls at the uniform-routing expectation
         (comms.py's docstring). Returns the placements of the routed output."""
@@ -330,7 +330,7 @@ def bucket_traffic(w: _Walker, events, unit, names, policy: Policy, prefetch: in
                    step: _Walker | None = None, unsharded: bool = False,
                    keep: bool = False) -> list[tuple[int, dict]]:
     """One micro-step's parameter traffic, into `w.out`, as a step with buckets
-    (parallel/buckets.py, `unit` block or a size in MB) issues it. `events` are one
+    (parallel/bucket_run.py, `unit` block or a size in MB) issues it. `events` are one
     forward's parameter lookups in order (`_Walker.events` of every block the rank runs,
     with the embedding's first and the head's last); `names` the parameters the rank
     holds. As `_BoundParams` and `BucketGather` run them:

@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass
 
 from ..errors import ConfigError
 
-# How context-parallel attention exchanges keys and values (parallel/cp_attention.py).
+# How context-parallel attention exchanges keys and values (parallel/cp_exchanges.py).
 CP_COMMS = ("allgather", "ring", "a2a")
 
 # Outer to inner: tp innermost so it stays within a node, pp outermost.

@@ -33,7 +33,7 @@ CHECKPOINTING = ("none", "selective", "full")
 # torch.utils.checkpoint under torch.compile. Please make sure the checkpointed region
 # does not contain in-place ops". Every compiled sharded step has such checkpoints, with
 # train.activation_checkpointing none too: the traced ZeRO-3 gathers are recomputed in
-# backward under one (parallel/context.py `_recomputed`), as is a selectively
+# backward under one (parallel/param_gather.py `_recomputed`), as is a selectively
 # checkpointed block (Policy.remat). Their in-place ops write only tensors the region
 # itself creates, which recompute the same, and the equivalence tests compare compiled
 # steps with eager ones: the warning is no news to a user, so that message alone is

@@ -8,7 +8,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from ..data.documents import document_positions, document_segments, mask_after_eod
-from ..parallel.cp_attention import zigzag_order
+from ..parallel.zigzag import zigzag_order
 
 
 class RowSlice:

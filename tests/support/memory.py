@@ -14,7 +14,7 @@ def kept_instead(ctx, t):
     from the shard it holds anyway, None when it keeps `t` itself."""
     from torch.distributed.tensor import DTensor
 
-    from meshtrain.parallel.context import _FetchActivation
+    from meshtrain.parallel.regather import _FetchActivation
 
     local = t._local_tensor if isinstance(t, DTensor) else t
     if type(local) is not torch.Tensor:  # a pending collective's result: no storage of its own

@@ -75,7 +75,7 @@ MUTANTS = [
            "    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:\n",
            "    if False:\n", STEP),
     Mutant("no_dp_reduction", "gradients not reduced over the replicated (dp) axis",
-           "meshtrain/parallel/context.py",
+           "meshtrain/parallel/param_gather.py",
            "        return grad.redistribute(grad.device_mesh, ctx.placements), None, None\n",
            "        return DTensor.from_local(grad.to_local(), grad.device_mesh, ctx.placements, run_check=False), "
            "None, None\n", (*STEP, TRAFFIC + "[dp2_bucket_param]")),  # buckets (the default) reduce elsewhere
@@ -161,12 +161,12 @@ MUTANTS = [
     # --- context-parallel documents at cp 4 (a ring walked the wrong way is right at cp 2) ---
     Mutant("cp_ring_segments_forward",
            "cp ring forward: the document ids of block r + i matched to the keys of block r - i",
-           "meshtrain/parallel/cp_attention.py",
+           "meshtrain/parallel/cp_exchanges.py",
            "out, lse, segs[(r - i) % cp])",
            "out, lse, segs[(r + i) % cp])", (CP4_DOCUMENTS,)),
     Mutant("cp_ring_segments_backward",
            "cp ring backward: the document ids of block r + i matched to the keys of block r - i",
-           "meshtrain/parallel/cp_attention.py",
+           "meshtrain/parallel/cp_exchanges.py",
            "dq, dkv,\n                         segs[(r - i) % cp])",
            "dq, dkv,\n                         segs[(r + i) % cp])", (CP4_DOCUMENTS,)),
 
@@ -211,14 +211,14 @@ MUTANTS = [
            "        self.wait()\n        pending = begin(",
            "        pending = begin(", (ASYNC + "test_one_save_in_flight_the_next_waits_for_it",)),
 
-    # --- buckets, prefetch, reshard_after_forward, fsdp_accumulate (parallel/bucket_run.py, context.py) ---
+    # --- buckets, prefetch, reshard_after_forward, fsdp_accumulate (parallel/bucket_run.py, regather.py, bound_params.py, context.py) ---
     Mutant("regather_ahead_wrong_shards",
            "backward's gather issued ahead for the bucket before, made from this bucket's shards",
-           "meshtrain/parallel/context.py",
+           "meshtrain/parallel/regather.py",
            "saved[before])))}",
            "saved[b])))}", (TRAFFIC + "[fsdp2_prefetch3]",)),
     Mutant("prefetch_one_short", "forward issues parallel.prefetch - 1 buckets ahead (none at the default 1)",
-           "meshtrain/parallel/context.py",
+           "meshtrain/parallel/bound_params.py",
            "for nb in range(b + 1, b + 1 + context.prefetch):",
            "for nb in range(b + 1, b + context.prefetch):",
            ("tests/test_overlap.py::test_eager_gathers_overlap_the_previous_block[1]",)),
