@@ -15,8 +15,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-
-PACKAGE = Path(__file__).resolve().parent.parent / "meshtrain"
+from support.source import PACKAGE, module_name
 
 # Bottom first: a unit may import only units before it in this list (or itself).
 LAYERS = ["errors", "files", "models", "data", "layout", "parallel", "pipeline", "train", "checkpoint", "interop", "config",
@@ -31,11 +30,6 @@ def unit(module: str) -> str:
     """meshtrain.train.step -> train; meshtrain.cli -> cli; meshtrain -> meshtrain."""
     parts = module.split(".")
     return parts[1] if len(parts) > 1 else parts[0]
-
-
-def module_name(path: Path, root: Path = PACKAGE) -> str:
-    parts = list(path.relative_to(root.parent).with_suffix("").parts)
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
 def imports(path: Path, root: Path = PACKAGE) -> set[str]:

@@ -18,7 +18,6 @@ run holds its run_dir's lock from then on (run/rundir.py).
 from __future__ import annotations
 
 import datetime
-import math
 import os
 import signal
 import sys
@@ -37,10 +36,11 @@ from .export import export_run
 from .faults import Faults
 from .guards import LossGuard
 from .clock import StepClock
-from .report import Reporter, count
+from .record import Due, evaluation, mfu, step_record
+from .report import Reporter, banner
 from .rundir import RunLock, claim, kept_metrics, write_run_files
 from .saves import Saves
-from .start import check_start, check_writable, config_changes, finished, open_data, resume_path
+from .start import check_start, check_writable, config_changes, finished, load_resume, open_data, resume_path
 from .watchdog import TRAIN_STEP, Watchdog
 
 
@@ -193,42 +193,16 @@ class _Run:
         try:
             while self.state.step < stop:
                 metrics = self._step()
-                done = self.state.step
-                warmup_s = clock.stepped()
-                if warmup_s is not None and t.compile:
-                    rep.compiled(warmup_s)
-                note = guard.check(done, metrics)
-                if note:
-                    rep.print(f"[yellow]{note}[/]")
-                evaluate = t.eval_every and (done % t.eval_every == 0 or done == t.steps)
-                every = self.cfg.checkpoint.every
-                saving = done == stop or bool(every and done % every == 0)  # the last step always saves
-                written = {} if saving else self.saves.written()  # a background write that finished
+                self._check_step(metrics, clock, guard, rep)
+                due = Due.at(self.state.step, t, self.cfg.checkpoint.every, stop)
+                written = {} if due.save else self.saves.written()  # a background write that finished
                 record = None
-                if done % t.log_every == 0 or done == stop or evaluate or saving or written:
-                    record = self._record(metrics, clock, first=not history, skipped=guard.skipped, evaluate=evaluate)
+                if due.log or written:
+                    record = self._record(metrics, clock, first=not history, skipped=guard.skipped,
+                                          evaluate=due.evaluate)
                     history.append(record)
-
-                def log(fields: dict, record=record) -> None:
-                    """This step's record, with its save's metrics (before its checkpoint commits)."""
-                    if record is not None:
-                        record.update(fields)
-                        rep.log(record)
-
-                ckpt = self.saves.at_step(self.state, stop, log) if saving else {}
-                if not saving:
-                    log(written)
-                if "path" in ckpt:
-                    rep.print(f"checkpoint {ckpt['path']}" + (" (writing in the background)" if ckpt["background"]
-                                                            else ""))
-                _mark(self.watchdog, done, "agreeing on stop signals (a two-element all-reduce)")
-                received = self._stop_agreed()
-                if received and done < stop:
-                    # Preemption: a checkpoint at this step boundary, committed, then a clean exit.
-                    path = ckpt["path"] if saving else self.saves.save(self.state)
-                    self.saves.wait(done)
-                    rep.print(f"stopped by {received} after step {done}: checkpoint {path}; run the same command "
-                              "to resume")
+                ckpt = self._save_and_log(due.save, record, written, stop, rep)
+                if self._stopped(due.save, ckpt, stop, rep):
                     return history
             self.saves.wait(self.state.step)
             if self.cfg.checkpoint.export and self.state.step >= stop:
@@ -253,7 +227,8 @@ class _Run:
         if self.ranks.rank == 0:
             write_run_files(self.run_dir, cfg.to_yaml(), self.plan.to_json(), self.state.step)
         rep.start(kept_metrics(self.run_dir, resumed))
-        rep.print(self._banner())
+        rep.print(banner(cfg, self.plan, self.model.specs, self.data, self.ranks.world, self.device,
+                         self.accumulation, self.dp_size))
         rep.print(f"  {rep.tensorboard_line()}")
         for note in [*self.data.notes, *cfg.notes(self.plan.mesh), *skipped]:
             rep.print(f"[yellow]{note}[/]")
@@ -276,28 +251,65 @@ class _Run:
         self.consumed += self.cfg.train.global_batch
         return metrics
 
+    def _check_step(self, metrics: dict, clock: StepClock, guard: LossGuard, rep: Reporter) -> None:
+        """The step just done on the clock, and on the console: a compiled run's first-step
+        (compile) time, and the loss guard's warning (it raises when the run must stop)."""
+        warmup_s = clock.stepped()
+        if warmup_s is not None and self.cfg.train.compile:
+            rep.compiled(warmup_s)
+        note = guard.check(self.state.step, metrics)
+        if note:
+            rep.print(f"[yellow]{note}[/]")
+
     def _record(self, metrics: dict, clock: StepClock, first: bool, skipped: int, evaluate: bool) -> dict:
         """The logged record of the step just done: losses, rates, memory, evaluation."""
         done, m, t = self.state.step, self.cfg.model, self.cfg.train
         timing = clock.fields(done)
-        peak, rate = device_peak_tflops(self.device, t.precision), timing["tokens_per_s"]
+        peak = device_peak_tflops(self.device, t.precision)
         if self.flops is None:
             self.flops = flops_per_token(self.model.specs, m.n_layers, m.dim, t.seq_len, m.tie_embeddings, m.moe)
-        record = {"step": done, "loss": metrics["loss"], "lr": metrics["lr"], "grad_norm": metrics["grad_norm"],
-                  "tokens_per_s": rate, "step_time_s": timing["step_time_s"],
-                  "mfu": self.flops * rate / self.ranks.world / (peak * 1e12) if peak and rate else None,
-                  "memory_gib": memory_gib(self.device), "elapsed_s": timing["elapsed_s"], "eta_s": timing["eta_s"],
-                  **{k: metrics[k] for k in ("aux_loss", "expert_imbalance") if k in metrics}}
+        record = step_record(done, metrics, timing, mfu(self.flops, timing["tokens_per_s"], self.ranks.world, peak),
+                             memory_gib(self.device))
         if first:
             record["warmup_s"] = clock.warmup_s
         if skipped:
             record["skipped_steps"] = skipped
         if evaluate:
             _mark(self.watchdog, done, "evaluation")
-            record["val_loss"] = self._evaluate()
-            record["val_ppl"] = math.exp(min(record["val_loss"], 700.0))
+            record.update(evaluation(self._evaluate()))
         clock.window(done)  # evaluation time is not training time
         return record
+
+    def _save_and_log(self, saving: bool, record: dict | None, written: dict, stop: int, rep: Reporter) -> dict:
+        """Save when `saving`, and log the step's `record` (None: not a logged step) with the
+        save's metrics, or with those of a background write that finished (`written`).
+        Returns the save's {"path", "background"}, or {}."""
+        def log(fields: dict) -> None:
+            """This step's record, with its save's metrics (before its checkpoint commits)."""
+            if record is not None:
+                record.update(fields)
+                rep.log(record)
+
+        ckpt = self.saves.at_step(self.state, stop, log) if saving else {}
+        if not saving:
+            log(written)
+        if "path" in ckpt:
+            rep.print(f"checkpoint {ckpt['path']}" + (" (writing in the background)" if ckpt["background"] else ""))
+        return ckpt
+
+    def _stopped(self, saved: bool, ckpt: dict, stop: int, rep: Reporter) -> bool:
+        """Whether a stop signal, agreed by every rank, ends the run after this step: then
+        with a checkpoint of this step committed (`ckpt`, when `saved` already)."""
+        done = self.state.step
+        _mark(self.watchdog, done, "agreeing on stop signals (a two-element all-reduce)")
+        received = self._stop_agreed()
+        if not (received and done < stop):
+            return False
+        # Preemption: a checkpoint at this step boundary, committed, then a clean exit.
+        path = ckpt["path"] if saved else self.saves.save(self.state)
+        self.saves.wait(done)
+        rep.print(f"stopped by {received} after step {done}: checkpoint {path}; run the same command to resume")
+        return True
 
     def _stop_agreed(self) -> str | None:
         """The stop signal's name when any rank received one, else None. Every rank must agree
@@ -322,25 +334,10 @@ class _Run:
         return f"{latest} is the latest checkpoint, intact" if latest else "no checkpoint was written"
 
     def _load_resume(self) -> list[str]:
-        """Load the checkpoint to resume from. With resume auto, a damaged newest checkpoint
-        (missing or truncated files, bad metadata, shapes that do not fit) is skipped for the
-        one before it; returns a one-line note per skipped checkpoint."""
-        auto = self.cfg.checkpoint.resume == "auto"
-        candidates = [p for p in reversed(checkpoint.complete(self.resume.parent))] if auto else [self.resume]
-        notes, first_error = [], None
-        for path in candidates:
-            try:
-                meta = checkpoint.load(path, self.state, self.model.specs)
-            except checkpoint.CheckpointError as e:
-                first_error = first_error or e
-                notes.append(f"skipping {path.name}: {e}")
-                continue
-            self.resume, self.consumed = path, int(meta["extra"]["consumed_samples"])
-            self.resumed_config = meta["extra"].get("config", {})
-            return notes
-        raise checkpoint.CheckpointError(f"{first_error}; no earlier checkpoint in {self.resume.parent} loads either "
-                                         "(set checkpoint.resume restart to move it aside and start over)"
-                                         if auto else str(first_error))
+        """Load the checkpoint to resume from (start.py:load_resume): the notes of the damaged ones skipped."""
+        self.resume, extra, notes = load_resume(self.cfg, self.resume, self.state, self.model.specs)
+        self.consumed, self.resumed_config = int(extra["consumed_samples"]), extra.get("config", {})
+        return notes
 
     def _batch(self, source, start: int) -> dict:
         """This rank's rows of the global batch of samples [start, start + global_batch)."""
@@ -376,20 +373,3 @@ class _Run:
 
         return export_run(self.cfg, self.run_dir, self.state.params, self.state.step, self.plan.mesh.pp > 1,
                           self.ranks.rank, self.ranks.world, save)
-
-    def _banner(self) -> str:
-        """Three short lines: the model and run_dir, the layout, the batch."""
-        cfg, t, plan = self.cfg, self.cfg.train, self.plan
-        n_params = sum(s.numel for s in self.model.specs.values())
-        mesh = " x ".join(f"{a}={plan.mesh.size(a)}" for a in plan.mesh.axes)
-        if plan.mesh.ep > 1:
-            mesh += f", experts ep={plan.mesh.ep}"
-        options = [t.precision + (f" {t.fp8_recipe}" if t.precision == "fp8" else "")]
-        options += ["compiled"] * bool(t.compile)
-        options += [f"{t.activation_checkpointing} recompute"] * (t.activation_checkpointing != "none")
-        masks = sum(p.has_loss_mask for p in self.data.train.parts)
-        return (f"[bold]meshtrain fit[/] {cfg.model.arch} {count(n_params)} params -> {self.run_dir}\n"
-                f"  world {self.ranks.world} ({mesh}) on {self.device.type}, {', '.join(options)}\n"
-                f"  batch {t.global_batch} x {t.seq_len} tokens: {self.accumulation} micro-step(s) of "
-                f"{t.micro_batch} x {self.dp_size} data-parallel rank(s)"
-                + (f"; loss masks from {masks} of {len(self.data.names)} dataset(s)" if masks else ""))

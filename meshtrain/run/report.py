@@ -39,6 +39,24 @@ def count(n: int) -> str:
     return str(n)
 
 
+def banner(cfg, plan, specs: dict, data, world: int, device, accumulation: int, dp_size: int) -> str:
+    """A run's first three short lines: the model and run_dir, the layout, the batch."""
+    t = cfg.train
+    n_params = sum(s.numel for s in specs.values())
+    mesh = " x ".join(f"{a}={plan.mesh.size(a)}" for a in plan.mesh.axes)
+    if plan.mesh.ep > 1:
+        mesh += f", experts ep={plan.mesh.ep}"
+    options = [t.precision + (f" {t.fp8_recipe}" if t.precision == "fp8" else "")]
+    options += ["compiled"] * bool(t.compile)
+    options += [f"{t.activation_checkpointing} recompute"] * (t.activation_checkpointing != "none")
+    masks = sum(p.has_loss_mask for p in data.train.parts)
+    return (f"[bold]meshtrain fit[/] {cfg.model.arch} {count(n_params)} params -> {Path(cfg.run_dir)}\n"
+            f"  world {world} ({mesh}) on {device.type}, {', '.join(options)}\n"
+            f"  batch {t.global_batch} x {t.seq_len} tokens: {accumulation} micro-step(s) of "
+            f"{t.micro_batch} x {dp_size} data-parallel rank(s)"
+            + (f"; loss masks from {masks} of {len(data.names)} dataset(s)" if masks else ""))
+
+
 def duration(seconds: float | None) -> str:
     """h:mm:ss, or Nd hh:mm past a day; '-' when unknown."""
     if seconds is None or not math.isfinite(seconds):

@@ -156,3 +156,24 @@ def resume_path(cfg: RunConfig, repair: bool = False) -> Path | None:
         raise ConfigError(f"checkpoint.resume={resume!r} is not a complete checkpoint directory (no meta.json): "
                           "give a <run_dir>/checkpoints/step_XXXXXXXX directory, or auto, or restart")
     return path
+
+
+def load_resume(cfg: RunConfig, first: Path, state, specs) -> tuple[Path, dict, list[str]]:
+    """Load the checkpoint to resume from, `first` (resume_path's), into `state`. With
+    resume auto, a damaged newest checkpoint (missing or truncated files, bad metadata,
+    shapes that do not fit) is skipped for the one before it. Returns the checkpoint
+    loaded, what it keeps beside the tensors, and a one-line note per skipped checkpoint."""
+    auto = cfg.checkpoint.resume == "auto"
+    candidates = [p for p in reversed(checkpoint.complete(first.parent))] if auto else [first]
+    notes, first_error = [], None
+    for path in candidates:
+        try:
+            meta = checkpoint.load(path, state, specs)
+        except checkpoint.CheckpointError as e:
+            first_error = first_error or e
+            notes.append(f"skipping {path.name}: {e}")
+            continue
+        return path, meta["extra"], notes
+    raise checkpoint.CheckpointError(f"{first_error}; no earlier checkpoint in {first.parent} loads either "
+                                     "(set checkpoint.resume restart to move it aside and start over)"
+                                     if auto else str(first_error))
