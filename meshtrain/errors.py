@@ -4,6 +4,7 @@ it with these, so every message names the key and the value alike."""
 
 from __future__ import annotations
 
+import difflib
 import math
 
 
@@ -51,8 +52,6 @@ def check_bool(value, key: str) -> None:
 
 def check_choice(value, key: str, choices) -> None:
     """`choices`: the names, as a tuple or as the keys of the owner's table."""
-    import difflib
-
     choices = tuple(choices)
     if value not in choices:
         close = difflib.get_close_matches(value, choices, n=1, cutoff=0.6) if isinstance(value, str) else []

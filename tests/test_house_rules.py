@@ -38,23 +38,17 @@ LAUNCHER = "the elastic agent only in the process that launches ranks (every ran
 PRIVATE_TORCH = ("a private torch name (underscored, moves between releases) on one path: a torch that "
                  "moved it breaks that path, not every import of the module")
 INDIRECT = "PyYAML comes with jsonargparse, not as a dependency of ours: only where a config is written"
-NONE_TODAY = ("none today: the module is torch-free, or loaded already by this module's own imports; "
-              "it can move to the top of the file")
 
 FUNCTION_LOCAL_IMPORTS: dict[tuple[str, str], str] = {
     **dict.fromkeys([
         ("meshtrain.config.checks", "meshtrain.models.FAMILIES"),
         ("meshtrain.config.checks", "meshtrain.models.moe.MoeConfig"),
-        ("meshtrain.config.checks", "meshtrain.parallel.buckets.check_bucket"),
         ("meshtrain.config.checks", "meshtrain.models.fp8.RECIPES"),
         ("meshtrain.config.checks", "meshtrain.models.policy.CHECKPOINTING"),
         ("meshtrain.config.checks", "meshtrain.models.policy.PRECISIONS"),
         ("meshtrain.config.checks", "meshtrain.data.DataError"),
         ("meshtrain.config.checks", "meshtrain.data.parse_paths"),
-        ("meshtrain.config.schema", "meshtrain.interop.hf.to_hf_config"),
-        ("meshtrain.config.schema", "meshtrain.layout.plan.make_plan"),
-        ("meshtrain.config.schema", "meshtrain.train.step.check_compile"),
-        ("meshtrain.config.schema", "meshtrain.models.build"),
+        ("meshtrain.config.schema", "meshtrain.config.assemble"),
         ("meshtrain.config.schema", "meshtrain.models.moe.MoeConfig"),
         ("meshtrain.config.sections", "meshtrain.models.moe.MoeConfig"),
         ("meshtrain.config.sections", "meshtrain.models.get_family"),
@@ -102,45 +96,15 @@ FUNCTION_LOCAL_IMPORTS: dict[tuple[str, str], str] = {
     **dict.fromkeys([
         ("meshtrain.interop.load", "torch._prims_common.make_contiguous_strides_for"),
         ("meshtrain.interop.load", "torch.distributed.tensor.placement_types._StridedShard"),
-        ("meshtrain.parallel.context", "torch.utils._python_dispatch._get_current_dispatch_mode"),
-        ("meshtrain.parallel.context", "torch.utils._python_dispatch._pop_mode_temporarily"),
-        ("meshtrain.parallel.context", "torch.utils.checkpoint._CachedTorchDispatchMode"),
-        ("meshtrain.parallel.context", "torch.utils.checkpoint._CachingTorchDispatchMode"),
+        ("meshtrain.parallel.bound_params", "torch.utils._python_dispatch._get_current_dispatch_mode"),
+        ("meshtrain.parallel.bound_params", "torch.utils._python_dispatch._pop_mode_temporarily"),
+        ("meshtrain.parallel.bound_params", "torch.utils.checkpoint._CachedTorchDispatchMode"),
+        ("meshtrain.parallel.bound_params", "torch.utils.checkpoint._CachingTorchDispatchMode"),
         ("meshtrain.parallel.cp_attention", "torch.distributed.distributed_c10d._resolve_process_group"),
         ("meshtrain.train.optim", "torch.distributed._functional_collectives"),
         ("meshtrain.train.peak_memory", "torch._C._profiler._EventType"),
     ], PRIVATE_TORCH),
     ("meshtrain.config.schema", "yaml"): INDIRECT,
-    **dict.fromkeys([
-        ("meshtrain.checkpoint.reader", "torch.distributed.checkpoint.metadata.BytesStorageMetadata"),
-        ("meshtrain.checkpoint.reader", "torch.distributed.checkpoint.metadata.StorageMeta"),
-        ("meshtrain.config.checks", "meshtrain.layout.mesh.CP_COMMS"),
-        ("meshtrain.config.checks", "meshtrain.train.schedule.LR_SCHEDULES"),
-        ("meshtrain.config.schema", "meshtrain.layout.mesh.MeshSpec"),
-        ("meshtrain.config.schema", "meshtrain.layout.rules.Rules"),
-        ("meshtrain.config.schema", "meshtrain.pipeline.partition.partition"),
-        ("meshtrain.errors", "difflib"),
-        ("meshtrain.estimate.dryrun", "rich.console.Console"),
-        ("meshtrain.interop.export", "torch.distributed"),
-        ("meshtrain.interop.export", "torch.distributed.checkpoint"),
-        ("meshtrain.interop.export", "torch.distributed.checkpoint.api.CheckpointException"),
-        ("meshtrain.interop.export", "torch.distributed.tensor.DTensor"),
-        ("meshtrain.interop.load", "safetensors.safe_open"),
-        ("meshtrain.interop.load", "torch.distributed.tensor.DTensor"),
-        ("meshtrain.interop.load", "torch.distributed.tensor.Replicate"),
-        ("meshtrain.interop.load", "torch.distributed.tensor.Shard"),
-        ("meshtrain.interop.load", "torch.distributed.tensor.distribute_tensor"),
-        ("meshtrain.layout.plan", "dataclasses"),
-        ("meshtrain.run.launch", "multiprocessing.process"),
-        ("meshtrain.run.launch", "multiprocessing.resource_tracker"),
-        ("meshtrain.run.launch", "threading"),
-        ("meshtrain.run.rundir", "fcntl"),
-        ("meshtrain.run.rundir", "torch.distributed"),
-        ("meshtrain.testing", "torch"),
-        ("meshtrain.testing", "torch.distributed"),
-        ("meshtrain.train.split_backward", "meshtrain.parallel.overlap.inductor_pass"),
-        ("meshtrain.train.split_backward", "meshtrain.parallel.overlap.overlap"),
-    ], NONE_TODAY),
 }
 
 
@@ -193,8 +157,7 @@ def test_function_local_imports_are_the_listed_ones():
 
 
 def test_every_listed_import_has_a_known_reason():
-    reasons = {TORCH_FREE_CONFIG, TORCH_FREE_MESH, OPTIONAL, COMPILER, CONSOLE, LAUNCHER, PRIVATE_TORCH, INDIRECT,
-               NONE_TODAY}
+    reasons = {TORCH_FREE_CONFIG, TORCH_FREE_MESH, OPTIONAL, COMPILER, CONSOLE, LAUNCHER, PRIVATE_TORCH, INDIRECT}
     assert set(FUNCTION_LOCAL_IMPORTS.values()) <= reasons
 
 

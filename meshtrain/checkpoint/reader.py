@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, StorageMeta
 
 from .layout import CheckpointError
 
@@ -66,8 +67,6 @@ class SafeReader(dcp.FileSystemReader):
                                   f"({type(e).__name__}: {e}); load another checkpoint") from None
         _check_files(Path(self.path), file, metadata)
         if getattr(metadata, "storage_meta", None) is None:
-            from torch.distributed.checkpoint.metadata import StorageMeta
-
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
@@ -77,8 +76,6 @@ def _check_files(path: Path, file: Path, metadata) -> None:
     """Every tensor the metadata names lies in a file of the checkpoint directory itself
     (a plain name, no path), and none is a pickled object (DCP loads those with full
     unpickling; meshtrain saves only tensors)."""
-    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
-
     for fqn, md in metadata.state_dict_metadata.items():
         if isinstance(md, BytesStorageMetadata):
             raise CheckpointError(f"checkpoint {path}: DCP {file.name} lists {fqn!r} as a pickled object, which "

@@ -17,6 +17,8 @@ import io
 import math
 from dataclasses import dataclass, field
 
+from rich.console import Console
+
 from ..config import RunConfig
 from ..errors import ConfigError
 from ..layout.buckets import plan_buckets
@@ -100,8 +102,6 @@ class DryRun:
                 "would_fit": [{"world": f.world, "flags": f.flags, "peak": int(f.peak)} for f in self.would_fit]}
 
     def render(self, width: int = 80) -> str:
-        from rich.console import Console
-
         console = Console(width=width, record=True, file=io.StringIO(), highlight=False)
         for renderable in self.renderables():
             console.print(renderable)

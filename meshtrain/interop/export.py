@@ -12,11 +12,15 @@ from pathlib import Path
 from typing import Callable, Mapping
 
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.tensor import DTensor
 
-from ..files import publish_dir, write_json
 from ..checkpoint import META, CheckpointError, SafeReader, in_run, newest_under, quiet_dcp
 from ..data.tokenizer import ByteTokenizer, load_tokenizer
 from ..errors import ConfigError
+from ..files import publish_dir, write_json
 from .hf_config import to_hf_config
 from .layout import hf_layout
 from ..models.hf import HFTensor, Piece
@@ -53,8 +57,6 @@ def save_hf(params: Mapping[str, torch.Tensor], arch: str, family_cfg, out: str 
     if extra:
         raise ConfigError(f"save_hf: parameter {extra[0]} is not part of the {arch} model config: pass the config "
                           "the parameters were built with")
-    import torch.distributed as dist
-    from torch.distributed.tensor import DTensor
 
     gathered = any(isinstance(t, DTensor) for t in params.values()) and dist.is_initialized()
 
@@ -132,9 +134,6 @@ def _checkpoint_params(path: Path) -> dict[str, tuple[tuple[int, ...], torch.dty
 
 def _read_checkpoint_param(path: Path, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """One parameter, read alone from the DCP checkpoint (any saved layout, no process group)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.api import CheckpointException
-
 
     target = torch.empty(shape, dtype=dtype)
     try:

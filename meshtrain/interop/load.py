@@ -12,6 +12,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from ..errors import ConfigError
 from ..layout.mesh import device_mesh_for
@@ -191,8 +193,6 @@ class _WeightFiles:
 
     def handle(self, path: Path):
         if path not in self._open:
-            from safetensors import safe_open
-
             try:
                 self._open[path] = self._stack.enter_context(safe_open(str(path), framework="pt", device="cpu"))
             except Exception as e:  # the library raises its own error types for a bad file
@@ -242,7 +242,6 @@ class _WeightFiles:
 
 def _load_planned(files: _WeightFiles, where, pieces, specs, plan, mesh, device, wanted) -> dict[str, torch.Tensor]:
     from torch._prims_common import make_contiguous_strides_for
-    from torch.distributed.tensor import DTensor
 
     if set(plan.params) != set(specs):
         missing = sorted(set(specs) ^ set(plan.params))[0]
@@ -273,7 +272,6 @@ def _load_planned(files: _WeightFiles, where, pieces, specs, plan, mesh, device,
 def _local_indices(size: int, dim: int, mesh, placements) -> list[int]:
     """Global indices along `dim` of this rank's local shard, in local order (handles
     nested and strided shards: the placements are applied to the index vector itself)."""
-    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
     from torch.distributed.tensor.placement_types import _StridedShard
 
     one_dim = []

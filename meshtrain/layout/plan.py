@@ -7,6 +7,7 @@ rank holds; and, for any activation named by logical axes, the placements it tak
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import json
 import math
@@ -229,8 +230,6 @@ def _check_divisible(name: str, spec: ParamSpec, d: int, axes: tuple[str, ...], 
 def without_pp(plan: Plan) -> Plan:
     """The plan of one pipeline stage group: the same rules on the mesh without its pp axis
     (what each pp rank's sub-mesh holds; parameters keep their placements on the rest)."""
-    import dataclasses
-
     mesh = dataclasses.replace(plan.mesh, pp=1)
     return make_plan({n: p.spec for n, p in plan.params.items()}, plan.rules, mesh, mesh.world, plan.cp_comm)
 
@@ -239,8 +238,6 @@ def gathered(plan: Plan) -> Plan:
     """The plan with every parameter stored where it is used (`compute_placements`: fsdp
     and cp shards whole, tensor- and expert-parallel shards kept): the layout of a
     pipeline stage's weights held gathered over a step (parallel.pp_keep_gathered)."""
-    import dataclasses
-
     params = {}
     for name, p in plan.params.items():
         axes = tuple(tuple(a for a in dim if a not in GATHERED_AXES) for dim in p.layout.dim_axes)

@@ -14,14 +14,17 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import multiprocessing.process
 import os
 import signal
 import sys
 import tempfile
+import threading
 import time
 import traceback
 import uuid
 from dataclasses import dataclass
+from multiprocessing import resource_tracker
 from pathlib import Path
 from typing import Any, Callable
 
@@ -167,9 +170,6 @@ _STARTED = "started-{pid}"  # in the report directory: this rank handles signals
 def _block_sigint_in_ranks() -> set | None:
     """Block SIGINT in this thread while it starts the ranks; the previous mask, or None
     where nothing was blocked (not the main thread, or no watcher of ours to take it)."""
-    import threading
-    from multiprocessing import resource_tracker
-
     if threading.current_thread() is not threading.main_thread() or \
             signal.getsignal(signal.SIGINT) is not stopping._caught:
         return None
@@ -186,8 +186,6 @@ class _StartStops:
     not started are ended."""
 
     def __init__(self, reports: Path):
-        import threading
-
         self.reports, self.done = reports, threading.Event()
         self.others = set(self._children())  # processes of the caller's own, never ours to end
         self.thread = threading.Thread(target=self._run, name="meshtrain-launch-stops", daemon=True)
@@ -209,8 +207,6 @@ class _StartStops:
 
     @staticmethod
     def _children() -> list:
-        import multiprocessing.process
-
         return list(getattr(multiprocessing.process, "_children", ()))
 
     def _end_unstarted(self) -> None:

@@ -15,12 +15,15 @@ from __future__ import annotations
 
 import datetime
 import errno
+import fcntl
 import json
 import math
 import os
 import socket
 import sys
 from pathlib import Path
+
+import torch.distributed as dist
 
 from .. import checkpoint
 from ..errors import ConfigError
@@ -82,8 +85,6 @@ class RunLock:
         self._fd: int | None = None
 
     def acquire(self) -> "RunLock":
-        import fcntl
-
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -105,8 +106,6 @@ class RunLock:
     def check_free(self) -> None:
         """Refuse at once, before the slow checks of a start, when another run holds the
         lock; touches nothing (a run_dir without a lock file has no holder)."""
-        import fcntl
-
         try:
             fd = os.open(self.path, os.O_RDONLY)
         except OSError:
@@ -154,8 +153,6 @@ def claim(cfg, rank: int, world: int) -> RunLock | None:
             error = str(e) if isinstance(e, ConfigError) else f"run_dir={str(run_dir)!r}: cannot move the old run " \
                 f"aside ({e.strerror or e}); nothing was deleted"
     if world > 1:
-        import torch.distributed as dist
-
         box = [error]
         dist.broadcast_object_list(box, src=0)
         error = box[0]

@@ -16,6 +16,8 @@ import time
 import traceback
 from typing import Any, Callable
 
+import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ..errors import lost_peer
@@ -28,9 +30,6 @@ def _free_port() -> int:
 
 
 def _worker(fn, rank, world, port, queue, args, threads):
-    import torch
-    import torch.distributed as dist
-
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     torch.set_num_threads(threads)
@@ -95,8 +94,6 @@ def run_ranks(fn: Callable, world: int, *args: Any, timeout: float = 600, thread
                 continue
             rank, status, payload = queue.get()
             if status == "ok":
-                import torch
-
                 payload = torch.load(io.BytesIO(payload), weights_only=False)
             elif not errors:
                 # The failing rank's own report can arrive after its peers' "connection

@@ -32,6 +32,7 @@ import torch
 from torch.fx import Graph, GraphModule, Node
 
 from ..errors import ConfigError
+from ..parallel.overlap import inductor_pass, overlap
 
 _INPUT = "x"  # the stage function's argument that carries the previous stage's activation
 
@@ -82,8 +83,6 @@ class SplitBackward:
         if backend == "aot_eager":
             from torch._dynamo.backends.debugging import aot_eager, boxed_nop
 
-            from ..parallel.overlap import overlap
-
             def fw(g, inputs):
                 if overlap(g.graph, prefetch):
                     g.recompile()
@@ -95,8 +94,6 @@ class SplitBackward:
 
             return aot_eager(gm, example_inputs, fw_compiler=fw, bw_compiler=bw)
         from torch._inductor.compile_fx import compile_fx, compile_fx_inner
-
-        from ..parallel.overlap import inductor_pass
 
         def inner(g, inputs, **kwargs):
             if not kwargs.get("is_backward"):
