@@ -473,7 +473,6 @@ def _sharded_ranks(llama_dir: str, gpt2_dir: str, root: str):
     """On each of 4 ranks (fsdp 2 x tp 2): load both models by plan while counting the
     bytes read from the files, compare every local shard with the slice of the full
     tensor, write the llama DTensors with save_hf and as a DCP checkpoint."""
-    import safetensors
     import torch.distributed as dist
     from torch.distributed.tensor import distribute_tensor
     from torch.distributed.tensor.placement_types import _StridedShard
@@ -482,8 +481,10 @@ def _sharded_ranks(llama_dir: str, gpt2_dir: str, root: str):
     from meshtrain.layout.plan import make_plan
     from meshtrain.layout.rules import Rules
 
+    from meshtrain.interop import load as hf_load
+
     read = {"bytes": 0}
-    real_open = safetensors.safe_open
+    real_open = hf_load.safe_open  # where the importer looks it up
 
     class Slice:
         def __init__(self, inner):
@@ -529,11 +530,11 @@ def _sharded_ranks(llama_dir: str, gpt2_dir: str, root: str):
         plan = make_plan(build(arch, cfg).specs, rules, MeshSpec(fsdp=2, tp=2), world=dist.get_world_size())
         mesh = plan.mesh.build()
         read["bytes"] = 0
-        safetensors.safe_open = CountingOpen
+        hf_load.safe_open = CountingOpen
         try:
             params = load_hf_params(d, arch, cfg, plan, mesh)
         finally:
-            safetensors.safe_open = real_open
+            hf_load.safe_open = real_open
         shard_bytes = sum(params[n].to_local().numel() * 4 for n in params)
         mismatched = [n for n, p in plan.params.items()
                       if not torch.equal(params[n].to_local(),

@@ -289,7 +289,7 @@ def _expert_parallel_ranks(directory: str, balance: str):
     """On each of 2 ranks (fsdp 2, ep 2): load the Mixtral directory by plan into a model
     balanced by `balance` while counting the bytes read, and compare every local shard
     with the full tensor's."""
-    import safetensors
+    from meshtrain.interop import load as hf_load
     import torch.distributed as dist
     from torch.distributed.tensor import distribute_tensor
 
@@ -302,7 +302,7 @@ def _expert_parallel_ranks(directory: str, balance: str):
     full = load_hf_params(directory, "llama", cfg)
     plan = make_plan(build("llama", cfg).specs, Rules.default(), MeshSpec(fsdp=2, ep=2), world=dist.get_world_size())
     mesh = plan.mesh.build()
-    read, real_open = {"bytes": 0, "names": set()}, safetensors.safe_open
+    read, real_open = {"bytes": 0, "names": set()}, hf_load.safe_open  # where the importer looks it up
 
     class Slice:
         def __init__(self, inner, name):
@@ -340,11 +340,11 @@ def _expert_parallel_ranks(directory: str, balance: str):
         def __exit__(self, *exc):
             return self.inner.__exit__(*exc)
 
-    safetensors.safe_open = CountingOpen
+    hf_load.safe_open = CountingOpen
     try:
         params = load_hf_params(directory, "llama", cfg, plan, mesh)
     finally:
-        safetensors.safe_open = real_open
+        hf_load.safe_open = real_open
     mismatched = [n for n, p in plan.params.items() if not torch.equal(
         params[n].to_local(), distribute_tensor(full[n], mesh, p.placements, src_data_rank=None).to_local())]
     experts = sorted({int(n.split(".experts.")[1].split(".")[0]) for n in read["names"] if ".experts." in n})

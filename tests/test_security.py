@@ -204,15 +204,15 @@ def hf_dir(step_dir, tmp_path_factory) -> Path:
 @pytest.fixture
 def opened(monkeypatch) -> list[Path]:
     """Every file safetensors opens, resolved."""
-    import safetensors
+    from meshtrain.interop import load as hf_load
 
-    paths, real = [], safetensors.safe_open
+    paths, real = [], hf_load.safe_open  # where meshtrain's one reader looks it up
 
     def spy(path, *args, **kwargs):
         paths.append(Path(path).resolve())
         return real(path, *args, **kwargs)
 
-    monkeypatch.setattr(safetensors, "safe_open", spy)
+    monkeypatch.setattr(hf_load, "safe_open", spy)
     return paths
 
 

@@ -43,6 +43,7 @@ from .sharded_moe import ShardedMoe
 from .vocab_parallel import VocabParallel
 from ..layout.mesh import device_mesh_for
 from ..layout.plan import Plan
+from ..layout.traffic import Traffic
 
 
 class ShardedContext(RegatherHooks, Reductions, ActivationLayouts, ShardedLinear, ShardedAttention, ShardedMoe,
@@ -57,19 +58,18 @@ class ShardedContext(RegatherHooks, Reductions, ActivationLayouts, ShardedLinear
 
     start_pos = 0  # training only: sequences start at position 0
 
-    def __init__(self, plan: Plan, device_mesh: DeviceMesh, policy: Policy | torch.dtype | None = None, *,
-                 bucket: str | float = "block", prefetch: int = 1, reshard_after_forward: bool = True,
-                 fsdp_accumulate: str = "sharded", held: bool = False, names=None):
-        """`held`: the parameters it is bound to are gathered already and held over the
+    def __init__(self, plan: Plan, device_mesh: DeviceMesh, policy: Policy | torch.dtype | None = None,
+                 traffic: Traffic = Traffic(), *, held: bool = False, names=None):
+        """`traffic`: how the parameters travel (layout/traffic.py). `held`: the parameters it is bound to are gathered already and held over the
         step's micro-batches by their owner (parallel/keep_gathered.py, with `plan` the
         `gathered` plan): their gradients stay this rank's partial sums, never reduced
         here, and a weight cast to the compute dtype is cast again in backward, not saved.
         `names`: the parameters it will be bound to (default: all), so buckets hold
         only those (a held context's must all be bucketed: none reduced alone)."""
         self.plan, self.mesh, self.policy = plan, device_mesh, Policy.coerce(policy)
-        self.prefetch, self.reshard = prefetch, reshard_after_forward or held
+        self.prefetch, self.reshard = traffic.prefetch, traffic.reshard_after_forward or held
         self.held = held
-        buckets, _ = plan_buckets(plan, bucket, names)
+        buckets, _ = plan_buckets(plan, traffic.bucket, names)
         self._groups = Groups(device_mesh, group_dims(buckets, plan))
         # Expert weights' buckets run on the expert mesh, with groups of its own (made on
         # every rank, in the same order: group creation is collective).
@@ -77,8 +77,8 @@ class ShardedContext(RegatherHooks, Reductions, ActivationLayouts, ShardedLinear
         for spec in dict.fromkeys(b.mesh for b in buckets if b.mesh != plan.mesh):
             folded = device_mesh_for(device_mesh, spec)
             meshes[spec] = (folded, Groups(folded, group_dims(buckets, plan, spec)))
-        inflight = InFlight(prefetch)  # gradient reductions in flight, as many as gathers ahead
-        unsharded = fsdp_accumulate == "unsharded"
+        inflight = InFlight(traffic.prefetch)  # gradient reductions in flight, as many as gathers ahead
+        unsharded = traffic.fsdp_accumulate == "unsharded"
         # Mesh dims that split the sequence: a weight used whole there gets partial
         # gradients (expert weights meet routed rows, not sequences).
         seq = frozenset(plan.mesh.axes.index(a) for axis in ("seq", "seq_sp") for a in plan.rules.lookup(axis)

@@ -15,6 +15,7 @@ stage graphs, which see the gathered weights as inputs.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Mapping
 
 import torch
@@ -24,21 +25,23 @@ from ..errors import ConfigError
 from ..models.policy import Policy
 from .context import ShardedContext
 from ..layout.plan import Plan, gathered
+from ..layout.traffic import Traffic
 
 
 class KeptStage:
     """The weights `names` of one pp rank on its sub-mesh (`plan` without pp): `context`
     runs the stages on what `gather` returns; `release` reduces their gradients."""
 
-    def __init__(self, plan: Plan, device_mesh, names, policy: Policy, *, bucket: str | float = "block",
-                 prefetch: int = 1):
+    def __init__(self, plan: Plan, device_mesh, names, policy: Policy, traffic: Traffic = Traffic()):
         self.names = list(names)
         # Gathered in the parameters' dtype: the gradients add up in fp32 over the
         # micro-batches and the cast to the compute dtype is made per use.
-        self._gatherer = ShardedContext(plan, device_mesh, Policy(), bucket=bucket, prefetch=prefetch,
-                                        reshard_after_forward=False)
-        self.context = ShardedContext(gathered(plan), device_mesh, policy, bucket=bucket, prefetch=prefetch,
-                                      held=True, names=self.names)
+        # Both in the run's buckets and prefetch; what else the traffic says is this
+        # class's to decide: gathered once, never resharded, reduced once per step.
+        buckets = Traffic(bucket=traffic.bucket, prefetch=traffic.prefetch)
+        self._gatherer = ShardedContext(plan, device_mesh, Policy(),
+                                        dataclasses.replace(buckets, reshard_after_forward=False))
+        self.context = ShardedContext(gathered(plan), device_mesh, policy, buckets, held=True, names=self.names)
         # The layout each held gradient's local sum is a part of (Partial where tokens split).
         self._layouts = self.context.gradient_layouts()
         loose = [n for n in self.names if plan.params[n].spec.trainable and n not in self._layouts]

@@ -53,7 +53,7 @@ def build_run(cfg: RunConfig, model, plan, world: int, device: torch.device, acc
         params = load_hf_params(init_from, cfg.model.arch, cfg.family_config(), plan, mesh, device)
     else:
         params = init_params(plan, mesh, cfg.seed, device=device)
-    return Built(mesh, params, make_train_step(model, plan, mesh, **step_options(cfg), **traffic_options(cfg)),
+    return Built(mesh, params, make_train_step(model, plan, mesh, **step_options(cfg), traffic=cfg.parallel.traffic()),
                  make_eval_step(model, plan, mesh, **options), RowSlice(plan, mesh, micro_rows, t.seq_len))
 
 
@@ -79,18 +79,10 @@ def _pipelined(cfg: RunConfig, model, plan, device, accumulation: int, micro_row
                                                lr_schedule=options["lr_schedule"], precision=t.precision,
                                                grad_clip=options["grad_clip"], fp8_recipe=t.fp8_recipe,
                                                activation_checkpointing=t.activation_checkpointing,
-                                               compile=t.compile, **traffic_options(cfg))
+                                               compile=t.compile, traffic=cfg.parallel.traffic())
     eval_fn = pipeline_step.make_pipeline_eval(model, stages, plan.mesh.pp, accumulation, plan, mesh,
                                                precision=t.precision, fp8_recipe=t.fp8_recipe)
     return Built(mesh, params, step_fn, eval_fn, RowSlice(sub_plan, sub_mesh, micro_rows, t.seq_len))
-
-
-def traffic_options(cfg: RunConfig) -> dict:
-    """How a sharded step moves parameters (parallel.bucket, prefetch, reshard_after_forward,
-    fsdp_accumulate; a pipeline's pp_keep_gathered)."""
-    p = cfg.parallel
-    return dict(bucket=p.bucket, prefetch=p.prefetch, reshard_after_forward=p.reshard_after_forward,
-                fsdp_accumulate=p.fsdp_accumulate, **({"keep_gathered": True} if p.pp_keep_gathered else {}))
 
 
 def step_options(cfg: RunConfig) -> dict:

@@ -50,6 +50,7 @@ from ..parallel.context import ShardedContext
 from ..parallel.keep_gathered import KeptStage
 from ..layout.mesh import sub_mesh
 from ..layout.placements import local_tensor
+from ..layout.traffic import Traffic
 from ..layout.plan import without_pp
 from ..pipeline.partition import Stage
 from ..pipeline.schedule import B, BI, BW, F, RECV_B, RECV_F, SEND_B, SEND_F, PipelineSchedule, forward_only
@@ -86,7 +87,7 @@ class _Pipe:
     """This rank's place in the pipeline: its context, pp peers and the boundary layout."""
 
     def __init__(self, model: ModelDef, stages: list[Stage], pp: int, plan, device_mesh, policy: Policy,
-                 compile: bool | str = False, split_backward: bool = False, keep_gathered: bool = False, **traffic):
+                 compile: bool | str = False, split_backward: bool = False, traffic: Traffic = Traffic()):
         self.model, self.stages = model, stages
         if plan is None or device_mesh is None or plan.mesh.pp != pp or pp < 2:
             raise ConfigError(f"a pipeline step needs the plan and device mesh of a layout with parallel.pp={pp} "
@@ -97,18 +98,17 @@ class _Pipe:
         self.kept = None
         if self.mesh is None:
             self.ctx = LocalContext(policy)
-        elif keep_gathered:
-            self.kept = KeptStage(self.plan, self.mesh, names, policy, bucket=traffic.get("bucket", "block"),
-                                  prefetch=traffic.get("prefetch", 1))
+        elif traffic.keep_gathered:
+            self.kept = KeptStage(self.plan, self.mesh, names, policy, traffic)
             self.ctx = self.kept.context
         else:
-            self.ctx = ShardedContext(self.plan, self.mesh, policy, **traffic)
+            self.ctx = ShardedContext(self.plan, self.mesh, policy, traffic)
         self.dtype = policy.dtype or torch.float32
         # Traced gathers leave partial sums for reduce_held (kept weights: for KeptStage.release).
         self.holds_partials = bool(compile) and self.mesh is not None and self.kept is None
         # One function per stage: compiled, each is traced once (micro-batches and steps
         # share its graphs); the last stage's takes the loss in its graph too.
-        prefetch = traffic.get("prefetch", 1) if self.mesh is not None else 0
+        prefetch = traffic.prefetch if self.mesh is not None else 0
         # Compiled with the zero-bubble schedule, each stage's backward graph is split in
         # its input and weight halves, which BI and BW run.
         self.split = SplitBackward() if compile and split_backward else None
@@ -266,7 +266,7 @@ def make_pipeline_step(model: ModelDef, stages: list[Stage], pipeline_schedule: 
                        record_timings: bool = False, inspect_grads: InspectGrads | None = None,
                        bucket: str | float = "block", prefetch: int = 1, reshard_after_forward: bool = True,
                        fsdp_accumulate: str = "sharded", keep_gathered: bool = False,
-                       compile: bool | str = False) -> Callable[[TrainState, dict], dict]:
+                       traffic: Traffic | None = None, compile: bool | str = False) -> Callable[[TrainState, dict], dict]:
     """`step(state, batch) -> metrics` for this rank; `plan` and `device_mesh` are the whole
     layout's, pp included. record_timings: metrics["timings"] lists (kind, stage, seconds)
     of this rank's compute actions, then ("update", -1, seconds) for the gradient
@@ -281,10 +281,12 @@ def make_pipeline_step(model: ModelDef, stages: list[Stage], pipeline_schedule: 
     (zero-bubble: the backward as two, its input and its weight half); what they leave
     partial over the data-parallel replicas is reduced once per step, after the last
     backward. `keep_gathered` (parallel.pp_keep_gathered): the rank's weights are
-    gathered once per step and their gradients reduced once (parallel/keep_gathered.py)."""
-    if fsdp_accumulate != "sharded":
-        raise ConfigError(f"fsdp_accumulate={fsdp_accumulate!r}: a pipeline step reduces every micro-batch; use "
-                          "sharded")
+    gathered once per step and their gradients reduced once (parallel/keep_gathered.py).
+    `traffic` (layout/traffic.py), when given, replaces those five."""
+    traffic = (traffic or Traffic(bucket, prefetch, reshard_after_forward, fsdp_accumulate, keep_gathered)).check()
+    if traffic.fsdp_accumulate != "sharded":
+        raise ConfigError(f"fsdp_accumulate={traffic.fsdp_accumulate!r}: a pipeline step reduces every micro-batch; "
+                          "use sharded")
     split_backward = any(a.kind == BI for rank in pipeline_schedule.ranks for a in rank)
     # Eager selective checkpoints serve two backwards through a block (input, then weight
     # gradients); a compiled stage's recompute is in its backward graph, split with it.
@@ -292,8 +294,7 @@ def make_pipeline_step(model: ModelDef, stages: list[Stage], pipeline_schedule: 
                                  backward_twice=split_backward and not compile)
     if compile:
         check_compile(policy.checkpointing, sharded=plan is not None and plan.mesh.world > plan.mesh.pp)
-    pipe = _Pipe(model, stages, pipeline_schedule.pp, plan, device_mesh, policy, compile, split_backward,
-                 keep_gathered, bucket=bucket, prefetch=prefetch, reshard_after_forward=reshard_after_forward)
+    pipe = _Pipe(model, stages, pipeline_schedule.pp, plan, device_mesh, policy, compile, split_backward, traffic)
     apply_update = make_update(optimizer, lr_schedule or LRSchedule(lr=optimizer.lr, kind="constant"), grad_clip,
                                inspect_grads=inspect_grads)
     actions = pipeline_schedule.ranks[pipe.rank]

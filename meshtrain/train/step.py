@@ -19,6 +19,7 @@ from ..models.policy import Policy
 from ..parallel.context import ShardedContext
 from ..parallel.overlap import aot_eager_overlapped, inductor_pass
 from ..layout.placements import local_tensor
+from ..layout.traffic import Traffic
 from .optim import (
     AdamW,
     adamw_update,
@@ -50,7 +51,7 @@ def make_train_step(model: ModelDef, plan=None, device_mesh=None, *, optimizer: 
                     activation_checkpointing: str = "none", policy: Policy | None = None,
                     inspect_grads: InspectGrads | None = None, bucket: str | float = "block", prefetch: int = 1,
                     reshard_after_forward: bool = True, fsdp_accumulate: str = "sharded",
-                    schedule: LRSchedule | None = None) -> Callable[[TrainState, dict], dict]:
+                    traffic: Traffic | None = None, schedule: LRSchedule | None = None) -> Callable[[TrainState, dict], dict]:
     """Build `step(state, batch) -> metrics`.
 
     batch["tokens"] and batch["targets"] are (micro_steps, batch, seq) tensors, or lists of
@@ -75,18 +76,14 @@ def make_train_step(model: ModelDef, plan=None, device_mesh=None, *, optimizer: 
     parallel.bucket_run.
     `fsdp_accumulate` "unsharded" (with buckets) adds each micro-step's full
     gradients up locally and reduce-scatters once per step instead of every micro-step.
+    `traffic` (layout/traffic.py), when given, replaces those four.
     The loss is reduced once per step.
     """
     policy = policy or Policy.of(precision, fp8_recipe, activation_checkpointing)
     if compile:
         check_compile(policy.checkpointing, sharded=plan is not None)
-    if fsdp_accumulate not in ("sharded", "unsharded"):
-        raise ConfigError(f"fsdp_accumulate={fsdp_accumulate!r}: choose sharded or unsharded")
-    if fsdp_accumulate == "unsharded" and bucket == "param":
-        raise ConfigError("fsdp_accumulate='unsharded' needs buckets (bucket 'block' or a size in MB, not "
-                          "'param'); use 'sharded'")
-    ctx = _context(plan, device_mesh, policy, bucket=bucket, prefetch=prefetch,
-                   reshard_after_forward=reshard_after_forward, fsdp_accumulate=fsdp_accumulate)
+    traffic = (traffic or Traffic(bucket, prefetch, reshard_after_forward, fsdp_accumulate)).check()
+    ctx = _context(plan, device_mesh, policy, traffic)
     if schedule is not None:  # the name before 2026-11: "schedule" now means the pipeline's only
         warnings.warn("make_train_step(schedule=...) is now lr_schedule=...", FutureWarning, stacklevel=2)
         lr_schedule = lr_schedule or schedule
@@ -273,10 +270,10 @@ def make_eval_step(model: ModelDef, plan=None, device_mesh=None, *, precision: s
     return evaluate
 
 
-def _context(plan, device_mesh, policy: Policy, **options):
+def _context(plan, device_mesh, policy: Policy, traffic: Traffic = Traffic()):
     if plan is None:
         return LocalContext(policy)
-    return ShardedContext(plan, device_mesh, policy, **options)
+    return ShardedContext(plan, device_mesh, policy, traffic)
 
 
 def _loss_sum(model: ModelDef, ctx):
