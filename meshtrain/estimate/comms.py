@@ -82,9 +82,16 @@ from ..errors import ConfigError
 from ..models import ModelDef
 from ..models.family import BLOCK_IN
 from ..models.policy import Policy
-from ..layout.buckets import check_bucket, group_dims, plan_buckets
+from ..layout.buckets import group_dims, plan_buckets
+from ..layout.traffic import check_bucket
 from ..layout.plan import Plan
-from .walker import FP32, INT64, PHASES, P, R, _Walker, bucket_traffic, routed_rows
+from .bucket_replay import bucket_traffic
+from .collective_tally import CollectiveTally
+from .dtype_bytes import FP32, INT64
+from .placement_rules import P, R
+from .walker import Walker, routed_rows
+
+PHASES = {"fwd": "forward", "bwd": "backward", "opt": "optimizer"}
 
 
 def _block_kinds(model: ModelDef, layers) -> dict[str, list[int]]:
@@ -138,67 +145,85 @@ def step_collectives(plan: Plan, model: ModelDef, *, micro_batch_rows: int, seq_
     set, then one all-reduce per set of dims still partial); a parameter in no bucket
     redistributed there and back once, fp32; "none": left out. `activations` False
     leaves out everything else (activations, loss, MoE load, grad norm)."""
-    if precision not in ("fp32", "bf16", "fp8"):
-        raise ConfigError(f"train.precision={precision!r}: choose fp32, bf16 or fp8")
-    if parameters not in ("each", "kept", "none"):
-        raise ValueError(f"parameters={parameters!r}: choose each, kept or none")
+    _check_step(precision, parameters)
     unit = check_bucket(bucket)
     c = _check_batch(plan, micro_batch_rows, precision)
     kinds = _block_kinds(model, layers)
 
     def walk(c=c, eager=not compiled and reshard_after_forward, recompute=compiled and reshard_after_forward):
-        return _Walker(plan, micro_batch_rows, seq_len, c, eager=eager, defer=True, recompute=recompute,
-                       keep_shards=True)
+        return Walker(plan, micro_batch_rows, seq_len, c, eager=eager, defer=True, recompute=recompute,
+                      keep_shards=True)
 
     parts, rest, events = _walk_model(model, kinds, walk, embedding, head, recompute=activation_checkpointing == "full")
-    total: dict[tuple, list[int]] = defaultdict(lambda: [0, 0])
-
-    def add(walker: _Walker, times: int = 1):
-        for key, (n, nbytes) in walker.out.items():
-            total[key][0] += n * times
-            total[key][1] += nbytes * times
-
     held = set(names) if names is not None else _held(plan, model, kinds, embedding, head)
-    if parameters == "kept":  # fp32 (c None: each parameter's own dtype), gathered once: none again
-        params = walk(c=None, eager=False, recompute=False)
-        bucket_traffic(params, events, unit, held, Policy.of("fp32"), 0, keep=True)
-        add(params)
-    elif parameters == "each":
-        # A plain step (eager or compiled) reduces what is left partial after the
-        # reduce-scatters once per step (held over micro-steps); a pipeline rank on every
-        # micro-step. A compiled step gathers each bucket where it is first looked up.
-        params, per_step = walk(), walk() if loss_once else None
-        bucket_traffic(params, events, unit, held, Policy.of(precision), 0 if compiled else prefetch, per_step,
-                       unsharded=fsdp_accumulate == "unsharded")
-        add(params, micro_steps)
-        if per_step is not None:
-            add(per_step)
-    if not activations:
-        return _entries(total)
-    for part, times in parts:
-        add(part, times * micro_steps)
-    if rest.loss_dims:  # the loss, a partial sum over the token-splitting dims (fp32 scalar)
-        once = walk()
-        dims = rest.loss_dims
-        if not loss_once:  # every micro-step: DTensor's all-reduce per dim
-            once.redistribute("fwd", (), tuple(P if i in dims else R for i in range(len(plan.mesh.axes))),
-                              (R,) * len(plan.mesh.axes), FP32, n=micro_steps)
-        elif dims in group_dims(plan_buckets(plan, unit)[0], plan):  # once per step, one group
-            once.add_group("fwd", "all_reduce_sum", dims, FP32)
-        else:  # once per step, with no group over these dims: dim by dim
-            once.redistribute("fwd", (), tuple(P if i in dims else R for i in range(len(plan.mesh.axes))),
-                              (R,) * len(plan.mesh.axes), FP32)
-        add(once)
-    if kinds["moe"]:  # the per-expert load (MoE layers x E, fp32), summed over micro-steps, all-reduced
-        once = walk()  # once per step, after the update (outside it: counted as forward, as recorded)
-        tokens = once.act(BLOCK_IN)
-        once.redistribute("fwd", (len(kinds["moe"]), model.cfg.moe.num_experts),
-                          tuple(P if q[0] == "S" else R for q in tokens), (R,) * len(tokens), FP32)
-        add(once)
-    if plan.mesh.world > 1:  # the squared grad norm, fp32, over the world
+    tallies = _parameter_tallies(plan, walk, events, unit, held, parameters, precision, 0 if compiled else prefetch,
+                                 loss_once, fsdp_accumulate == "unsharded", micro_steps)
+    if activations:
+        tallies += [(part.tally, times * micro_steps) for part, times in parts]
+        tallies.append((_once_per_step(plan, model, kinds, rest, unit, loss_once, micro_steps), 1))
+    total = _summed(tallies)
+    if activations and plan.mesh.world > 1:  # the squared grad norm, fp32, over the world
         axis = plan.mesh.axes[0] if len(plan.mesh.axes) == 1 else "world"
         total[("opt", "all_reduce_sum", axis)] = [1, 4]
     return _entries(total)
+
+
+def _check_step(precision: str, parameters: str):
+    if precision not in ("fp32", "bf16", "fp8"):
+        raise ConfigError(f"train.precision={precision!r}: choose fp32, bf16 or fp8")
+    if parameters not in ("each", "kept", "none"):
+        raise ValueError(f"parameters={parameters!r}: choose each, kept or none")
+
+
+def _parameter_tallies(plan: Plan, walk, events, unit, held: set[str], parameters: str, precision: str,
+                       prefetch: int, loss_once: bool, unsharded: bool,
+                       micro_steps: int) -> list[tuple[CollectiveTally, int]]:
+    """The parameters' traffic as (tally, times per step): `parameters` "kept" once per
+    step; "each" per micro-step, with what a plain step reduces once per step apart;
+    "none" nothing."""
+    if parameters == "kept":  # fp32 (c None: each parameter's own dtype), gathered once: none again
+        params = walk(c=None, eager=False, recompute=False)
+        bucket_traffic(params, events, unit, held, Policy.of("fp32"), 0, keep=True)
+        return [(params.tally, 1)]
+    if parameters != "each":
+        return []
+    # A plain step (eager or compiled) reduces what is left partial after the
+    # reduce-scatters once per step (held over micro-steps); a pipeline rank on every
+    # micro-step. A compiled step gathers each bucket where it is first looked up.
+    params, per_step = walk(), CollectiveTally(plan.mesh) if loss_once else None
+    bucket_traffic(params, events, unit, held, Policy.of(precision), prefetch, per_step, unsharded=unsharded)
+    return [(params.tally, micro_steps)] + ([(per_step, 1)] if per_step is not None else [])
+
+
+def _once_per_step(plan: Plan, model: ModelDef, kinds: dict, rest: Walker, unit, loss_once: bool,
+                   micro_steps: int) -> CollectiveTally:
+    """The loss's reduction (`rest`: the walker of the head) and the MoE load's."""
+    once, n = CollectiveTally(plan.mesh), len(plan.mesh.axes)
+    if rest.loss_dims:  # the loss, a partial sum over the token-splitting dims (fp32 scalar)
+        dims = rest.loss_dims
+        partial = tuple(P if i in dims else R for i in range(n))
+        if not loss_once:  # every micro-step: DTensor's all-reduce per dim
+            once.redistribute("fwd", (), partial, (R,) * n, FP32, n=micro_steps)
+        elif dims in group_dims(plan_buckets(plan, unit)[0], plan):  # once per step, one group
+            once.add_group("fwd", "all_reduce_sum", dims, FP32)
+        else:  # once per step, with no group over these dims: dim by dim
+            once.redistribute("fwd", (), partial, (R,) * n, FP32)
+    if kinds["moe"]:  # the per-expert load (MoE layers x E, fp32), summed over micro-steps, all-reduced
+        # once per step, after the update (outside it: counted as forward, as recorded)
+        tokens = rest.act(BLOCK_IN)
+        once.redistribute("fwd", (len(kinds["moe"]), model.cfg.moe.num_experts),
+                          tuple(P if q[0] == "S" else R for q in tokens), (R,) * len(tokens), FP32)
+    return once
+
+
+def _summed(tallies: list[tuple[CollectiveTally, int]]) -> dict[tuple, list[int]]:
+    """(phase, op, axis) -> [count, bytes] over the tallies, each counted `times`."""
+    total: dict[tuple, list[int]] = defaultdict(lambda: [0, 0])
+    for tally, times in tallies:
+        for key, (n, nbytes) in tally.out.items():
+            total[key][0] += n * times
+            total[key][1] += nbytes * times
+    return total
 
 
 def _entries(total: dict[tuple, list[int]]) -> list[dict]:
@@ -254,7 +279,7 @@ def backward_regathers(plan: Plan, model: ModelDef, *, micro_batch_rows: int, se
         return []
     c = _check_batch(plan, micro_batch_rows, precision)
     kinds = _block_kinds(model, layers)
-    walk = lambda: _Walker(plan, micro_batch_rows, seq_len, c, eager=True, defer=True)  # noqa: E731
+    walk = lambda: Walker(plan, micro_batch_rows, seq_len, c, eager=True, defer=True)  # noqa: E731
     _, _, events = _walk_model(model, kinds, walk, embedding, head)
     return bucket_traffic(walk(), events, unit, set(names), Policy.of(precision), prefetch)
 
@@ -302,7 +327,7 @@ def expert_exchange(plan: Plan, model: ModelDef, *, micro_batch_rows: int, seq_l
     if precision not in ("fp32", "bf16", "fp8"):
         raise ConfigError(f"train.precision={precision!r}: choose fp32, bf16 or fp8")
     c = _check_batch(plan, micro_batch_rows, precision) or 4
-    w = _Walker(plan, micro_batch_rows, seq_len, c, eager=True)
+    w = Walker(plan, micro_batch_rows, seq_len, c, eager=True)
     ep, m = plan.mesh.experts().ep, cfg.moe
     rows = routed_rows(w, m)
     tokens = 4 * c * rows * cfg.dim

@@ -39,7 +39,7 @@ def mask_keys(cfg: RunConfig, cp: int) -> MaskKeys:
     document of keys. Compiled: a window per tile, a tile plus a document rounded up to a
     tile x a power of two (documents of data.mean_doc_len tokens), or one dense mask over
     the row. Nothing (MaskKeys()) without data.document_mask or under cp, whose blocks
-    rebuild their masks in backward from the segment ids. Measured on CPU: see estimate/memory.py."""
+    rebuild their masks in backward from the segment ids. Measured on CPU: see estimate/activation_memory.py."""
     if not cfg.data.document_mask or cp > 1:
         return MaskKeys()
     seq = cfg.train.seq_len

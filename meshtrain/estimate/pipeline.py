@@ -153,20 +153,7 @@ def pipeline_estimate(plan: Plan, model, *, pp_schedule: str, virtual: int, layo
         common = dict(micro_batch=micro_batch, seq_len=seq_len, precision=precision,
                       activation_checkpointing=activation_checkpointing, reshard_after_forward=reshard_after_forward,
                       device=device, names=names, mask_keys=mask_keys, keep_gathered=keep_gathered, prefetch=prefetch)
-        # State, saved weights and transients once (no micro-batch in flight); then what one
-        # micro-batch keeps on each stage, times the stage's micro-batches in flight at the
-        # moment the rank holds the most.
-        memory = per_rank_memory(sub, model, **common, layers=[i for st in mine for i in range(*st.layers)],
-                                 embedding=first, head=has_head, in_flight=0)
-        per_stage = {st.index: per_rank_memory(sub, model, **common, layers=list(range(*st.layers)),
-                                               embedding=st.has_embedding, head=st.has_head)
-                     for st in mine}
-        held = {s: m["activations_layers"] + m["activations_once"] + m["loss_saved"] for s, m in per_stage.items()}
-        at_peak = max(in_flight(sched.ranks[r]), key=lambda n: sum(k * held[s] for s, k in n.items()))
-        kept = sum(k * held[s] for s, k in at_peak.items())
-        memory.update(activations=memory["activations"] + kept,
-                      activations_layers=sum(k * per_stage[s]["activations_layers"] for s, k in at_peak.items()))
-        memory["peak"], memory["allocator_slack"] = total_peak(memory, device)
+        memory = _rank_memory(sub, model, mine, sched.ranks[r], common, device)
         if memory_only:
             ranks.append({"pp_rank": r, "stages": [st.index for st in mine], "layers": sum(st.n_layers for st in mine),
                           "memory": memory, "collectives": [], "param_bytes": 0})
@@ -188,24 +175,52 @@ def pipeline_estimate(plan: Plan, model, *, pp_schedule: str, virtual: int, layo
                 for st in mine})
         collectives = _merged(params, [e for e in step_collectives(sub, model, **traffic, parameters="none")
                                        if not (e["phase"] == "optimizer" and e["op"] == "all_reduce_sum")])
-        # Per micro-batch: an activation out of every stage but the last, a gradient back
-        # out of every stage but the first.
-        fwd_send = sum(st.index < last for st in mine) * micro_steps
-        fwd_recv = sum(st.index > 0 for st in mine) * micro_steps
-        p2p = [("send", "forward", fwd_send), ("recv", "forward", fwd_recv),
-               ("send", "backward", fwd_recv), ("recv", "backward", fwd_send)]
-        collectives += [{"axis": "pp", "op": op, "phase": phase, "count": n, "bytes": n * boundary}
-                        for op, phase, n in p2p if n]
-        if tied_bytes and (first or has_head) and pp > 1:
-            collectives += [{"axis": "pp", "op": op, "phase": "optimizer", "count": 1, "bytes": tied_bytes}
-                            for op in ("send", "recv")]
-        collectives += [{"axis": world_axis, "op": "all_reduce_sum", "phase": "optimizer", "count": 1, "bytes": 4},
-                        {"axis": "pp", "op": "all_reduce_sum", "phase": "optimizer", "count": 1, "bytes": 4}]
-        if getattr(model.cfg, "moe", None) is not None:  # MoE metrics: worst imbalance, summed terms
-            collectives[-1] = {**collectives[-1], "count": 2, "bytes": 4 + 8}
-            collectives.append({"axis": "pp", "op": "all_reduce_max", "phase": "optimizer", "count": 1, "bytes": 4})
+        collectives += _pipeline_traffic(model, mine, micro_steps, boundary, last,
+                                         tied_bytes if (first or has_head) and pp > 1 else 0, world_axis)
         order = ("forward", "backward", "optimizer")
         collectives.sort(key=lambda e: (order.index(e["phase"]), e["axis"] == "world", e["axis"], e["op"]))
         ranks.append({"pp_rank": r, "stages": [st.index for st in mine], "layers": sum(st.n_layers for st in mine),
                       "memory": memory, "collectives": collectives, "param_bytes": sum(e["bytes"] for e in params)})
     return PipelineEstimate(stages, sched, timing, ranks)
+
+
+def _rank_memory(sub: Plan, model, mine: list[Stage], actions, common: dict, device: str) -> dict:
+    """The memory of the pp rank holding stages `mine` (`actions`: its schedule): state,
+    saved weights and transients once (no micro-batch in flight); then what one
+    micro-batch keeps on each stage, times the stage's micro-batches in flight at the
+    moment the rank holds the most."""
+    first, has_head = any(st.has_embedding for st in mine), any(st.has_head for st in mine)
+    memory = per_rank_memory(sub, model, **common, layers=[i for st in mine for i in range(*st.layers)],
+                             embedding=first, head=has_head, in_flight=0)
+    per_stage = {st.index: per_rank_memory(sub, model, **common, layers=list(range(*st.layers)),
+                                           embedding=st.has_embedding, head=st.has_head)
+                 for st in mine}
+    held = {s: m["activations_layers"] + m["activations_once"] + m["loss_saved"] for s, m in per_stage.items()}
+    at_peak = max(in_flight(actions), key=lambda n: sum(k * held[s] for s, k in n.items()))
+    kept = sum(k * held[s] for s, k in at_peak.items())
+    memory.update(activations=memory["activations"] + kept,
+                  activations_layers=sum(k * per_stage[s]["activations_layers"] for s, k in at_peak.items()))
+    memory["peak"], memory["allocator_slack"] = total_peak(memory, device)
+    return memory
+
+
+def _pipeline_traffic(model, mine: list[Stage], micro_steps: int, boundary: int, last: int, tied_bytes: int,
+                      world_axis: str) -> list[dict]:
+    """The pipeline's own traffic on a rank holding stages `mine`: per micro-batch an
+    activation out of every stage but the last (`boundary` bytes) and a gradient back out
+    of every stage but the first; the tied table's gradient exchange (`tied_bytes`, 0:
+    none); the grad norm over the world and the loss (with MoE the metrics) over pp."""
+    fwd_send = sum(st.index < last for st in mine) * micro_steps
+    fwd_recv = sum(st.index > 0 for st in mine) * micro_steps
+    p2p = [("send", "forward", fwd_send), ("recv", "forward", fwd_recv),
+           ("send", "backward", fwd_recv), ("recv", "backward", fwd_send)]
+    out = [{"axis": "pp", "op": op, "phase": phase, "count": n, "bytes": n * boundary} for op, phase, n in p2p if n]
+    if tied_bytes:
+        out += [{"axis": "pp", "op": op, "phase": "optimizer", "count": 1, "bytes": tied_bytes}
+                for op in ("send", "recv")]
+    out += [{"axis": world_axis, "op": "all_reduce_sum", "phase": "optimizer", "count": 1, "bytes": 4},
+            {"axis": "pp", "op": "all_reduce_sum", "phase": "optimizer", "count": 1, "bytes": 4}]
+    if getattr(model.cfg, "moe", None) is not None:  # MoE metrics: worst imbalance, summed terms
+        out[-1] = {**out[-1], "count": 2, "bytes": 4 + 8}
+        out.append({"axis": "pp", "op": "all_reduce_max", "phase": "optimizer", "count": 1, "bytes": 4})
+    return out

@@ -18,7 +18,7 @@ forward + backward, backward = 2 x forward):
   embedding  T D            (a row gather; small)
   head       2 T D V + 5 T V + final norm  (the output matmul and the vocab-wide loss)
 with T = micro_batch x seq_len. Activation memory per stage (`act_bytes`, fp32, no
-checkpointing, unsharded) follows the per-token counts of `meshtrain/estimate/memory.py`.
+checkpointing, unsharded) follows the per-token counts of `meshtrain/estimate/activation_memory.py`.
 """
 
 from __future__ import annotations

@@ -296,15 +296,15 @@ MUTANTS = [
            "    gates = scores.gather(-1, idx)\n",
            "    gates = choice.gather(-1, idx)\n", (MOE_BALANCE + "[aux_free]",)),
 
-    # --- the planner's peak (estimate/memory.py) ---
+    # --- the planner's peak (estimate/bucket_memory.py, estimate/memory.py) ---
     Mutant("peak_prefetch_regather_dropped",
            "planner: backward's gathers issued ahead (prefetch) left out of a bucket's transient",
-           "meshtrain/estimate/memory.py",
+           "meshtrain/estimate/bucket_memory.py",
            "comm += prefetch * self.copies + self.gathered",
            "comm += self.gathered", (STEP_PEAK,)),
     Mutant("peak_reductions_in_flight_dropped",
            "planner: one reduce-scatter output in flight counted, not prefetch + 1",
-           "meshtrain/estimate/memory.py",
+           "meshtrain/estimate/bucket_memory.py",
            "(prefetch + 1) * self.gathered // self.ways",
            "self.gathered // self.ways", (STEP_PEAK,)),
     Mutant("peak_grads_dropped", "planner: the gradients left out of the step's working set",

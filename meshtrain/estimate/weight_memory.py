@@ -1,0 +1,98 @@
+"""The weights a step holds beyond the parameters' shards (terms of `per_rank_memory`,
+memory.py): those autograd keeps for backward, the per-layer copies gathering or casting
+them makes, and each bucket's bytes for its transients (bucket_memory.py).
+
+Weights kept for backward (`saved_weights`, part of activations): matmuls and norm
+scales save the weight they multiply by. Parameters that are not gathered are saved as
+themselves in fp32 (no new memory) but as a new bf16 copy under bf16, except a block's
+under full or selective checkpointing, whose recompute casts again. Gathered (fsdp)
+weights are gathered again in backward (ZeRO-3, parallel.reshard_after_forward, eager
+and compiled): nothing kept. Without resharding every gathered weight autograd saves is
+kept from forward to backward (`gathered_weights`), except a block's under full or
+selective checkpointing, whose recompute gathers again.
+
+A pp rank under parallel.pp_keep_gathered (`keep_gathered`; parallel/keep_gathered.py)
+gathers its parameters once per step in fp32 and holds them over the micro-batches
+(`kept_weights`: the gathered ones' compute-local elements, x 4), their gradients adding
+up unsharded beside them (`kept_grads`, as many bytes) until one reduction after the last
+backward. Autograd keeps none of them: under fp32 a step uses the kept weights as they
+are (`Tensor.to` of their own dtype is the tensor itself, and a bucket with nothing left
+to gather hands out its members: no copy, so no transient either); under bf16 each
+bucket is cast per use and cast again in backward (a `held` ShardedContext), so the
+casts are a transient as a layer's gathered weights are today, and a bucketed
+parameter's cast is never saved.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ..models.policy import keeps_fp32
+from ..layout.buckets import plan_buckets
+from ..layout.mesh import GATHERED_AXES
+from ..layout.plan import Plan
+from .bucket_memory import BucketBytes
+from .dtype_bytes import FP32
+
+
+def compute_numel(plan: Plan, name: str) -> int:
+    """Elements of a parameter where it is used: gathered over fsdp, tp shards kept. An
+    uneven fsdp dim is gathered padded (fsdp x the largest shard), as the all-gather
+    buffer is, and the gathered tensor is a view of that buffer."""
+    p = plan.params[name]
+    shape = list(p.spec.shape)
+    for d, axes in enumerate(p.layout.dim_axes):
+        for a in axes:
+            n = plan.mesh.size(a)
+            shape[d] = math.ceil(shape[d] / n) * (n if a in GATHERED_AXES else 1)
+    return math.prod(shape)
+
+
+def is_gathered(plan: Plan, name: str) -> bool:
+    p = plan.params[name]
+    return tuple(p.compute_placements()) != tuple(p.placements)
+
+
+@dataclass
+class WeightBytes:
+    saved: int  # `saved_weights`: the casts autograd keeps
+    gathered: int  # `gathered_weights`: the gathered weights kept without resharding
+    layer_copies: int  # the largest layer's (or other group's) gathered or cast copies at once
+    buckets: list[BucketBytes]  # a block's, and those before and after the blocks
+
+
+def weight_bytes(plan: Plan, model, names: set[str], c: int, checkpointing: str, reshard_after_forward: bool,
+                 keep_gathered: bool) -> WeightBytes:
+    """The weights of the parameters in `names` (a pipeline rank's), with compute dtype c.
+    Kept gathered, the fp32 weights are held (`kept_weights`): only a cast is new, and it
+    is made again in backward for every bucketed parameter."""
+    family, cfg = model.family, model.cfg
+    alone = plan_buckets(plan)[1] if keep_gathered else set()
+    saved_weights = gathered_weights = 0
+    layer_weights: dict[str, int] = {}
+    buckets: dict[str, BucketBytes] = {}
+    for name in plan.params:
+        if name not in names:
+            continue
+        gathered, n = is_gathered(plan, name), compute_numel(plan, name)
+        width = FP32 if keeps_fp32(name) else c  # the router stays fp32
+        new_copy = (gathered and not keep_gathered) or width != FP32  # otherwise the parameter itself is used
+        group = name.split(".")[1] if name.startswith("layers.") else name
+        if new_copy:
+            layer_weights[group] = layer_weights.get(group, 0) + n * width
+        if plan.params[name].spec.trainable:
+            unit = name.split(".")[1] if name.startswith("layers.") else "before" if name == "tok_emb" else "after"
+            buckets.setdefault(unit, BucketBytes(keep_gathered)).add(plan, name, n, width, gathered)
+        if not new_copy or not family.costs.weight_saved(cfg, name):
+            continue
+        # A block's checkpoint gathers or casts its weights again in the recompute.
+        recast = (checkpointing != "none" and name.startswith("layers.")
+                  or keep_gathered and name not in alone)
+        if gathered and not keep_gathered:
+            kept = not reshard_after_forward and not recast
+            gathered_weights += n * width if kept else 0
+        elif not recast:
+            saved_weights += n * width
+    return WeightBytes(saved_weights, gathered_weights, max(layer_weights.values(), default=0),
+                       list(buckets.values()))
