@@ -16,6 +16,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from meshtrain import AdamW, MeshSpec, Rules, TrainState, build, init_params, make_plan, make_train_step
+from meshtrain.layout.traffic import Traffic
 from meshtrain.models import llama
 
 CFG = llama.LlamaConfig(dim=32, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=64, max_seq_len=16)
@@ -47,12 +48,14 @@ class _Order(TorchDispatchMode):
         return out
 
 
-def _step(prefetch: int, compile=False):
+def _step(prefetch: int, compile=False, given: str = "keyword"):
+    """given: the switch as make_train_step's keyword, or inside a Traffic (as fit gives it)."""
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
     model = build("llama", CFG)
     plan = make_plan(model.specs, Rules.default(), MeshSpec(fsdp=2), world=2)
     mesh = plan.mesh.build()
-    step = make_train_step(model, plan, mesh, optimizer=AdamW(lr=1e-3), prefetch=prefetch, compile=compile)
+    switch = {"prefetch": prefetch} if given == "keyword" else {"traffic": Traffic(prefetch=prefetch)}
+    step = make_train_step(model, plan, mesh, optimizer=AdamW(lr=1e-3), compile=compile, **switch)
     state = TrainState.create(init_params(plan, mesh, seed=0))
     t = torch.randint(0, CFG.vocab_size, (1, 4, 9), generator=torch.Generator().manual_seed(0))
     return step, state, {"tokens": t[..., :-1], "targets": t[..., 1:]}
@@ -115,11 +118,12 @@ def _graph_events(gm, collective: str = "all_gather_into_tensor") -> list:
     return events
 
 
-@pytest.mark.parametrize("prefetch", [1, 0])
-def test_compiled_gathers_overlap_the_previous_block(prefetch, monkeypatch):
+@pytest.mark.parametrize("prefetch, given", [(1, "keyword"), (0, "keyword"), (0, "traffic")])
+def test_compiled_gathers_overlap_the_previous_block(prefetch, given, monkeypatch):
     """The compiled step's graphs (aot_eager, as parallel/overlap.py leaves them: its
     compiler is recorded), in the order they run: the same overlap as eager with
-    prefetch 1, none without."""
+    prefetch 1, none without; prefetch 0 also given in a Traffic, as fit gives it (the
+    graph pass must read the same value the gathers do)."""
     import torch._dynamo.backends.debugging as debugging
 
     graphs, nop = [], debugging.boxed_nop
@@ -129,7 +133,7 @@ def test_compiled_gathers_overlap_the_previous_block(prefetch, monkeypatch):
         return nop(gm, inputs)
 
     monkeypatch.setattr(debugging, "boxed_nop", recording_nop)
-    step, state, batch = _step(prefetch, compile="aot_eager")
+    step, state, batch = _step(prefetch, compile="aot_eager", given=given)
     try:
         torch._dynamo.reset()
         step(state, batch)

@@ -97,7 +97,7 @@ def make_train_step(model: ModelDef, plan=None, device_mesh=None, *, optimizer: 
     moe = (moe_cfg, model.cfg.moe_layers) if moe_cfg is not None else None
 
     if compile:
-        loss_sum = compiled(loss_sum, compile, prefetch if plan is not None else 0)
+        loss_sum = compiled(loss_sum, compile, traffic.prefetch if plan is not None else 0)
     apply_update = make_update(optimizer, lr_schedule, grad_clip, compile, inspect_grads)
 
     def step(state: TrainState, batch: dict) -> dict:
