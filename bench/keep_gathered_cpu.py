@@ -47,6 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from meshtrain import MeshSpec, Rules, TrainState, build, init_params, make_plan  # noqa: E402
 from meshtrain.estimate.pipeline import pipeline_estimate  # noqa: E402
+from meshtrain.layout.traffic import Traffic  # noqa: E402
 from meshtrain.models.llama import LlamaConfig  # noqa: E402
 from meshtrain.pipeline import partition  # noqa: E402
 from meshtrain.pipeline.schedule import build_pipeline_schedule  # noqa: E402
@@ -126,7 +127,7 @@ def _peak(cfg, seq, rows, m, kept, rank) -> int:
 def _planned(cfg, seq, rows, m, kept) -> list[dict]:
     model = build("llama", cfg)
     est = pipeline_estimate(_plan(model), model, pp_schedule="1f1b", virtual=1, layout=None, micro_batch=rows // 2,
-                            seq_len=seq, micro_steps=m, device="cpu", keep_gathered=kept)
+                            seq_len=seq, micro_steps=m, device="cpu", traffic=Traffic(keep_gathered=kept))
     out = []
     for r in est.ranks:
         mem, coll = r["memory"], r["collectives"]

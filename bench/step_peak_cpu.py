@@ -36,6 +36,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from meshtrain import MeshSpec, Rules, TrainState, build, init_params, make_plan, make_train_step  # noqa: E402
 from meshtrain.estimate.memory import per_rank_memory  # noqa: E402
+from meshtrain.layout.traffic import Traffic  # noqa: E402
 from meshtrain.models.llama import LlamaConfig  # noqa: E402
 from meshtrain.train.optim import AdamW  # noqa: E402
 from meshtrain.train.peak_memory import peak_cpu_bytes  # noqa: E402
@@ -81,7 +82,8 @@ def measure(sizes: dict, sp: bool, precision: str, prefetch: int, compile: str |
         for p in params.values():
             p.grad = None
         _, peak = peak_cpu_bytes(step, state, batch, before="optimizer")
-        mem = per_rank_memory(plan, model, micro_batch=ROWS, seq_len=SEQ, precision=precision, prefetch=prefetch)
+        mem = per_rank_memory(plan, model, micro_batch=ROWS, seq_len=SEQ, precision=precision,
+                              traffic=Traffic(prefetch=prefetch))
         return peak, mem
     finally:
         dist.destroy_process_group()

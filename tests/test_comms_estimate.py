@@ -26,6 +26,7 @@ from meshtrain.parallel.init import init_params
 from meshtrain.layout.mesh import MeshSpec
 from meshtrain.layout.plan import make_plan
 from meshtrain.layout.rules import Rules
+from meshtrain.layout.traffic import Traffic
 from meshtrain.train.optim import AdamW
 from meshtrain.train.step import TrainState, make_train_step
 from support.collectives import CFG, CollectiveRecorder, Msg, axis_names, run_model_step, run_step
@@ -226,7 +227,7 @@ def test_llama3_405b_at_16384_ranks():
     assert fsdp == 2048
     t0 = time.perf_counter()
     entries = step_collectives(plan, model, micro_batch_rows=B, seq_len=S, micro_steps=1, precision="fp32",
-                               bucket="param")
+                               traffic=Traffic(bucket="param"))
     elapsed = time.perf_counter() - t0
     assert elapsed < 2.0, f"estimate took {elapsed:.2f} s"
     est = {(SHORT[e["phase"]], e["op"], e["axis"]): (e["count"], e["bytes"]) for e in entries}
@@ -259,13 +260,13 @@ def test_llama3_405b_at_16384_ranks():
     assert 1.95 < ratio < 2.05, ratio  # ~2x the tp-local fp32 parameter bytes
     assert math.isclose(est[("bwd", "reduce_scatter_sum", "fsdp")][1], 4 * total_params / tp, rel_tol=0.01)
     bf16 = step_collectives(plan, model, micro_batch_rows=B, seq_len=S, micro_steps=4, precision="bf16",
-                            compiled=True, bucket="param")
+                            compiled=True, traffic=Traffic(bucket="param"))
     got = Counter({(SHORT[e["phase"]], e["op"], e["axis"]): e["bytes"] for e in bf16})
     assert got[("fwd", "all_gather", "fsdp")] == 4 * 2 * U  # 4 micro-steps, gathered in bf16
     # Compiled with resharding: gathered again once in backward, but the untied table.
     assert got[("bwd", "all_gather", "fsdp")] == 4 * 2 * (U - V * d // tp)
     kept = step_collectives(plan, model, micro_batch_rows=B, seq_len=S, micro_steps=4, precision="bf16",
-                            compiled=True, bucket="param", reshard_after_forward=False)
+                            compiled=True, traffic=Traffic(bucket="param", reshard_after_forward=False))
     assert ("bwd", "all_gather", "fsdp") not in {(SHORT[e["phase"]], e["op"], e["axis"]) for e in kept}
     assert got[("bwd", "reduce_scatter_sum", "fsdp")] == 4 * 4 * U  # reduced in fp32
     assert got[("opt", "all_reduce_sum", "world")] == 4  # once per step

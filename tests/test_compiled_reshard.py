@@ -31,6 +31,7 @@ from meshtrain import AdamW, MeshSpec, Rules, TrainState, build, init_params, ma
 from meshtrain.estimate.comms import step_collectives
 from meshtrain.models import llama
 from meshtrain.layout.buckets import plan_buckets
+from meshtrain.layout.traffic import Traffic
 from meshtrain.testing import run_ranks
 
 SMALL = llama.LlamaConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=64, max_seq_len=16)
@@ -110,7 +111,7 @@ def test_compiled_backward_gathers_again_what_the_plan_says(tied):
             got[reshard] = {("forward", op): n for op, n in fwd.items() if op in OPS.values()}
             got[reshard].update({("backward", op): n for op, n in bwd.items() if op in OPS.values()})
             est = step_collectives(plan, model, micro_batch_rows=4, seq_len=8, micro_steps=1, compiled=True,
-                                   reshard_after_forward=reshard)
+                                   traffic=Traffic(reshard_after_forward=reshard))
             want = {(e["phase"], e["op"]): e["count"] for e in est if e["op"] in OPS.values()}
             assert got[reshard] == want, (reshard, got[reshard], want)
         buckets = len(plan_buckets(plan)[0])  # the embedding, each block, the final norm and head
@@ -271,7 +272,7 @@ def test_compiled_unsharded_accumulation_reduce_scatters_once_per_step(monkeypat
         got.update({("forward", op): 2 * n for op, n in fwd.items() if op in OPS.values()})
         got.update({("backward", op): 2 * n for op, n in bwd.items() if op in OPS.values()})
         est = step_collectives(plan, model, micro_batch_rows=2 * world, seq_len=8, micro_steps=2, compiled=True,
-                               fsdp_accumulate="unsharded")
+                               traffic=Traffic(fsdp_accumulate="unsharded"))
         want = Counter()
         for e in est:
             if e["op"] in OPS.values() or (e["phase"], e["op"]) == ("backward", "all_reduce_sum"):

@@ -17,6 +17,7 @@ import yaml
 from meshtrain.config import RunConfig
 from meshtrain.errors import ConfigError
 from meshtrain.estimate.dryrun import GPU_MEMORY, dry_run
+from meshtrain.layout.traffic import Traffic
 from support.cli import ROOT, run_cli
 from support.configs import preset
 
@@ -142,7 +143,7 @@ def test_plan_counts_the_collectives_of_the_configured_bucket(bucket):
         assert rows[("fsdp", "all_gather", "backward")][0] == m * (units - 1)
     plan = cfg.plan(world=2)
     assert run.collectives == step_collectives(plan, cfg.model_def(), micro_batch_rows=8, seq_len=cfg.train.seq_len,
-                                               micro_steps=m, bucket=bucket)
+                                               micro_steps=m, traffic=Traffic(bucket=bucket))
     b = run.to_dict()["buckets"]
     if bucket == "block":
         assert b == {"unit": "block", "count": L + 2, "largest_bytes": block}

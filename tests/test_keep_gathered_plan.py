@@ -14,16 +14,17 @@ import pytest
 from meshtrain.estimate.dryrun import dry_run
 from meshtrain.estimate.pipeline import pipeline_estimate
 from meshtrain.layout.plan import without_pp
+from meshtrain.layout.traffic import Traffic
 from support.pipeline import PIPE_ROWS, PIPE_SEQ, pipe_model, pipe_plan, pipelined
 
 FSDP = 2
 
 
-def _estimate(keep: bool, m: int, precision: str = "fp32", **kw):
+def _estimate(keep: bool, m: int, precision: str = "fp32", **traffic):
     model = pipe_model(False)
     return pipeline_estimate(pipe_plan(model), model, pp_schedule="1f1b", virtual=1, layout=None,
                              micro_batch=PIPE_ROWS // FSDP, seq_len=PIPE_SEQ, micro_steps=m, precision=precision,
-                             keep_gathered=keep, device="cpu", **kw)
+                             traffic=Traffic(keep_gathered=keep, **traffic), device="cpu")
 
 
 def _entries(rank: dict) -> dict:

@@ -22,6 +22,7 @@ import torch
 from meshtrain import MeshSpec, Rules, build, init_params, make_plan
 from meshtrain.models import gpt2, llama
 from meshtrain.estimate.memory import per_rank_memory
+from meshtrain.layout.traffic import Traffic
 from meshtrain.testing import run_ranks
 from support.memory import kept_instead
 
@@ -149,7 +150,7 @@ def test_activation_bytes_match(measured, world, name, precision):
     values = [r["activations"] for r in measured[(world, name, precision)]]
     assert max(values) == est["activations"], (values, est["activations"], est)
     # Gathered weights the runtime gathers again: what a step without resharding keeps.
-    kept = _estimate(world, name, precision, reshard_after_forward=False)
+    kept = _estimate(world, name, precision, traffic=Traffic(reshard_after_forward=False))
     regathered = max(r["regathered"] for r in measured[(world, name, precision)])
     assert kept["gathered_weights"] == regathered, (regathered, kept["gathered_weights"])
 
@@ -270,6 +271,6 @@ def test_moe_activation_bytes_match(case, monkeypatch):
     assert got["activations"] == est["activations"], (got, est)
     assert got["params"] <= est["params"]
     kept = per_rank_memory(plan, model, micro_batch=MICRO, seq_len=SEQ, precision=precision,
-                           reshard_after_forward=False)
+                           traffic=Traffic(reshard_after_forward=False))
     assert kept["gathered_weights"] == got["regathered"]
     assert est["activations_per_moe_layer"] > 0

@@ -10,6 +10,7 @@ import pytest
 
 from meshtrain.estimate.dryrun import dry_run
 from meshtrain.layout.plan import without_pp
+from meshtrain.layout.traffic import Traffic
 from meshtrain.pipeline.schedule import SEND_B, SEND_F
 from support.cli import ROOT, run_cli
 from support.pipeline import PIPE_MICRO, PIPE_ROWS, PIPE_SEQ, pipe_model, pipe_plan, pipelined
@@ -141,8 +142,9 @@ def test_pipeline_rank_collectives_equal_recorded_steps():
     for cid, schedule, virtual, bucket, tied, mode in PIPE_CASES:
         model = pipe_model(tied)
         est = pipeline_estimate(pipe_plan(model), model, pp_schedule=schedule, virtual=virtual, layout=None,
-                                micro_batch=PIPE_ROWS // 2, seq_len=PIPE_SEQ, micro_steps=PIPE_MICRO, bucket=bucket,
-                                activation_checkpointing=mode, keep_gathered=_kept(cid))
+                                micro_batch=PIPE_ROWS // 2, seq_len=PIPE_SEQ, micro_steps=PIPE_MICRO,
+                                traffic=Traffic(bucket=bucket, keep_gathered=_kept(cid)),
+                                activation_checkpointing=mode)
         for rank in (0, 2):  # pp rank 0 (the embedding) and 1 (the head)
             mesh_only = lambda d: {k: v for k, v in d.items() if k[2] == "fsdp"}  # noqa: E731
             assert not [k for k in results[rank][cid] if k[2].startswith("group:")], results[rank][cid]

@@ -9,6 +9,7 @@ import math
 
 from ..layout.mesh import GATHERED_AXES
 from ..layout.plan import Plan
+from ..layout.traffic import Traffic
 from .dtype_bytes import FP32
 
 
@@ -37,18 +38,19 @@ class BucketBytes:
         else:
             self.replica_grads += n * FP32
 
-    def transients(self, prefetch: int, reshard: bool, replicas: int, device: str) -> tuple[int, int, int]:
+    def transients(self, traffic: Traffic, replicas: int, device: str) -> tuple[int, int, int]:
         """(forward, backward, the backward's communication buffers), as the eager bucket
-        path (parallel/bucket_run.py) allocates them. Forward: the gathered flat buffer and
-        the weights unpacked from it, the packed shards, and `prefetch` gathers issued
-        ahead. Backward: the weights gathered again (with resharding) and `prefetch`
-        ahead, the weight gradients, the packed fp32 buffer of the reduce-scatter and
+        path (parallel/bucket_run.py) allocates them under `traffic`'s prefetch and
+        reshard_after_forward. Forward: the gathered flat buffer and the weights unpacked
+        from it, the packed shards, and `prefetch` gathers issued ahead. Backward: the
+        weights gathered again (with resharding) and `prefetch` ahead, the weight gradients, the packed fp32 buffer of the reduce-scatter and
         `prefetch` + 1 of its outputs in flight, and with dp replicas the all-reduce's
         concatenated input and output; on a GPU the inputs of the reductions in flight
         are held too (until their collective ends). Kept gathered (`kept`), a micro-batch's
         backward makes the weight gradients only, and the communication buffers are the
         step end's (`total_peak`): the packed buffer and the outputs in flight but the
         last (which is the shard's gradient)."""
+        prefetch = traffic.prefetch
         gather = self.copies * (1 + 1 / self.ways)
         forward = int(self.copies * 2 + prefetch * gather) if self.copies else 0
         comm = 0
@@ -59,14 +61,14 @@ class BucketBytes:
             comm += 2 * self.replica_grads
         if self.kept:
             return forward, self.grads, int(comm - (self.gathered // self.ways if self.gathered else 0))
-        backward = (self.copies if reshard else 0) + self.grads + comm
+        backward = (self.copies if traffic.reshard_after_forward else 0) + self.grads + comm
         return forward, int(backward), int(comm)
 
 
-def largest_transients(buckets, prefetch: int, reshard: bool, replicas: int, device: str) -> tuple[int, int, int]:
-    """(forward, backward, its communication buffers) of `buckets` (BucketBytes): the
-    largest forward, and the largest backward with its buffers."""
-    sets = [b.transients(prefetch, reshard, replicas, device) for b in buckets]
+def largest_transients(buckets, traffic: Traffic, replicas: int, device: str) -> tuple[int, int, int]:
+    """(forward, backward, its communication buffers) of `buckets` (BucketBytes) under
+    `traffic`: the largest forward, and the largest backward with its buffers."""
+    sets = [b.transients(traffic, replicas, device) for b in buckets]
     forward = max((f for f, _, _ in sets), default=0)
     backward, comm_buffers = max(((bw, cb) for _, bw, cb in sets), default=(0, 0))
     return forward, backward, comm_buffers

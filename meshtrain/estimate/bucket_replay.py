@@ -9,16 +9,17 @@ from collections import defaultdict
 
 from ..models.policy import Policy
 from ..layout.buckets import DATA_AXES, gather_sets, group_dims, plan_buckets
+from ..layout.traffic import Traffic, check_bucket
 from .collective_tally import CollectiveTally
 from .placement_rules import P, numel_on_rank
 from .walker import Walker
 
 
-def bucket_traffic(w: Walker, events, unit, names, policy: Policy, prefetch: int = 1,
-                   step: CollectiveTally | None = None, unsharded: bool = False,
-                   keep: bool = False) -> list[tuple[int, dict]]:
+def bucket_traffic(w: Walker, events, names, policy: Policy, traffic: Traffic,
+                   step: CollectiveTally | None = None, keep: bool = False) -> list[tuple[int, dict]]:
     """One micro-step's parameter traffic, into `w.tally`, as a step with buckets
-    (parallel/bucket_run.py, `unit` block or a size in MB) issues it. `events` are one
+    (parallel/bucket_run.py, `traffic.bucket` block or a size in MB) issues it; of
+    `traffic` the bucket, prefetch and fsdp_accumulate count here. `events` are one
     forward's parameter lookups in order (`Walker.events` of every block the rank runs,
     with the embedding's first and the head's last); `names` the parameters the rank
     holds. As `_BoundParams` and `BucketGather` run them:
@@ -38,16 +39,18 @@ def bucket_traffic(w: Walker, events, unit, names, policy: Policy, prefetch: int
       made one, else dim by dim. Members not looked up (or not trainable) count as
       Partial over the data dims. Those all-reduces go into `step` when given: a plain
       step holds them back on every micro-step but the last and issues them once; with
-      `unsharded` (parallel.fsdp_accumulate) the reduce-scatters too.
-    - `keep` (a pp rank under parallel.pp_keep_gathered, with a walker that is neither
-      eager nor recomputing): a bucket once gathered stays gathered, so it is gathered
-      once however its lookups interleave with other buckets', and the gradients of all
-      its lookups are reduced together, once.
+      fsdp_accumulate unsharded the reduce-scatters too.
+    - `keep` (`step_collectives` parameters "kept": a pp rank under
+      parallel.pp_keep_gathered, with a walker that is neither eager nor recomputing): a
+      bucket once gathered stays gathered, so it is gathered once however its lookups
+      interleave with other buckets', and the gradients of all its lookups are reduced
+      together, once.
 
     Returns the eager backward's gathers again, in the order backward issues them:
     (bucket index, {(phase, op, axis): [count, bytes]}) each."""
-    replay = _BucketReplay(w, unit, names, policy, step, unsharded)
-    replay.forward(events, prefetch, keep)
+    replay = _BucketReplay(w, check_bucket(traffic.bucket), names, policy, step,
+                           traffic.fsdp_accumulate == "unsharded")
+    replay.forward(events, traffic.prefetch, keep)
     return replay.backward()
 
 

@@ -77,13 +77,14 @@ collective copies locally): `expert_exchange` gives both per MoE layer per micro
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import replace
 
 from ..errors import ConfigError
 from ..models import ModelDef
 from ..models.family import BLOCK_IN
 from ..models.policy import Policy
 from ..layout.buckets import group_dims, plan_buckets
-from ..layout.traffic import check_bucket
+from ..layout.traffic import Traffic, check_bucket
 from ..layout.plan import Plan
 from .bucket_replay import bucket_traffic
 from .collective_tally import CollectiveTally
@@ -113,20 +114,18 @@ def _block_kinds(model: ModelDef, layers) -> dict[str, list[int]]:
 
 def step_collectives(plan: Plan, model: ModelDef, *, micro_batch_rows: int, seq_len: int, micro_steps: int,
                      precision: str = "fp32", compiled: bool = False, layers=None,
-                     embedding: bool = True, head: bool = True, bucket: str | float = "block",
-                     prefetch: int = 1, reshard_after_forward: bool = True, names=None,
-                     loss_once: bool = True, fsdp_accumulate: str = "sharded",
-                     activation_checkpointing: str = "none", parameters: str = "each",
+                     embedding: bool = True, head: bool = True, traffic: Traffic = Traffic(), names=None,
+                     loss_once: bool = True, activation_checkpointing: str = "none", parameters: str = "each",
                      activations: bool = True) -> list[dict]:
     """The collectives of one optimizer step: dicts {axis, op, phase, count, bytes}, one per
     (axis, op, phase); bytes are the total per rank over the step. `micro_batch_rows` is
     the sequences of one micro-step over all data-parallel ranks (micro_batch x dp x fsdp).
-    `bucket`, `prefetch`, `reshard_after_forward`: the step's parameter traffic, as
-    make_train_step takes them (parallel.bucket, ...; "param": one collective per
-    parameter); `fsdp_accumulate` "unsharded": a plain bucketed step reduce-scatters once
-    per step. A pipeline rank (plan: the stage plan without pp) runs `layers` layers (a
-    count, or their indices) and the embedding and head only where it holds them, and
-    holds `names` (default: those); its point-to-point traffic is counted by
+    `traffic`: the step's parameter traffic, as make_train_step takes it (bucket "param":
+    one collective per parameter; fsdp_accumulate "unsharded": a plain bucketed step
+    reduce-scatters once per step); its keep_gathered is not read here (`parameters`
+    "kept" below is). A pipeline rank (plan: the stage plan without pp) runs `layers`
+    layers (a count, or their indices) and the embedding and head only where it holds
+    them, and holds `names` (default: those); its point-to-point traffic is counted by
     meshtrain/estimate/pipeline.py, and its loss is reduced in every micro-step
     (`loss_once` False), not once per step. Dense and MoE blocks' activations are each
     walked once (their first layer) and multiplied by how many of them run; every
@@ -146,18 +145,19 @@ def step_collectives(plan: Plan, model: ModelDef, *, micro_batch_rows: int, seq_
     redistributed there and back once, fp32; "none": left out. `activations` False
     leaves out everything else (activations, loss, MoE load, grad norm)."""
     _check_step(precision, parameters)
-    unit = check_bucket(bucket)
+    unit = check_bucket(traffic.bucket)
     c = _check_batch(plan, micro_batch_rows, precision)
     kinds = _block_kinds(model, layers)
+    reshard = traffic.reshard_after_forward
 
-    def walk(c=c, eager=not compiled and reshard_after_forward, recompute=compiled and reshard_after_forward):
+    def walk(c=c, eager=not compiled and reshard, recompute=compiled and reshard):
         return Walker(plan, micro_batch_rows, seq_len, c, eager=eager, defer=True, recompute=recompute,
                       keep_shards=True)
 
     parts, rest, events = _walk_model(model, kinds, walk, embedding, head, recompute=activation_checkpointing == "full")
     held = set(names) if names is not None else _held(plan, model, kinds, embedding, head)
-    tallies = _parameter_tallies(plan, walk, events, unit, held, parameters, precision, 0 if compiled else prefetch,
-                                 loss_once, fsdp_accumulate == "unsharded", micro_steps)
+    tallies = _parameter_tallies(plan, walk, events, held, parameters, precision, traffic, compiled, loss_once,
+                                 micro_steps)
     if activations:
         tallies += [(part.tally, times * micro_steps) for part, times in parts]
         tallies.append((_once_per_step(plan, model, kinds, rest, unit, loss_once, micro_steps), 1))
@@ -175,15 +175,16 @@ def _check_step(precision: str, parameters: str):
         raise ValueError(f"parameters={parameters!r}: choose each, kept or none")
 
 
-def _parameter_tallies(plan: Plan, walk, events, unit, held: set[str], parameters: str, precision: str,
-                       prefetch: int, loss_once: bool, unsharded: bool,
+def _parameter_tallies(plan: Plan, walk, events, held: set[str], parameters: str, precision: str,
+                       traffic: Traffic, compiled: bool, loss_once: bool,
                        micro_steps: int) -> list[tuple[CollectiveTally, int]]:
     """The parameters' traffic as (tally, times per step): `parameters` "kept" once per
     step; "each" per micro-step, with what a plain step reduces once per step apart;
     "none" nothing."""
     if parameters == "kept":  # fp32 (c None: each parameter's own dtype), gathered once: none again
         params = walk(c=None, eager=False, recompute=False)
-        bucket_traffic(params, events, unit, held, Policy.of("fp32"), 0, keep=True)
+        # Each bucket gathered once, before the first micro-batch: counted in lookup order.
+        bucket_traffic(params, events, held, Policy.of("fp32"), replace(traffic, prefetch=0), keep=True)
         return [(params.tally, 1)]
     if parameters != "each":
         return []
@@ -191,7 +192,8 @@ def _parameter_tallies(plan: Plan, walk, events, unit, held: set[str], parameter
     # reduce-scatters once per step (held over micro-steps); a pipeline rank on every
     # micro-step. A compiled step gathers each bucket where it is first looked up.
     params, per_step = walk(), CollectiveTally(plan.mesh) if loss_once else None
-    bucket_traffic(params, events, unit, held, Policy.of(precision), prefetch, per_step, unsharded=unsharded)
+    bucket_traffic(params, events, held, Policy.of(precision), replace(traffic, prefetch=0) if compiled else traffic,
+                   per_step)
     return [(params.tally, micro_steps)] + ([(per_step, 1)] if per_step is not None else [])
 
 
@@ -268,20 +270,19 @@ def _walk_model(model: ModelDef, kinds: dict, walk, embedding: bool, head: bool,
 
 def backward_regathers(plan: Plan, model: ModelDef, *, micro_batch_rows: int, seq_len: int, layers, names,
                        embedding: bool = True, head: bool = True, precision: str = "fp32",
-                       bucket: str | float = "block", prefetch: int = 1) -> list[tuple[int, dict]]:
+                       traffic: Traffic = Traffic()) -> list[tuple[int, dict]]:
     """What the eager backward of one micro-batch of these layers (a pipeline stage, on a
-    rank holding `names`) gathers again with buckets, in the order it does: (bucket
-    index, {(phase, op, axis): [count, bytes]}) each. The runtime keeps the bucket
-    gathered last until the next forward, so a backward that starts with it gathers it
-    once fewer (pipeline.py counts that from the schedule)."""
-    unit = check_bucket(bucket)
-    if unit == "param":
+    rank holding `names`) gathers again with `traffic`'s buckets and prefetch, in the
+    order it does: (bucket index, {(phase, op, axis): [count, bytes]}) each. The runtime
+    keeps the bucket gathered last until the next forward, so a backward that starts
+    with it gathers it once fewer (pipeline.py counts that from the schedule)."""
+    if check_bucket(traffic.bucket) == "param":
         return []
     c = _check_batch(plan, micro_batch_rows, precision)
     kinds = _block_kinds(model, layers)
     walk = lambda: Walker(plan, micro_batch_rows, seq_len, c, eager=True, defer=True)  # noqa: E731
     _, _, events = _walk_model(model, kinds, walk, embedding, head)
-    return bucket_traffic(walk(), events, unit, set(names), Policy.of(precision), prefetch)
+    return bucket_traffic(walk(), events, set(names), Policy.of(precision), traffic)
 
 
 def _held(plan: Plan, model: ModelDef, kinds: dict, embedding: bool, head: bool) -> set[str]:

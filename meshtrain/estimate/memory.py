@@ -30,6 +30,7 @@ import math
 from dataclasses import dataclass
 
 from ..layout.plan import Plan
+from ..layout.traffic import Traffic
 from .activation_memory import (MicroBatch, attention_half, checkpointed_layer, loss_transient, mask_tensors,
                                 mlp_half, once_per_micro_batch)
 from .bucket_memory import largest_transients
@@ -45,10 +46,9 @@ ALLOCATOR_SLACK = 0.05
 
 
 def per_rank_memory(plan: Plan, model, *, micro_batch: int, seq_len: int, precision: str = "fp32",
-                    activation_checkpointing: str = "none", reshard_after_forward: bool = True,
-                    fsdp_accumulate: str = "sharded", device: str = "cpu", attention: str | None = None,
-                    names=None, layers: int | None = None, embedding: bool = True, head: bool = True,
-                    in_flight: int = 1, mask_keys=None, keep_gathered: bool = False, prefetch: int = 1) -> dict:
+                    activation_checkpointing: str = "none", traffic: Traffic = Traffic(), device: str = "cpu",
+                    attention: str | None = None, names=None, layers: int | None = None, embedding: bool = True,
+                    head: bool = True, in_flight: int = 1, mask_keys=None) -> dict:
     """Bytes on the most loaded rank for one training step (see the module docstring for
     what is counted). micro_batch: sequences per data-parallel rank per micro-step.
     device: "cpu" | "cuda" picks the attention kernel unless `attention` ("flash" |
@@ -60,9 +60,10 @@ def per_rank_memory(plan: Plan, model, *, micro_batch: int, seq_len: int, precis
     keeps the activations of `in_flight` micro-batches at once (the schedule's peak).
 
     mask_keys: with data.document_mask, what the masks attention keeps
-    (estimate.compute.mask_keys; None: no masks). keep_gathered: a pp rank under
-    parallel.pp_keep_gathered (the module docstring). prefetch: parallel.prefetch, the
-    gathers issued ahead and the reductions left in flight."""
+    (estimate.compute.mask_keys; None: no masks). traffic: the step's parameter traffic
+    (layout/traffic.py) as the runtime takes it: reshard_after_forward, fsdp_accumulate,
+    prefetch (the gathers issued ahead and the reductions left in flight) and
+    keep_gathered (a pp rank under parallel.pp_keep_gathered; the module docstring)."""
     attention = _checked(model, precision, activation_checkpointing, device, attention)
     mb = MicroBatch.of(plan, model, micro_batch, seq_len, _DTYPE_BYTES[precision])
     mask_keys = mask_keys or MaskKeys()
@@ -70,15 +71,14 @@ def per_rank_memory(plan: Plan, model, *, micro_batch: int, seq_len: int, precis
     layer = _layer(mb, attention, activation_checkpointing, mask_keys)
     once, masks, loss = once_per_micro_batch(mb, mask_keys, embedding, head)
     layers_bytes, per_layer, ran = _layers(model.cfg, layers, layer)
-    weights = weight_bytes(plan, model, names, mb.c, activation_checkpointing, reshard_after_forward, keep_gathered)
-    state = _state(plan, names, fsdp_accumulate, keep_gathered)
+    weights = weight_bytes(plan, model, names, mb.c, activation_checkpointing, traffic)
+    state = _state(plan, names, traffic)
     # The largest transient: a layer's gathered or cast weights, a bucket's gather in
     # forward, the loss at the turn, or a bucket's backward (its weight gradients and
     # reductions, where the layer backward has just run has freed what it kept, when a
     # micro-batch is counted here).
     replicas = plan.mesh.size("dp") if "dp" in plan.mesh.axes else 1
-    forward, backward, comm_buffers = largest_transients(weights.buckets, prefetch, reshard_after_forward,
-                                                         replicas, device)
+    forward, backward, comm_buffers = largest_transients(weights.buckets, traffic, replicas, device)
     loss_logits = loss_transient(mb) if head else 0
     freed = per_layer if in_flight and ran else 0
     out = {
@@ -92,7 +92,7 @@ def per_rank_memory(plan: Plan, model, *, micro_batch: int, seq_len: int, precis
         "transient_forward": forward, "transient_backward": backward, "comm_buffers": comm_buffers,
         # Kept gathered: the step's end, beside the kept weights and gradients: the shards'
         # gradients as they are reduced into and the reductions' buffers.
-        "release": state.grads + comm_buffers if keep_gathered else 0,
+        "release": state.grads + comm_buffers if traffic.keep_gathered else 0,
         "transient_layer_weights": weights.layer_copies, "logits": loss_logits,
         "attention_kernel": attention, "document_masks": masks, "tiles_joined_per_layer": layer.joined,
         "window_pads_per_layer": layer.pads,
@@ -176,7 +176,7 @@ class _State:
     kept_grads: int
 
 
-def _state(plan: Plan, names: set[str], fsdp_accumulate: str, keep_gathered: bool) -> _State:
+def _state(plan: Plan, names: set[str], traffic: Traffic) -> _State:
     """Parameters, gradients and AdamW's moments of `names`; and the gathered parameters
     whole, fp32: under parallel.fsdp_accumulate unsharded (with micro-steps) their
     gradients, held from the first micro-step to the reduce-scatter; under
@@ -185,8 +185,8 @@ def _state(plan: Plan, names: set[str], fsdp_accumulate: str, keep_gathered: boo
     params = sum(p.bytes_per_rank for n, p in plan.params.items() if n in names)
     grads = sum(math.prod(p.local_shape) * FP32 for n, p in plan.params.items() if n in names)
     whole = sum(compute_numel(plan, n) * FP32 for n in plan.params if n in names and is_gathered(plan, n))
-    kept = whole if keep_gathered else 0
-    return _State(params, grads, 2 * grads, whole if fsdp_accumulate == "unsharded" else 0, kept, kept)
+    kept = whole if traffic.keep_gathered else 0
+    return _State(params, grads, 2 * grads, whole if traffic.fsdp_accumulate == "unsharded" else 0, kept, kept)
 
 
 def total_peak(m: dict, device: str) -> tuple[int, int]:

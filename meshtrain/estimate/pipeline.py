@@ -39,6 +39,7 @@ from .comms import backward_regathers, step_collectives
 from .memory import per_rank_memory, total_peak
 from ..models.family import RESIDUAL
 from ..layout.plan import Plan, without_pp
+from ..layout.traffic import Traffic
 from ..pipeline.partition import Stage, partition
 from ..pipeline.schedule import B, BI, BW, F, PipelineSchedule, build_pipeline_schedule
 from ..pipeline.simulate import Result, in_flight, simulate, stage_costs_from_partition
@@ -125,13 +126,12 @@ def timeline_lines(schedule: PipelineSchedule, max_actions: int = 48) -> list[st
 def pipeline_estimate(plan: Plan, model, *, pp_schedule: str, virtual: int, layout: list[int] | None,
                       micro_batch: int, seq_len: int, micro_steps: int, precision: str = "fp32",
                       compiled: bool = False, activation_checkpointing: str = "none",
-                      device: str = "cuda", bucket: str | float = "block", prefetch: int = 1,
-                      reshard_after_forward: bool = True, keep_gathered: bool = False,
-                      mask_keys=None, memory_only: bool = False) -> PipelineEstimate:
-    """bucket, prefetch, reshard_after_forward, keep_gathered: the stages' parameter
-    traffic, as make_pipeline_step takes them (keep_gathered: parallel.pp_keep_gathered);
-    mask_keys: as per_rank_memory's. Each rank's `param_bytes`: its parameters' gathers
-    and reductions over the stage mesh per step (not the tied table's exchange).
+                      device: str = "cuda", traffic: Traffic = Traffic(), mask_keys=None,
+                      memory_only: bool = False) -> PipelineEstimate:
+    """traffic: the stages' parameter traffic, as make_pipeline_step takes it (its
+    keep_gathered: parallel.pp_keep_gathered); mask_keys: as per_rank_memory's. Each
+    rank's `param_bytes`: its parameters' gathers and reductions over the stage mesh per
+    step (not the tied table's exchange).
     memory_only: no collectives (most of the cost; for the advice's search)."""
     pp = plan.mesh.pp
     stages = partition(model, pp, virtual, layout, seq_len=seq_len, micro_batch=micro_batch)
@@ -151,8 +151,8 @@ def pipeline_estimate(plan: Plan, model, *, pp_schedule: str, virtual: int, layo
         names = [n for st in mine for n in st.params + st.shared]
         first, has_head = any(st.has_embedding for st in mine), any(st.has_head for st in mine)
         common = dict(micro_batch=micro_batch, seq_len=seq_len, precision=precision,
-                      activation_checkpointing=activation_checkpointing, reshard_after_forward=reshard_after_forward,
-                      device=device, names=names, mask_keys=mask_keys, keep_gathered=keep_gathered, prefetch=prefetch)
+                      activation_checkpointing=activation_checkpointing, traffic=traffic, device=device, names=names,
+                      mask_keys=mask_keys)
         memory = _rank_memory(sub, model, mine, sched.ranks[r], common, device)
         if memory_only:
             ranks.append({"pp_rank": r, "stages": [st.index for st in mine], "layers": sum(st.n_layers for st in mine),
@@ -160,20 +160,19 @@ def pipeline_estimate(plan: Plan, model, *, pp_schedule: str, virtual: int, layo
             continue
         # The last stage reduces each micro-step's loss over the token-splitting dims (the
         # pipeline step's cross_entropy_sum), not the step's once.
-        traffic = dict(micro_batch_rows=micro_batch * data, seq_len=seq_len, micro_steps=micro_steps,
-                       precision=precision, compiled=compiled, layers=[i for st in mine for i in range(*st.layers)],
-                       embedding=first, head=has_head, bucket=bucket, prefetch=prefetch,
-                       reshard_after_forward=reshard_after_forward, names=names, loss_once=False,
-                       activation_checkpointing=activation_checkpointing)
-        params = step_collectives(sub, model, **traffic, parameters="kept" if keep_gathered else "each",
+        step = dict(micro_batch_rows=micro_batch * data, seq_len=seq_len, micro_steps=micro_steps,
+                    precision=precision, compiled=compiled, layers=[i for st in mine for i in range(*st.layers)],
+                    embedding=first, head=has_head, traffic=traffic, names=names, loss_once=False,
+                    activation_checkpointing=activation_checkpointing)
+        params = step_collectives(sub, model, **step, parameters="kept" if traffic.keep_gathered else "each",
                                   activations=False)
-        if not keep_gathered and not compiled and reshard_after_forward:
+        if not traffic.keep_gathered and not compiled and traffic.reshard_after_forward:
             _kept_regathers(params, sched.ranks[r], {
                 st.index: backward_regathers(sub, model, micro_batch_rows=micro_batch * data, seq_len=seq_len,
                                              layers=list(range(*st.layers)), names=names, embedding=st.has_embedding,
-                                             head=st.has_head, precision=precision, bucket=bucket, prefetch=prefetch)
+                                             head=st.has_head, precision=precision, traffic=traffic)
                 for st in mine})
-        collectives = _merged(params, [e for e in step_collectives(sub, model, **traffic, parameters="none")
+        collectives = _merged(params, [e for e in step_collectives(sub, model, **step, parameters="none")
                                        if not (e["phase"] == "optimizer" and e["op"] == "all_reduce_sum")])
         collectives += _pipeline_traffic(model, mine, micro_steps, boundary, last,
                                          tied_bytes if (first or has_head) and pp > 1 else 0, world_axis)

@@ -3,10 +3,12 @@
 `step_memory` is what `meshtrain plan` reports and what its advice (`advice.py`) compares
 against a device: the most loaded rank's bytes (`memory.py`), or under pp the most loaded
 pp rank's (`estimate.pipeline`), with the config's micro-batch, precision, checkpointing
-and compile setting.
+and compile setting, and its parameter traffic (`ParallelConfig.traffic`).
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 from ..config import RunConfig
 from .compute import mask_keys
@@ -24,21 +26,20 @@ def step_memory(cfg: RunConfig, plan, model, keep_gathered: bool | None = None,
     `plan`; under pp the memory also names its `pp_rank`. `keep_gathered`: under pp, in
     place of parallel.pp_keep_gathered (the plan weighs both). `memory_only`: under pp, a
     PipelineEstimate without collectives (cheaper)."""
-    t, p = cfg.train, cfg.parallel
+    t, p, traffic = cfg.train, cfg.parallel, cfg.parallel.traffic()
     micro_steps = cfg.accumulation_steps(plan.mesh.dp * plan.mesh.fsdp)
     if plan.mesh.pp > 1:  # ranks differ by stage: report the most loaded
-
+        if keep_gathered is not None:
+            traffic = replace(traffic, keep_gathered=keep_gathered)
         pipeline = pipeline_estimate(plan, model, pp_schedule=p.pp_schedule, virtual=p.pp_virtual, layout=p.pp_layout,
                                      micro_batch=t.micro_batch, seq_len=t.seq_len, micro_steps=micro_steps,
                                      precision=t.precision, compiled=bool(t.compile),
-                                     activation_checkpointing=t.activation_checkpointing, bucket=p.bucket,
-                                     prefetch=p.prefetch, reshard_after_forward=p.reshard_after_forward,
-                                     keep_gathered=p.pp_keep_gathered if keep_gathered is None else keep_gathered,
+                                     activation_checkpointing=t.activation_checkpointing, traffic=traffic,
                                      mask_keys=mask_keys(cfg, plan.mesh.cp), memory_only=memory_only)
         return {**pipeline.most_loaded["memory"], "pp_rank": pipeline.most_loaded["pp_rank"]}, pipeline
+    if micro_steps <= 1:  # one micro-step: no whole gradients to hold between micro-steps
+        traffic = replace(traffic, fsdp_accumulate="sharded")
     memory = per_rank_memory(plan, model, micro_batch=t.micro_batch, seq_len=t.seq_len, precision=t.precision,
-                             activation_checkpointing=t.activation_checkpointing,
-                             reshard_after_forward=p.reshard_after_forward, device="cuda", prefetch=p.prefetch,
-                             mask_keys=mask_keys(cfg, plan.mesh.cp),
-                             fsdp_accumulate=p.fsdp_accumulate if micro_steps > 1 else "sharded")  # a plan is for GPUs: fused attention kernels
+                             activation_checkpointing=t.activation_checkpointing, traffic=traffic, device="cuda",
+                             mask_keys=mask_keys(cfg, plan.mesh.cp))  # a plan is for GPUs: fused attention kernels
     return memory, None

@@ -32,6 +32,7 @@ from ..models.policy import keeps_fp32
 from ..layout.buckets import plan_buckets
 from ..layout.mesh import GATHERED_AXES
 from ..layout.plan import Plan
+from ..layout.traffic import Traffic
 from .bucket_memory import BucketBytes
 from .dtype_bytes import FP32
 
@@ -62,12 +63,13 @@ class WeightBytes:
     buckets: list[BucketBytes]  # a block's, and those before and after the blocks
 
 
-def weight_bytes(plan: Plan, model, names: set[str], c: int, checkpointing: str, reshard_after_forward: bool,
-                 keep_gathered: bool) -> WeightBytes:
-    """The weights of the parameters in `names` (a pipeline rank's), with compute dtype c.
-    Kept gathered, the fp32 weights are held (`kept_weights`): only a cast is new, and it
-    is made again in backward for every bucketed parameter."""
+def weight_bytes(plan: Plan, model, names: set[str], c: int, checkpointing: str, traffic: Traffic) -> WeightBytes:
+    """The weights of the parameters in `names` (a pipeline rank's), with compute dtype c,
+    under `traffic`'s reshard_after_forward and keep_gathered. Kept gathered, the fp32
+    weights are held (`kept_weights`): only a cast is new, and it is made again in
+    backward for every bucketed parameter."""
     family, cfg = model.family, model.cfg
+    keep_gathered = traffic.keep_gathered
     alone = plan_buckets(plan)[1] if keep_gathered else set()
     saved_weights = gathered_weights = 0
     layer_weights: dict[str, int] = {}
@@ -90,7 +92,7 @@ def weight_bytes(plan: Plan, model, names: set[str], c: int, checkpointing: str,
         recast = (checkpointing != "none" and name.startswith("layers.")
                   or keep_gathered and name not in alone)
         if gathered and not keep_gathered:
-            kept = not reshard_after_forward and not recast
+            kept = not traffic.reshard_after_forward and not recast
             gathered_weights += n * width if kept else 0
         elif not recast:
             saved_weights += n * width

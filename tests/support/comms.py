@@ -8,6 +8,7 @@ from meshtrain.estimate.comms import PHASES, step_collectives
 from meshtrain.layout.mesh import MeshSpec
 from meshtrain.layout.plan import make_plan
 from meshtrain.layout.rules import Rules
+from meshtrain.layout.traffic import Traffic
 
 # estimate/comms.py's phase names -> the recorder's (fwd, bwd, opt)
 SHORT = {v: k for k, v in PHASES.items()}
@@ -24,12 +25,13 @@ def totals(msgs) -> dict[tuple, tuple[int, int]]:
 
 
 def estimate(model, layout, *, bucket, sp, batch, seq, micro=1, world=2, precision="fp32", compiled=False,
-             cp_comm="allgather", **traffic):
+             cp_comm="allgather", activation_checkpointing="none", **traffic):
     """step_collectives as (phase, op, axis) -> (count, bytes); `bucket` always given.
-    traffic: prefetch, reshard_after_forward."""
+    traffic: the other Traffic switches (prefetch, reshard_after_forward, fsdp_accumulate)."""
     plan = make_plan(model.specs, Rules.default(sp=sp), MeshSpec(**layout), world=world, cp_comm=cp_comm)
     got = step_collectives(plan, model, micro_batch_rows=batch, seq_len=seq, micro_steps=micro,
-                           precision=precision, compiled=compiled, bucket=bucket, **traffic)
+                           precision=precision, compiled=compiled, traffic=Traffic(bucket=bucket, **traffic),
+                           activation_checkpointing=activation_checkpointing)
     keys = [(SHORT[e["phase"]], e["op"], e["axis"]) for e in got]
     assert len(set(keys)) == len(keys), "entries are not aggregated per (axis, op, phase)"
     return {k: (e["count"], e["bytes"]) for k, e in zip(keys, got)}
