@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from meshtrain.config.sections import ModelConfig
+from meshtrain.config import ModelConfig
 from meshtrain.config.schema import RunConfig
 from meshtrain.errors import ConfigError
 from meshtrain.estimate.dryrun import dry_run

@@ -544,7 +544,7 @@ def _rank_batches(sizes: dict, world: int, micro_batch: int, accumulation: int, 
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from meshtrain.config import RunConfig
-    from meshtrain.config.sections import DataConfig, ModelConfig, ParallelConfig, TrainConfig
+    from meshtrain.config import DataConfig, ModelConfig, ParallelConfig, TrainConfig
     from meshtrain.pipeline import partition
     from meshtrain.run.fit import _Run
     from meshtrain.run.rows import RowSlice
@@ -650,7 +650,7 @@ def test_micro_steps_are_the_global_batch_over_micro_batch_times_data_ranks():
     refused too unless a multiple of pp: global_batch 1..24, micro_batch 1..4, dp x fsdp
     1..4, pp 1 and (interleaved) 2 and 3 (1,152 cases)."""
     from meshtrain.config import RunConfig
-    from meshtrain.config.sections import ParallelConfig, TrainConfig
+    from meshtrain.config import ParallelConfig, TrainConfig
     from meshtrain.errors import ConfigError
 
     for pp in (1, 2, 3):

@@ -41,11 +41,12 @@ Guarantees:
   deletes directories. Without one, a single process saves and loads plain tensors.
 """
 
-from .background import BackgroundSaver
-from .layout import (META, CheckpointError, cleanup_incomplete, complete, in_run, latest, newest_under, read_meta,
-                     step_dir)
-from .reader import SafeReader, quiet_dcp
-from .store import load, save
+from ..lazy import lazy_exports
 
-__all__ = ["META", "BackgroundSaver", "CheckpointError", "SafeReader", "cleanup_incomplete", "complete", "in_run",
-           "latest", "load", "newest_under", "quiet_dcp", "read_meta", "save", "step_dir"]
+# Loaded on first use: the config imports checkpoint/config.py without torch.
+_EXPORTS = {**dict.fromkeys(["META", "CheckpointError", "cleanup_incomplete", "complete", "in_run", "latest",
+                             "newest_under", "read_meta", "step_dir"], ".layout"),
+            "BackgroundSaver": ".background", "SafeReader": ".reader", "quiet_dcp": ".reader",
+            "load": ".store", "save": ".store", "CheckpointConfig": ".config"}
+__getattr__ = lazy_exports(__name__, _EXPORTS)
+__all__ = sorted(_EXPORTS)

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import math
 
-from ..errors import ConfigError
+from ..data.config import BYTES_VOCAB
+from ..errors import ConfigError, check_int
 from ..interop.hf import to_hf_config
 from ..layout.mesh import MeshSpec
 from ..layout.plan import Plan, make_plan
@@ -16,16 +17,7 @@ from ..layout.rules import Rules
 from ..models import ModelDef, build
 from ..pipeline.partition import partition
 from ..train.step import check_compile
-from .checks import (
-    _check_int,
-    _validate_checkpoint,
-    _validate_data,
-    _validate_model,
-    _validate_parallel,
-    _validate_train,
-)
 from .schema import RunConfig, batch_message, check_micro_batches
-from .sections import BYTES_VOCAB
 
 
 def model_def(cfg: RunConfig) -> ModelDef:
@@ -62,12 +54,9 @@ def validate(cfg: RunConfig) -> RunConfig:
     then the rules between sections, then what the planner sees."""
     if not isinstance(cfg.run_dir, str) or not cfg.run_dir:
         raise ConfigError("run_dir must be a non-empty path")
-    _check_int(cfg.seed, "seed", minimum=0)
-    _validate_model(cfg.model)
-    _validate_parallel(cfg.parallel)
-    _validate_train(cfg.train)
-    _validate_data(cfg.data)
-    _validate_checkpoint(cfg.checkpoint)
+    check_int(cfg.seed, "seed", minimum=0)
+    for section in (cfg.model, cfg.parallel, cfg.train, cfg.data, cfg.checkpoint):
+        section.check()
     _validate_across(cfg)
     p, t = cfg.parallel, cfg.train
     dp = p.dp * (1 if p.fsdp == -1 else p.fsdp)

@@ -13,13 +13,11 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from ..errors import ConfigError
-from .sections import (
-    CheckpointConfig,
-    DataConfig,
-    ModelConfig,
-    ParallelConfig,
-    TrainConfig,
-)
+from ..checkpoint.config import CheckpointConfig
+from ..data.config import DataConfig
+from ..layout.config import ParallelConfig
+from ..models.config import ModelConfig
+from ..train.config import TrainConfig
 
 
 @dataclass

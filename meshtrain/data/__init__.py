@@ -1,5 +1,6 @@
-"""Training data. Imports nothing from the rest of meshtrain, so loaders can run anywhere
-(worker processes, tools) without pulling in the model or the parallel runtime.
+"""Training data. Imports nothing from the rest of meshtrain but its errors, so loaders
+can run anywhere (worker processes, tools) without pulling in the model or the parallel
+runtime.
 
     preprocess     JSON lines -> Megatron-LM indexed dataset (<prefix>.bin / .idx)
     indexed        read and write those files, byte compatible with Megatron-LM
@@ -8,17 +9,16 @@
     blend          mixing datasets by weight
     build          build_data: the trainer's data from data.paths, checked
     builtin        the embedded corpus (the default, no-download dataset)
+    config         the run config's data.* section (DataConfig) and data.paths' shape
 """
 
-from .builtin import CORPUS, builtin_dataset
-from .blend import BlendSchedule
-from .build import build_data, parse_paths
-from .dataset import EpochShuffle, PackedDataset, TokenData
-from .errors import DataError
-from .indexed import IndexedDataset, IndexedWriter
-from .preprocess import preprocess
-from .tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
+from ..lazy import lazy_exports
 
-__all__ = ["CORPUS", "BlendSchedule", "ByteTokenizer", "DataError", "EpochShuffle", "HFTokenizer",
-           "IndexedDataset", "IndexedWriter", "PackedDataset", "TokenData", "build_data", "builtin_dataset",
-           "load_tokenizer", "parse_paths", "preprocess"]
+# Loaded on first use: the config imports data/config.py without torch or numpy.
+_EXPORTS = {"CORPUS": ".builtin", "builtin_dataset": ".builtin", "BlendSchedule": ".blend", "build_data": ".build",
+            "EpochShuffle": ".dataset", "PackedDataset": ".dataset", "TokenData": ".dataset", "DataError": ".errors",
+            "IndexedDataset": ".indexed", "IndexedWriter": ".indexed", "preprocess": ".preprocess",
+            "ByteTokenizer": ".tokenizer", "HFTokenizer": ".tokenizer", "load_tokenizer": ".tokenizer",
+            "DataConfig": ".config", "parse_paths": ".config"}
+__getattr__ = lazy_exports(__name__, _EXPORTS)
+__all__ = sorted(_EXPORTS)

@@ -10,6 +10,7 @@ import os
 import numpy as np
 
 from .builtin import builtin_dataset
+from .config import parse_paths
 from .dataset import PackedDataset, TokenData, TrainSplit, ValidSplit
 from .errors import DataError
 from .indexed import IndexedDataset, record_path
@@ -58,34 +59,6 @@ def build_data(paths, tokenizer: str, seq_len: int, seed: int, vocab_size: int,
     notes = [_unrecorded_note(unrecorded, tok.name)] if unrecorded else []
     return TokenData(TrainSplit(train, weights, seed), ValidSplit(valid) if valid else None, seq_len, names, weights,
                      notes, tok.eos_id, tokenizer_record(tok))
-
-
-def parse_paths(paths) -> list[tuple[float | None, str]]:
-    """data.paths as (weight or None, prefix) pairs, with a DataError for any other shape."""
-    fix = "give builtin, a dataset prefix, a list of prefixes, or [[weight, prefix], ...]"
-    if isinstance(paths, str):
-        if not paths:
-            raise DataError(f"data.paths is empty: {fix}")
-        return [(None, paths)]
-    if not isinstance(paths, (list, tuple)) or not paths:
-        raise DataError(f"data.paths={paths!r}: {fix}")
-    entries = []
-    for i, entry in enumerate(paths):
-        if isinstance(entry, str) and entry:
-            entries.append((None, entry))
-        elif isinstance(entry, (list, tuple)) and len(entry) == 2 and isinstance(entry[1], str) and entry[1]:
-            weight, prefix = entry
-            if (isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight)
-                    or weight <= 0):
-                raise DataError(f"data.paths[{i}]: the weight of {prefix!r} is {weight!r}; blend weights must be "
-                                "positive numbers (they are normalised to sum to 1)")
-            entries.append((weight, prefix))
-        else:
-            raise DataError(f"data.paths[{i}]={entry!r} is neither a prefix nor a [weight, prefix] pair: {fix}")
-    if len({w is None for w, _ in entries}) > 1:
-        raise DataError("data.paths mixes prefixes with and without weights: give [weight, prefix] pairs for all "
-                        "of them, or plain prefixes (equal weights)")
-    return entries
 
 
 def _check_tokenizer(spec: str, vocab_size: int, builtin: bool):

@@ -9,6 +9,8 @@ from ..errors import ConfigError
 
 # How context-parallel attention exchanges keys and values (parallel/cp_exchanges.py).
 CP_COMMS = ("allgather", "ring", "a2a")
+# The pipeline schedules a plan can name (pipeline/schedule.py builds each).
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb")
 
 # Outer to inner: tp innermost so it stays within a node, pp outermost.
 MESH_AXES = ("pp", "dp", "fsdp", "cp", "tp")

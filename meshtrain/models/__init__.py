@@ -1,37 +1,26 @@
-"""Models as pure functions of a flat parameter dict, one registered family per folder."""
+"""Models as pure functions of a flat parameter dict, one registered family per folder.
+
+The package loads on first use: `import meshtrain.models` (as the config does, for its
+model.* section in models/config.py) imports no torch until one of its names is asked for;
+that first use registers the families below."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import importlib
 
-from . import gpt2, llama
-from .context import LocalContext, ModelContext
-from .family import FAMILIES, Costs, Family, get_family, register
-from .spec import ParamSpec
+from ..lazy import lazy_exports
 
-# The model families, by model.arch: one line per family.
-register(llama.FAMILY)
-register(gpt2.FAMILY)
+# The model families, by model.arch: one line per family (its folder's FAMILY).
+FAMILY_FOLDERS = ("llama", "gpt2")
 
 
-@dataclass(frozen=True)
-class ModelDef:
-    """A model family bound to its config: `specs` and `forward(params, tokens, ctx)`."""
-
-    family: Family
-    cfg: object
-
-    @property
-    def specs(self) -> dict[str, ParamSpec]:
-        return self.family.param_specs(self.cfg)
-
-    def forward(self, params, tokens, ctx, docs=None):
-        return self.family.forward(self.cfg, params, tokens, ctx, docs)
+def _register_families() -> None:
+    register = importlib.import_module(".family", __name__).register
+    for folder in FAMILY_FOLDERS:
+        register(importlib.import_module(f".{folder}", __name__).FAMILY)
 
 
-def build(arch: str, cfg) -> ModelDef:
-    return ModelDef(get_family(arch), cfg)
-
-
-__all__ = ["FAMILIES", "Costs", "Family", "ModelDef", "ParamSpec", "LocalContext", "ModelContext", "build",
-           "get_family", "gpt2", "llama", "register"]
+_EXPORTS = {**dict.fromkeys(["FAMILIES", "Costs", "Family", "ModelDef", "build", "get_family", "register"], ".family"),
+            "LocalContext": ".context", "ModelContext": ".context", "ParamSpec": ".spec", "ModelConfig": ".config"}
+__getattr__ = lazy_exports(__name__, _EXPORTS, first_use=_register_families)
+__all__ = sorted([*_EXPORTS, *FAMILY_FOLDERS])

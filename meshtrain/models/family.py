@@ -66,7 +66,7 @@ class Family:
     `head(cfg, params, x, ctx)` when `last`); `kv_heads(cfg)` is the number of key/value
     heads a KV cache holds; `check_fields(model_section)` checks the model.* keys only
     some families read (RoPE, GQA, ...), with messages that name the key and the fix
-    (config/checks.py calls it; the config dataclass checks its own invariants too); `hf`
+    (ModelConfig.check, models/config.py, calls it; the config dataclass checks its own invariants too); `hf`
     is its Hugging Face format (models/hf.py), None for a family that trains, plans and
     generates but does not export or import."""
 
@@ -115,3 +115,22 @@ def get_family(arch: str) -> Family:
     if arch not in FAMILIES:
         raise ConfigError(f"model.arch={arch!r}: choose one of {', '.join(FAMILIES)}")
     return FAMILIES[arch]
+
+
+@dataclass(frozen=True)
+class ModelDef:
+    """A model family bound to its config: `specs` and `forward(params, tokens, ctx)`."""
+
+    family: Family
+    cfg: object
+
+    @property
+    def specs(self) -> dict[str, ParamSpec]:
+        return self.family.param_specs(self.cfg)
+
+    def forward(self, params, tokens, ctx, docs=None):
+        return self.family.forward(self.cfg, params, tokens, ctx, docs)
+
+
+def build(arch: str, cfg) -> ModelDef:
+    return ModelDef(get_family(arch), cfg)

@@ -27,7 +27,7 @@ from .experts import capacity_keep, expert_capacity, expert_swiglu, sort_by_expe
 ROUTERS = ("softmax", "sigmoid")  # model.moe.router
 BALANCES = ("aux", "aux_free", "none")  # model.moe.balance
 
-# Upper bounds of the expert sizes, as config/sections.py's MAX_SIZES for the rest of the
+# Upper bounds of the expert sizes, as models/config.py's MAX_SIZES for the rest of the
 # model: far above any real model (DeepSeek-V3: 256 experts), low enough that a typo fails
 # here, not as an allocation or an endless planning loop after the ranks have started.
 MAX_SIZES = {"num_experts": 2**16, "shared_experts": 2**16, "expert_ffn_dim": 2**22}

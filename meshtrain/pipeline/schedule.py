@@ -33,7 +33,6 @@ SEND_F, RECV_F, SEND_B, RECV_B = "SEND_F", "RECV_F", "SEND_B", "RECV_B"
 COMPUTE = (F, B, BI, BW)
 COMM = (SEND_F, RECV_F, SEND_B, RECV_B)
 _TOKEN = {F: "F", B: "B", BI: "I", BW: "W", SEND_F: "sf", RECV_F: "rf", SEND_B: "sb", RECV_B: "rb"}
-PP_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb")  # parallel.pp_schedule
 
 
 @dataclass(frozen=True)

@@ -46,7 +46,7 @@ PRESETS: dict[str, GPT2Config] = {
 
 
 def from_fields(m) -> GPT2Config:
-    """The GPT2Config of a model.* section (config.sections.ModelConfig)."""
+    """The GPT2Config of a model.* section (models/config.py ModelConfig)."""
     return GPT2Config(dim=m.dim, n_layers=m.n_layers, n_heads=m.n_heads, ffn_dim=m.ffn_dim,
                       vocab_size=m.vocab_size, max_seq_len=m.max_seq_len, norm_eps=m.norm_eps,
                       tie_embeddings=m.tie_embeddings)

@@ -69,7 +69,7 @@ PRESETS: dict[str, LlamaConfig] = {
 
 
 def from_fields(m) -> LlamaConfig:
-    """The LlamaConfig of a model.* section (config.sections.ModelConfig)."""
+    """The LlamaConfig of a model.* section (models/config.py ModelConfig)."""
     return LlamaConfig(dim=m.dim, n_layers=m.n_layers, n_heads=m.n_heads, n_kv_heads=m.n_kv_heads or m.n_heads,
                        ffn_dim=m.ffn_dim, vocab_size=m.vocab_size, max_seq_len=m.max_seq_len,
                        rope_theta=m.rope_theta, norm_eps=m.norm_eps, tie_embeddings=m.tie_embeddings,

@@ -1,0 +1,95 @@
+"""The train.* section of a run config: the optimisation loop's keys, checked here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import ConfigError, check_bool, check_choice, check_float, check_int
+from .lr_schedule import LR_SCHEDULES
+
+NONFINITE = ("abort", "skip")  # train.nonfinite: run/guards.py acts on it
+
+
+MAX_STEPS = 10**12  # a million times the longest pre-training runs
+
+
+@dataclass
+class TrainConfig:
+    """The optimisation loop."""
+
+    steps: int = 100
+    """Optimizer steps to run."""
+    global_batch: int = 16
+    """Sequences per optimizer step, over all ranks and micro-steps."""
+    micro_batch: int = 4
+    """Sequences per data-parallel rank per micro-step. Gradient accumulation steps = global_batch / (micro_batch * dp * fsdp)."""
+    seq_len: int = 128
+    """Tokens per training sequence (at most model.max_seq_len)."""
+    lr: float = 3.0e-4
+    """Peak learning rate (AdamW, betas 0.9/0.95, eps 1e-8)."""
+    min_lr: float = 3.0e-5
+    """Learning rate at the end of the decay."""
+    warmup_steps: int = 10
+    """Steps of linear warmup from lr/warmup_steps to lr (a run shorter than its warmup ends inside it)."""
+    lr_schedule: str = "cosine"
+    """Decay after warmup: cosine, linear, wsd (warmup-stable-decay, last 20% decays) or constant."""
+    weight_decay: float = 0.1
+    """Decoupled AdamW weight decay, applied to matrices only (not to norms or biases)."""
+    grad_clip: float | None = 1.0
+    """Clip the global gradient norm to this value; 0 or null: no clipping."""
+    precision: str = "fp32"
+    """Compute precision: fp32; bf16; or fp8 (bf16, with the GEMMs of every linear except the embedding, head and MoE router in fp8, dynamically scaled). Parameters, gradients and optimizer state stay fp32."""
+    fp8_recipe: str = "tensorwise"
+    """Scaling of the fp8 GEMMs (train.precision fp8): tensorwise (one scale per tensor) or rowwise (one per row along the contracted dim)."""
+    compile: bool = False
+    """Compile the loss and the optimizer update with torch.compile (inductor, fullgraph)."""
+    activation_checkpointing: str = "none"
+    """Recompute activations in backward to save memory: none; selective (keep matmul and attention outputs, recompute norms, activations and the rest); full (keep only each block's input, recompute the block)."""
+    log_every: int = 1
+    """Log step, loss, lr, grad_norm and tokens/s every this many steps (and at the last step)."""
+    eval_every: int = 0
+    """Evaluate the validation loss and perplexity every this many steps (and at the last step); 0: never. Needs data.valid_fraction > 0."""
+    eval_batches: int = 2
+    """Global batches of validation data per evaluation: always the same first samples of the validation split."""
+    nonfinite: str = "abort"
+    """A step whose loss or gradient norm is not finite never updates the weights. abort: stop the run with an error naming the step; skip: leave the parameters and optimizer state as they were, count the step as skipped and go on (the data and the schedule move on), stopping when more than max_skipped steps in a row are skipped."""
+    max_skipped: int = 5
+    """nonfinite skip: the most consecutive skipped steps tolerated; one more stops the run."""
+    spike_factor: float = 1.5
+    """Print a warning when a step's loss exceeds spike_factor x the mean loss of the previous 20 steps; 0: off."""
+    stop_at: int = 0
+    """Stop after this step (saving a checkpoint when checkpoint.every > 0) without changing the schedule, which still runs to train.steps; 0: run to train.steps. For jobs split over several allocations."""
+
+    def check(self) -> "TrainConfig":
+        """Raise ConfigError naming the train.* key and the fix for a value that cannot work."""
+        # The choices live beside the precision policy, which imports torch.
+        from ..models.fp8 import RECIPES
+        from ..models.policy import CHECKPOINTING, PRECISIONS
+
+        for key in ("steps", "global_batch", "micro_batch", "seq_len", "log_every", "eval_batches"):
+            check_int(getattr(self, key), f"train.{key}", minimum=1)
+        for key in ("steps", "warmup_steps", "stop_at", "eval_every"):  # a typo, not a run
+            check_int(getattr(self, key), f"train.{key}", minimum=0, maximum=MAX_STEPS)
+        if self.global_batch % self.micro_batch:
+            raise ConfigError(f"train.global_batch={self.global_batch} is not divisible by train.micro_batch="
+                              f"{self.micro_batch}: choose a global_batch that is a multiple of micro_batch")
+        check_float(self.lr, "train.lr", positive=True)
+        check_float(self.min_lr, "train.min_lr", minimum=0.0)
+        if self.min_lr > self.lr:
+            raise ConfigError(f"train.min_lr={self.min_lr} exceeds train.lr={self.lr}: min_lr is where the decay ends")
+        check_choice(self.lr_schedule, "train.lr_schedule", LR_SCHEDULES)
+        check_float(self.weight_decay, "train.weight_decay", minimum=0.0)
+        if self.grad_clip is not None:
+            check_float(self.grad_clip, "train.grad_clip", minimum=0.0)
+        check_choice(self.precision, "train.precision", PRECISIONS)
+        check_bool(self.compile, "train.compile")
+        check_choice(self.fp8_recipe, "train.fp8_recipe", RECIPES)
+        check_choice(self.activation_checkpointing, "train.activation_checkpointing", CHECKPOINTING)
+        check_choice(self.nonfinite, "train.nonfinite", NONFINITE)
+        check_int(self.max_skipped, "train.max_skipped", 0)
+        check_float(self.spike_factor, "train.spike_factor", minimum=0.0)
+        if 0 < self.spike_factor <= 1:
+            raise ConfigError(f"train.spike_factor={self.spike_factor}: a spike is a loss above factor x the recent mean, "
+                              "so the factor must exceed 1 (e.g. 1.5), or be 0 to turn the warning off")
+        return self
+
