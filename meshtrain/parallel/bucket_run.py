@@ -178,19 +178,24 @@ class BucketRun:
             locals_.append(local)
             places.append(placements)
         out = list(locals_)
-        self._reduce_scatter(locals_, places, shards, out)
+        last_packed = self._reduce_scatter(locals_, places, shards, out)
         by_dims = self._still_partial(places, out)
         if self.hold:  # a micro-step before the last: the partial sums accumulate locally
             self._held = True
             return [None if g is None else g.contiguous() for g in out]
         self._all_reduce_partial(by_dims, leaves, out)
+        del last_packed  # held through the all-reduce (see _reduce_scatter)
         self._held = False
         return [g.contiguous() for g in out]
 
-    def _reduce_scatter(self, locals_, places, shards, out: list) -> None:
+    def _reduce_scatter(self, locals_, places, shards, out: list) -> torch.Tensor | None:
         """One reduce-scatter per gather set, its members' shards into `out` (None while
-        `hold` and `unsharded` keep the packed gradients here instead)."""
+        `hold` and `unsharded` keep the packed gradients here instead). Returns the last
+        set's packed buffer, which `reduce` holds until the reduction ends: the peak the
+        planner counts and bench/step_peak_cpu.py measures (the packed gradients beside
+        the dp all-reduce's buffers)."""
         accumulate = self.hold and self.unsharded
+        buf = None
         for k, s in enumerate(self.sets):
             buf = self._pack_grads(s, locals_, places, shards[0].device)
             if k in self._packed:  # what earlier micro-steps accumulated unsharded
@@ -204,6 +209,7 @@ class BucketRun:
             self.inflight.add(mine)
             for j, off in zip(s.members, s.offsets):
                 out[j] = self._shard_of(mine, j, off, shards[j])
+        return buf
 
     def _pack_grads(self, s: _Set, locals_, places, device) -> torch.Tensor:
         """Gather set s's gradients in one (ways, numel) buffer in the parameter dtype,
