@@ -1,8 +1,9 @@
 """A model family is one registry entry: its config, its parameters, its forward, and the
 cost terms the estimators need. Everything above `models` (the step factories, the
 partitioner, the estimators, generation, the config) reaches a family through here, by
-its name (`model.arch`); adding a family is a folder under models/ plus one `register`
-line in models/__init__.py (docs/architecture.md walks through one)."""
+its name (`model.arch`); adding a family is a folder under models/ with its `FAMILY`,
+plus its name in models/__init__.py's FAMILY_FOLDERS (docs/architecture.md walks through
+one)."""
 
 from __future__ import annotations
 
