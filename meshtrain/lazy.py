@@ -16,8 +16,13 @@ def lazy_exports(package: str, exports: Mapping[str, str], first_use: Callable[[
     pending = [first_use] if first_use is not None else []
 
     def __getattr__(name: str):
-        while pending:
-            pending.pop()()
+        while pending:  # taken first (its own lookups must not run it again), put back if it fails
+            first = pending.pop()
+            try:
+                first()
+            except BaseException:
+                pending.append(first)
+                raise
         if name in exports:
             value = getattr(importlib.import_module(exports[name], package), name)
         elif name.startswith("__"):

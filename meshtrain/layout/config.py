@@ -40,15 +40,15 @@ class ParallelConfig:
     """Stages per pp rank (interleaved schedule: rank r holds stages r, r + pp, ...); 1 without a pipeline (pp 1)."""
     pp_layout: list[int] | None = None
     """Layers per stage, e.g. [3, 2] for 5 layers on 2 stages; null: balanced by a cost model (FLOPs of layers, embedding and head/loss)."""
-    bucket: str | float = "block"
+    bucket: str | float = Traffic.bucket
     """Unit of parameter communication: block (the weights of one transformer block, and the groups before and after the blocks, gathered by one all-gather from one flat buffer and their gradients reduced by one collective per mesh group), param (one collective per parameter: the reference behaviour), or a bucket size in MB (consecutive parameters up to that size). A block's expert weights (ep > 1) are a bucket of their own, on the expert mesh; strided shards keep one collective per parameter."""
-    prefetch: int = 1
+    prefetch: int = Traffic.prefetch
     """Buckets whose all-gather is issued ahead of use: 1 starts block i+1's gather before block i computes (and, in eager backward, block i-1's before block i); 0 gathers each where it is used. Each one in flight holds one more block's gathered weights. Also the most gradient reductions left in flight (eager), each holding one block's packed gradients."""
-    reshard_after_forward: bool = True
+    reshard_after_forward: bool = Traffic.reshard_after_forward
     """ZeRO-3: drop gathered weights after each block's forward and gather them again in backward (eager: a bucket at a time; compiled: each weight's gather recomputed where backward needs it, docs/parallelism.md). false keeps them from forward to backward: one all-gather per bucket (compiled: per weight) per micro-step fewer, at the memory of the whole gathered model."""
-    fsdp_accumulate: str = "sharded"
+    fsdp_accumulate: str = Traffic.fsdp_accumulate
     """How fsdp gradients add up over a step's micro-steps. sharded: each micro-step's are reduce-scattered (FSDP2's default; only shards are held). unsharded: each block's full fp32 gradients accumulate locally and are reduce-scattered once, on the last micro-step: one reduce-scatter per bucket per step instead of per micro-step, for the memory of the whole model's unsharded gradients between micro-steps. Needs buckets (not parallel.bucket param) and no pipeline (parallel.pp 1); eager and compiled."""
-    pp_keep_gathered: bool = False
+    pp_keep_gathered: bool = Traffic.keep_gathered
     """Under a pipeline with fsdp: gather each pp rank's stage weights once per step (fp32, before the first micro-batch) and keep them over the step's micro-batches; their gradients add up unsharded (fp32) and are reduce-scattered once, after the last backward (TorchTitan's unsharded pipeline stages). Saves per micro-batch one all-gather (two with reshard_after_forward) and one reduce-scatter per bucket, for the memory of the stage's whole fp32 weights and gradients; `meshtrain plan` shows both sides. Needs parallel.pp > 1 and buckets (not parallel.bucket param)."""
     collective_timeout_s: float = 900.0
     """Seconds a collective may wait for its peers before it fails (the process group's timeout; at most 1e8)."""

@@ -264,8 +264,9 @@ def make_pipeline_step(model: ModelDef, stages: list[Stage], pipeline_schedule: 
                        precision: str = "fp32", grad_clip: float | None = 1.0, fp8_recipe: str = "tensorwise",
                        activation_checkpointing: str = "none",
                        record_timings: bool = False, inspect_grads: InspectGrads | None = None,
-                       bucket: str | float = "block", prefetch: int = 1, reshard_after_forward: bool = True,
-                       fsdp_accumulate: str = "sharded", keep_gathered: bool = False,
+                       bucket: str | float = Traffic.bucket, prefetch: int = Traffic.prefetch,
+                       reshard_after_forward: bool = Traffic.reshard_after_forward,
+                       fsdp_accumulate: str = Traffic.fsdp_accumulate, keep_gathered: bool = Traffic.keep_gathered,
                        traffic: Traffic | None = None, compile: bool | str = False) -> Callable[[TrainState, dict], dict]:
     """`step(state, batch) -> metrics` for this rank; `plan` and `device_mesh` are the whole
     layout's, pp included. record_timings: metrics["timings"] lists (kind, stage, seconds)

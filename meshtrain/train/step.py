@@ -49,8 +49,9 @@ def make_train_step(model: ModelDef, plan=None, device_mesh=None, *, optimizer: 
                     lr_schedule: LRSchedule | None = None, precision: str = "fp32", grad_clip: float | None = 1.0,
                     compile: bool | str = False, fp8_recipe: str = "tensorwise",
                     activation_checkpointing: str = "none", policy: Policy | None = None,
-                    inspect_grads: InspectGrads | None = None, bucket: str | float = "block", prefetch: int = 1,
-                    reshard_after_forward: bool = True, fsdp_accumulate: str = "sharded",
+                    inspect_grads: InspectGrads | None = None, bucket: str | float = Traffic.bucket,
+                    prefetch: int = Traffic.prefetch, reshard_after_forward: bool = Traffic.reshard_after_forward,
+                    fsdp_accumulate: str = Traffic.fsdp_accumulate,
                     traffic: Traffic | None = None, schedule: LRSchedule | None = None) -> Callable[[TrainState, dict], dict]:
     """Build `step(state, batch) -> metrics`.
 
