@@ -1,8 +1,9 @@
 """A model family defined here, registered the way models/__init__.py registers llama and
 gpt2, goes through the same code as they do: it trains sharded (fsdp2 x tp2 + sp) equal to
 one process, decodes with a KV cache through its own blocks, plans and dry-runs from a run
-config, and its collective and memory estimates equal what its steps do. It has no
-Hugging Face format, and export says so.
+config, and its collective and memory estimates equal what its steps do — with no cost
+code of its own: the estimators read its costs from its forward (models/recording.py).
+It has no Hugging Face format, and export says so.
 
 The family, "nope": RMSNorm, multi-head attention without positional encodings (NoPE:
 causal attention alone tells positions apart), a GELU MLP without biases.
@@ -23,11 +24,10 @@ from meshtrain.config.schema import RunConfig
 from meshtrain.errors import ConfigError
 from meshtrain.estimate.dryrun import dry_run
 from meshtrain.estimate.memory import per_rank_memory
-from meshtrain.models import FAMILIES, Costs, Family, LocalContext, ModelDef, ParamSpec, build, register
+from meshtrain.models import FAMILIES, Family, LocalContext, ModelDef, ParamSpec, build, register
 from meshtrain.models.family import BLOCK_IN, RESIDUAL
 from meshtrain.models.layers import rms_norm
 from meshtrain.models.spec import init_slice
-from meshtrain.models.walks import walk_embed, walk_head
 from meshtrain.layout.mesh import MeshSpec
 from meshtrain.layout.plan import make_plan
 from meshtrain.layout.rules import Rules
@@ -111,33 +111,9 @@ def head(cfg, p, x, ctx):
     return ctx.constrain(ctx.linear(x, p, "tok_emb" if cfg.tie_embeddings else "output"), ("batch", "seq", "vocab"))
 
 
-def walk_block(w, cfg, p):
-    """_block's parameter uses and constrains, one for one."""
-    B, S, d, hd = w.B, w.S, cfg.dim, cfg.head_dim
-    x, h, q = w.act(RESIDUAL), w.act(BLOCK_IN), w.act(("batch", "seq", "q_heads", None))
-    w.use(p + "attn_norm", [x])
-    qkv = [p + f"attn.w{n}" for n in "qkv"]
-    w.constrain((B, S, d), x, h, w.grad_in(h, qkv))
-    for name in qkv:
-        w.use(name, [h])
-        w.constrain((B, S, cfg.n_heads, hd), w.linear(h, name), q, q)
-    w.attention(cfg.n_heads, cfg.n_heads, hd)
-    w.use(p + "attn.wo", [q])
-    w.constrain((B, S, d), w.linear(q, p + "attn.wo"), x, x)
-    w.use(p + "mlp_norm", [x])
-    w.constrain((B, S, d), x, h, w.grad_in(h, [p + "mlp.w_up"]))
-    w.use(p + "mlp.w_up", [h])
-    hidden = w.linear(h, p + "mlp.w_up")
-    w.use(p + "mlp.w_down", [hidden])
-    w.constrain((B, S, d), w.linear(hidden, p + "mlp.w_down"), x, x)
-
-
 NOPE = register(Family(
     name="nope", config=NopeConfig, from_fields=from_fields, param_specs=param_specs, forward_stage=forward_stage,
-    head=head, kv_heads=lambda cfg: cfg.n_heads, presets={"tiny": NopeConfig()},
-    costs=Costs(mlp_saved=2, per_sequence=lambda cfg, seq_len, itemsize: [],
-                weight_saved=lambda cfg, name: name != "tok_emb" or cfg.tie_embeddings,
-                walk_block=walk_block, walk_embed=walk_embed, walk_head=walk_head)))
+    head=head, kv_heads=lambda cfg: cfg.n_heads, presets={"tiny": NopeConfig()}))
 
 CFG = NopeConfig()
 STEPS, LR = 4, 3e-4  # test_gpt2's rate: AdamW turns rounding noise in near-zero gradients into ~lr steps

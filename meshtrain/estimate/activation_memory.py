@@ -71,7 +71,7 @@ models/policy.py):
              layer at a time, so one layer's activations come back as a transient.
   selective  op-level (torchtitan's "op" policy): keep the layer input, the outputs of
              the matmuls (q, k, v before RoPE, gate and up pre-activations: GPT-2 up
-             alone, Costs.mlp_matmuls) and of attention (output, log-sum-exp), and wo's
+             alone, CostTerms.mlp_matmuls) and of attention (output, log-sum-exp), and wo's
              and w_down's outputs as reduced over tp ([seq_sp]: the row-parallel matmul
              is recomputed, its reduce-scatter kept); recompute norms, RoPE,
              activation functions and products. With the math kernel the (S x S)
@@ -85,8 +85,11 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
+import torch
+
 from ..layout.mesh import GATHERED_AXES
 from ..layout.plan import Plan
+from ..models.cost_terms import CostTerms, cost_terms
 from ..models.family import RESIDUAL, TOKENS
 from ..models.losses import CHUNK_ROWS
 from .compute import MaskKeys
@@ -107,7 +110,7 @@ class MicroBatch:
 
     plan: Plan
     cfg: object
-    costs: object  # the family's Costs
+    costs: CostTerms  # what the family's recorded forward keeps
     B: int
     S: int
     c: int
@@ -117,7 +120,8 @@ class MicroBatch:
     @classmethod
     def of(cls, plan: Plan, model, micro_batch: int, seq_len: int, c: int) -> MicroBatch:
         family, cfg, mesh = model.family, model.cfg, plan.mesh
-        return cls(plan, cfg, family.costs, micro_batch * mesh.dp * mesh.fsdp, seq_len, c,
+        dtype = torch.float32 if c == FP32 else torch.bfloat16
+        return cls(plan, cfg, cost_terms(model, seq_len, dtype), micro_batch * mesh.dp * mesh.fsdp, seq_len, c,
                    cfg.n_heads, family.kv_heads(cfg))
 
     def local(self, shape: Sequence[int], axes: Sequence[str | None]) -> int:
@@ -229,7 +233,7 @@ def once_per_micro_batch(mb: MicroBatch, mask_keys: MaskKeys, embedding: bool, h
     embedding's ids, the final norm and the loss where the rank runs them."""
     plan, c, tokens = mb.plan, mb.c, mb.tokens()
     queries = mb.local((mb.B, mb.S), ("batch", None))  # this rank's: every head shares a query's mask
-    once = sum(nbytes * mb.local(shape, axes) for shape, axes, nbytes in mb.costs.per_sequence(mb.cfg, mb.S, c))
+    once = sum(nbytes * mb.local(shape, axes) for shape, axes, nbytes in mb.costs.per_sequence)
     masks = int(c * mask_keys.keys * queries)
     once += masks
     if embedding and any(a for a in plan.params["tok_emb"].layout.dim_axes[0] if a not in GATHERED_AXES):

@@ -1,6 +1,6 @@
 """One micro-step's parameter lookups replayed over the plan's buckets: the gathers,
 re-gathers and gradient reductions a step with buckets (parallel/bucket_run.py) issues for
-the lookups a walk recorded (`Walker.events`), counted into tallies."""
+the lookups a played recording made (`Walker.events`), counted into tallies."""
 
 from __future__ import annotations
 

@@ -1,10 +1,12 @@
 """Every collective of one training step, predicted from the plan alone (`meshtrain plan`).
 
-`step_collectives` walks the model the way `ShardedContext` (context.py) and `step`
-(train/step.py) run it, with placements as plain data and no process group, so it works
-on a pure plan at any world size. One dense block and one MoE block are each walked once
-and multiplied by how many of them the model has. It is an explicit model of the runtime,
-not a trace of it:
+`step_collectives` plays the family's own forward, recorded once on the meta device
+(models/recording.py: every parameter lookup, constrain, attention and MoE call, in
+logical axes), on the plan: the `Walker` (walker.py) says what `ShardedContext`
+(parallel/) and `step` (train/step.py) issue for each call, with placements as plain
+data and no process group, so it works on a pure plan at any world size. One dense block
+and one MoE block are each recorded once and multiplied by how many of them the model
+has. The recording is of the model; the table below, of the runtime:
 `tests/test_comms_estimate.py` runs real steps on the fake process group and checks that
 this table and the runtime issue the same collectives (count and bytes per axis, op and
 phase), so a change to one without the other fails there.
@@ -79,10 +81,13 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import replace
 
+import torch
+
 from ..errors import ConfigError
 from ..models import ModelDef
 from ..models.family import BLOCK_IN
 from ..models.policy import Policy
+from ..models.recording import record_block, record_ends
 from ..layout.buckets import group_dims, plan_buckets
 from ..layout.traffic import Traffic, check_bucket
 from ..layout.plan import Plan
@@ -128,7 +133,7 @@ def step_collectives(plan: Plan, model: ModelDef, *, micro_batch_rows: int, seq_
     them, and holds `names` (default: those); its point-to-point traffic is counted by
     meshtrain/estimate/pipeline.py, and its loss is reduced in every micro-step
     (`loss_once` False), not once per step. Dense and MoE blocks' activations are each
-    walked once (their first layer) and multiplied by how many of them run; every
+    recorded once (their first layer) and multiplied by how many of them run; every
     layer's parameter lookups are replayed over the plan's buckets (with bucket "param",
     none: each lookup is its own collectives).
     `activation_checkpointing` "full": each block's recompute issues its activation
@@ -150,13 +155,13 @@ def step_collectives(plan: Plan, model: ModelDef, *, micro_batch_rows: int, seq_
     kinds = _block_kinds(model, layers)
     reshard = traffic.reshard_after_forward
 
-    def walk(c=c, eager=not compiled and reshard, recompute=compiled and reshard):
+    def walker(c=c, eager=not compiled and reshard, recompute=compiled and reshard):
         return Walker(plan, micro_batch_rows, seq_len, c, eager=eager, defer=True, recompute=recompute,
                       keep_shards=True)
 
-    parts, rest, events = _walk_model(model, kinds, walk, embedding, head, recompute=activation_checkpointing == "full")
+    parts, rest, events = _play_model(model, kinds, walker, embedding, head, recompute=activation_checkpointing == "full")
     held = set(names) if names is not None else _held(plan, model, kinds, embedding, head)
-    tallies = _parameter_tallies(plan, walk, events, held, parameters, precision, traffic, compiled, loss_once,
+    tallies = _parameter_tallies(plan, walker, events, held, parameters, precision, traffic, compiled, loss_once,
                                  micro_steps)
     if activations:
         tallies += [(part.tally, times * micro_steps) for part, times in parts]
@@ -175,14 +180,14 @@ def _check_step(precision: str, parameters: str):
         raise ValueError(f"parameters={parameters!r}: choose each, kept or none")
 
 
-def _parameter_tallies(plan: Plan, walk, events, held: set[str], parameters: str, precision: str,
+def _parameter_tallies(plan: Plan, walker, events, held: set[str], parameters: str, precision: str,
                        traffic: Traffic, compiled: bool, loss_once: bool,
                        micro_steps: int) -> list[tuple[CollectiveTally, int]]:
     """The parameters' traffic as (tally, times per step): `parameters` "kept" once per
     step; "each" per micro-step, with what a plain step reduces once per step apart;
     "none" nothing."""
     if parameters == "kept":  # fp32 (c None: each parameter's own dtype), gathered once: none again
-        params = walk(c=None, eager=False, recompute=False)
+        params = walker(c=None, eager=False, recompute=False)
         # Each bucket gathered once, before the first micro-batch: counted in lookup order.
         bucket_traffic(params, events, held, Policy.of("fp32"), replace(traffic, prefetch=0), keep=True)
         return [(params.tally, 1)]
@@ -191,7 +196,7 @@ def _parameter_tallies(plan: Plan, walk, events, held: set[str], parameters: str
     # A plain step (eager or compiled) reduces what is left partial after the
     # reduce-scatters once per step (held over micro-steps); a pipeline rank on every
     # micro-step. A compiled step gathers each bucket where it is first looked up.
-    params, per_step = walk(), CollectiveTally(plan.mesh) if loss_once else None
+    params, per_step = walker(), CollectiveTally(plan.mesh) if loss_once else None
     bucket_traffic(params, events, held, Policy.of(precision), replace(traffic, prefetch=0) if compiled else traffic,
                    per_step)
     return [(params.tally, micro_steps)] + ([(per_step, 1)] if per_step is not None else [])
@@ -234,30 +239,31 @@ def _entries(total: dict[tuple, list[int]]) -> list[dict]:
             for (phase, op, axis), (n, nbytes) in sorted(total.items(), key=lambda kv: (list(PHASES).index(kv[0][0]), kv[0]))]
 
 
-def _walk_model(model: ModelDef, kinds: dict, walk, embedding: bool, head: bool, recompute: bool = False):
-    """The family's walks of one forward: ([(walker, times per micro-step)], the walker of
-    the embedding and head, every parameter lookup in order). Dense and MoE blocks are
-    walked once each (their first layer); the lookups of the others are that walk's,
-    renamed. `recompute`: blocks recomputed whole in backward (full checkpointing)."""
-    costs = model.family.costs
-    if kinds["moe"] and costs.walk_moe_block is None:
-        raise ConfigError(f"collective estimate: the {model.family.name} family has no MoE block walk")
-    parts, first = [], {}  # (walker, times per micro-step); kind -> (walker, the layer it walked)
-    for kind, table in (("dense", costs.walk_block), ("moe", costs.walk_moe_block)):
+def _play_model(model: ModelDef, kinds: dict, walker, embedding: bool, head: bool, recompute: bool = False):
+    """The recorded forward (models/recording.py) played on walkers: ([(walker, times per
+    micro-step)], the walker of the embedding and head, every parameter lookup in order).
+    Dense and MoE blocks are each recorded once (their first layer); the lookups of the
+    others are that recording's, renamed. `recompute`: blocks recomputed whole in
+    backward (full checkpointing)."""
+    probe = walker()
+    B, S, dtype = probe.B, probe.S, torch.float32 if probe.c is None else torch.bfloat16
+    parts, first = [], {}  # (walker, times per micro-step); kind -> (walker, the layer it played)
+    for kind in ("dense", "moe"):
         if kinds[kind]:
-            block = walk()
+            block = walker()
             block.recompute_block = recompute
-            table(block, model.cfg, f"layers.{kinds[kind][0]}.")
+            block.play(record_block(model, kinds[kind][0], B, S, dtype).events)
             block.end_recomputed_block()
             block.recompute_block = False
             parts.append((block, len(kinds[kind])))
             first[kind] = (block, kinds[kind][0])
-    rest = walk()
-    if embedding:
-        costs.walk_embed(rest, model.cfg, tied_head=model.cfg.tie_embeddings and head)
+    rest = probe
+    front, back = record_ends(model, embedding, head, B, S, dtype)
+    rest.play(front.events)
     split = len(rest.events)
+    rest.play(back.events)
     if head:
-        costs.walk_head(rest, model.cfg, table_used=embedding)
+        rest.loss(rest.layout(back.out))
     parts.append((rest, 1))
     events = rest.events[:split]
     for i in sorted(i for ids in kinds.values() for i in ids):
@@ -280,9 +286,9 @@ def backward_regathers(plan: Plan, model: ModelDef, *, micro_batch_rows: int, se
         return []
     c = _check_batch(plan, micro_batch_rows, precision)
     kinds = _block_kinds(model, layers)
-    walk = lambda: Walker(plan, micro_batch_rows, seq_len, c, eager=True, defer=True)  # noqa: E731
-    _, _, events = _walk_model(model, kinds, walk, embedding, head)
-    return bucket_traffic(walk(), events, set(names), Policy.of(precision), traffic)
+    walker = lambda: Walker(plan, micro_batch_rows, seq_len, c, eager=True, defer=True)  # noqa: E731
+    _, _, events = _play_model(model, kinds, walker, embedding, head)
+    return bucket_traffic(walker(), events, set(names), Policy.of(precision), traffic)
 
 
 def _held(plan: Plan, model: ModelDef, kinds: dict, embedding: bool, head: bool) -> set[str]:

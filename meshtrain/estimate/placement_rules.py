@@ -1,4 +1,4 @@
-"""Placements as plain data, and how the operations a walk names transform them.
+"""Placements as plain data, and how the operations of a recorded forward transform them.
 
 A placement per mesh dim: ("S", tensor dim) sharded, R replicated, P a partial sum. The
 rules read the plan's activation layouts and parameters' stored and compute placements;
@@ -74,6 +74,28 @@ class PlacementRules:
     def summed(a, b) -> tuple:
         """Placements of a + b: Partial where either addend is."""
         return tuple(P if P in (x, y) else x for x, y in zip(a, b))
+
+    def moe_tp_split(self, expert) -> bool:
+        """Expert weights split over tp: ctx.moe's routed output is partial over tp."""
+        em = self.param_mesh(expert)
+        return "tp" in em.axes and self.compute(expert)[em.axes.index("tp")][0] == "S"
+
+    def layout(self, expr) -> tuple:
+        """The placements of a recorded layout expression (models/recording.py)."""
+        kind = expr[0]
+        if kind == "act":
+            return self.act(expr[1])
+        if kind == "linear":
+            return self.linear(self.layout(expr[1]), expr[2])
+        if kind == "sum":
+            return self.summed(self.layout(expr[1]), self.layout(expr[2]))
+        if kind == "lookup":  # rows of a table split on vocab: partial over those dims
+            split = self.split_dims(expr[2], 0)
+            return tuple(P if i in split else p for i, p in enumerate(self.layout(expr[1])))
+        if kind == "moe":
+            split = self.moe_tp_split(expr[2])
+            return tuple(P if split and a == "tp" else q for a, q in zip(self.mesh.axes, self.layout(expr[1])))
+        raise ValueError(f"not a recorded layout: {expr!r}")
 
     def grad_in(self, x, consumers) -> tuple:
         """Gradient of x arriving from column-parallel linear consumers."""

@@ -1,8 +1,9 @@
-"""What each runtime call of a family's walk issues: the `Walker` that models/*/costs.py
-walks drive (w.use, w.reuse, w.constrain, w.attention, w.moe, w.embedding, w.loss, and
-the placement rules w.act, w.linear, w.grad_in, w.split_on, w.summed of
-placement_rules.py), counting the collectives into its tally (collective_tally.py) and
-recording every parameter lookup in `events` for the bucket replay (bucket_replay.py)."""
+"""What each runtime call of a recorded forward issues: the `Walker` plays a recording of
+the family's own forward (models/recording.py: w.play) on the plan, evaluating its
+layouts with the placement rules of placement_rules.py, counting the collectives of each
+parameter lookup, constrain, attention and MoE call into its tally
+(collective_tally.py) and keeping every parameter lookup in `events` for the bucket
+replay (bucket_replay.py)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import contextlib
 from ..models.experts import expert_capacity
 from ..models.family import TOKENS
 from ..models.policy import keeps_fp32
+from ..models.recording import Attend, Constrain, Experts, Use
 from ..layout.plan import Plan
 from .collective_tally import CollectiveTally
 from .dtype_bytes import FP32, INT64
@@ -18,7 +20,7 @@ from .placement_rules import P, R, PlacementRules, numel_on_rank
 
 
 class Walker(PlacementRules):
-    """Counts into `tally` the collectives of the runtime calls a family table walks.
+    """Counts into `tally` the collectives of the runtime calls of a recorded forward.
 
     `eager`: gathered weights are dropped after forward and gathered again in backward
     where autograd saved them (an eager step with reshard_after_forward). `keep_shards`:
@@ -45,6 +47,30 @@ class Walker(PlacementRules):
     def _numel(self, shape, pls) -> int:
         return numel_on_rank(shape, pls, self.mesh)
 
+    def play(self, events):
+        """A recording's events (models/recording.py), in order, on this plan."""
+        for e in events:
+            if isinstance(e, Use) and e.reuse:
+                self.reuse(e.name, e.saves)
+            elif isinstance(e, Use):
+                self.use(e.name, [self.layout(a) for a in e.acts], e.saves,
+                         grad=self.expert_grad(e.name) if e.experts else None)
+            elif isinstance(e, Constrain):
+                self.constrain(e.shape, self.layout(e.src), self.act(e.axes), self.constrain_grad(e), e.saved)
+            elif isinstance(e, Attend):
+                self.attention(e.q, e.k, e.v)
+            elif isinstance(e, Experts):
+                self.moe(e.moe, self.layout(e.h), e.dim, e.expert)
+            else:
+                raise TypeError(f"not a recorded event: {e!r}")
+
+    def constrain_grad(self, e: Constrain) -> tuple:
+        """The gradient arriving at a constrain's output: partial over tp where
+        column-parallel linears read it, over the dims that split what it was broadcast
+        over (a position table added to every row), as it was placed otherwise."""
+        dims = {i for wider, k in e.broadcast for i, p in enumerate(self.layout(wider)) if p[0] == "S" and p[1] < k}
+        return self.grad_in(self.act(e.axes, dims), e.consumers)
+
     # ---------------------------------------------------------------- parameters
     def use(self, name, acts_on, saves=1, grad=None):
         """One `p[name]` lookup: gather, eager re-gathers (one per tensor autograd saves of
@@ -56,12 +82,13 @@ class Walker(PlacementRules):
         if not self.defer:
             self.param_traffic(name, acts_on, saves, grad)
 
-    def reuse(self, name):
-        """A parameter kept from its first lookup (`reused`: a tied table) used again where
-        autograd saves it: nothing is gathered; eager, it is gathered again in backward."""
-        self.events.append(("save", name, None, 1, None))
+    def reuse(self, name, saves=1):
+        """A parameter kept from its first lookup (`reused`: a tied table) used again,
+        autograd saving `saves` tensors of it: nothing is gathered; eager, it is gathered
+        again in backward for each."""
+        self.events.append(("save", name, None, saves, None))
         if not self.defer:
-            self.regather(name)
+            self.regather(name, saves)
 
     def _dtype_bytes(self, name) -> int:
         spec = self.plan.params[name].spec
@@ -120,19 +147,21 @@ class Walker(PlacementRules):
         collective (its output's reduction) is not issued again."""
         self.tally.drop_last_replay()
 
-    def attention(self, hq: int, hkv: int, hd: int):
-        """ctx.attention over a sequence split on cp (parallel/cp_attention.py, section 5 of
-        docs/parallelism.md): per rank, N = S / cp positions of the local rows."""
+    def attention(self, q: tuple, k: tuple, v: tuple):
+        """ctx.attention on q, k, v of these global shapes over a sequence split on cp
+        (parallel/cp_attention.py, section 5 of docs/parallelism.md): per rank, N = S / cp
+        positions of the local rows."""
         if "cp" not in self.mesh.axes:
             return
         with self._recomputed():
-            self._cp_attention(hq, hkv, hd)
+            self._cp_attention(q, k, v)
 
-    def _cp_attention(self, hq: int, hkv: int, hd: int):
+    def _cp_attention(self, q_shape: tuple, k_shape: tuple, v_shape: tuple):
         i, cp, add = self.mesh.axes.index("cp"), self.mesh.cp, self.tally.add
         e = self.c or 4
-        q = self._numel((self.B, self.S, hq, hd), self.act(("batch", "seq", "q_heads", None)))
-        kv = 2 * self._numel((self.B, self.S, hkv, hd), self.act(("batch", "seq", "kv_heads", None)))
+        q = self._numel(q_shape, self.act(("batch", "seq", "q_heads", None)))
+        heads = self.act(("batch", "seq", "kv_heads", None))
+        kv = self._numel(k_shape, heads) + self._numel(v_shape, heads)
         comm = self.plan.cp_comm
         if comm == "allgather":  # K/V stacked; their gradients summed in fp32
             add("fwd", "all_gather", i, cp * kv * e)
@@ -147,12 +176,6 @@ class Walker(PlacementRules):
                 add(phase, "all_to_all_single", i, (q + kv) * e)
                 add(phase, "all_to_all_single", i, q * e)
 
-    def embedding(self, table, ids_axes, dst_axes, shape, grad_partial=()):
-        """constrain(ctx.embedding(ids, table), dst_axes): Partial over the table's vocab dims."""
-        ids = self.act(ids_axes)
-        src = tuple(P if i in self.split_dims(table, 0) else p for i, p in enumerate(ids)) + (R,)
-        self.constrain(shape, src, self.act(dst_axes), self.act(dst_axes, grad_partial))
-
     def loss(self, logits):
         rows = self._numel((self.B, self.S), [p if p[0] == "S" and p[1] < 2 else R for p in logits])
         for i, p in enumerate(logits):
@@ -163,17 +186,18 @@ class Walker(PlacementRules):
         # reduces it (comms.step_collectives), once per step or once per micro-step.
         self.loss_dims = tuple(i for i, p in enumerate(logits) if p[0] == "S" and p[1] < 2)
 
-    def moe(self, m, e: str, h, dim: int) -> tuple:
-        """ctx.moe (parallel/sharded_moe.py) on the block input h (placements) of the MoE block
-        whose parameters start with `e`: the router and expert weights' uses and every
-        collective the plan sizes, the token all-to-alls at the uniform-routing expectation
-        (comms.py's docstring). Returns the placements of the routed output."""
+    def expert_grad(self, name) -> tuple:
+        """An expert weight's gradient: partial over the expert mesh's batch axes (ctx.moe
+        uses it whole, as a local tensor, on the tokens routed to it)."""
+        em = self.param_mesh(name)
+        return tuple(P if a in ("dp", "fsdp", "cp") else q for a, q in zip(em.axes, self.compute(name)))
+
+    def moe(self, m, h, dim: int, expert: str):
+        """ctx.moe (parallel/sharded_moe.py) on the block input h (placements), beside its
+        parameters' lookups: the balancing terms' reductions, tp's copies and the token
+        all-to-alls over ep at the uniform-routing expectation (comms.py's docstring);
+        `expert` is the first expert weight's name."""
         B, S, tally = self.B, self.S, self.tally
-        if m.balance == "aux_free":
-            self.use(e + "expert_bias", [h], saves=0)  # not trainable: no gradient
-        # Router and expert weights are used as local tensors (to_local); the eager runtime
-        # swaps those for their shard too. The router is used in fp32 (models.policy).
-        self.use(e + "router", [h])
         token_dims = {i for i, q in enumerate(h) if q[0] == "S"}
         partial_tokens = tuple(P if i in token_dims else R for i in range(len(h)))
         if m.balance == "aux":  # per-sequence sums (prob, counts) added up over cp, then the scalar over the batch
@@ -183,14 +207,9 @@ class Walker(PlacementRules):
             tally.redistribute("fwd", (), tuple(P if q[0] == "S" else R for q in summed), (R,) * len(h), FP32)
         if m.z_loss_coef:
             tally.redistribute("fwd", (), partial_tokens, (R,) * len(h), FP32)
-        experts = [e + "w_gate", e + "w_up", e + "w_down"]
-        em = self.param_mesh(experts[0])
-        for name in experts:  # gradients Partial over the expert mesh's batch axes
-            self.use(name, None, grad=tuple(P if a in ("dp", "fsdp", "cp") else q
-                                            for a, q in zip(em.axes, self.compute(name))))
+        em = self.param_mesh(expert)
         tokens = self._numel((B, S), h)
-        tp_split = "tp" in em.axes and self.compute(experts[0])[em.axes.index("tp")][0] == "S"
-        if tp_split:  # CopyToTensorParallel: rows and gates, their gradients all-reduced over tp
+        if self.moe_tp_split(expert):  # CopyToTensorParallel: rows and gates, their gradients all-reduced over tp
             i = em.axes.index("tp")
             tally.add("bwd", "all_reduce_sum", i, (self.c or 4) * tokens * dim, mesh=em)
             tally.add("bwd", "all_reduce_sum", i, FP32 * tokens * m.top_k, mesh=em)
@@ -199,7 +218,6 @@ class Walker(PlacementRules):
             tally.add("fwd", "all_to_all_single", i, INT64 * m.num_experts, mesh=em)  # the per-expert counts
             for phase in ("fwd", "bwd"):  # dispatch and combine, mirrored by autograd
                 tally.add(phase, "all_to_all_single", i, (self.c or 4) * rows * dim, n=2, mesh=em)
-        return tuple(P if tp_split and a == "tp" else q for a, q in zip(self.mesh.axes, h))
 
 
 def routed_rows(w: Walker, m) -> int:

@@ -28,6 +28,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import torch
+
+from ..models.cost_terms import cost_terms
 from ..models.policy import keeps_fp32
 from ..layout.buckets import plan_buckets
 from ..layout.mesh import GATHERED_AXES
@@ -68,7 +71,8 @@ def weight_bytes(plan: Plan, model, names: set[str], c: int, checkpointing: str,
     under `traffic`'s reshard_after_forward and keep_gathered. Kept gathered, the fp32
     weights are held (`kept_weights`): only a cast is new, and it is made again in
     backward for every bucketed parameter."""
-    family, cfg = model.family, model.cfg
+    # Which weights an op keeps for backward does not depend on the sequence: read at 1.
+    kept_by_ops = cost_terms(model, 1, torch.float32 if c == FP32 else torch.bfloat16)
     keep_gathered = traffic.keep_gathered
     alone = plan_buckets(plan)[1] if keep_gathered else set()
     saved_weights = gathered_weights = 0
@@ -86,7 +90,7 @@ def weight_bytes(plan: Plan, model, names: set[str], c: int, checkpointing: str,
         if plan.params[name].spec.trainable:
             unit = name.split(".")[1] if name.startswith("layers.") else "before" if name == "tok_emb" else "after"
             buckets.setdefault(unit, BucketBytes(keep_gathered)).add(plan, name, n, width, gathered)
-        if not new_copy or not family.costs.weight_saved(cfg, name):
+        if not new_copy or not kept_by_ops.weight_saved(name):
             continue
         # A block's checkpoint gathers or casts its weights again in the recompute.
         recast = (checkpointing != "none" and name.startswith("layers.")

@@ -20,7 +20,7 @@ def _register_families() -> None:
         register(importlib.import_module(f".{folder}", __name__).FAMILY)
 
 
-_EXPORTS = {**dict.fromkeys(["FAMILIES", "Costs", "Family", "ModelDef", "build", "get_family", "register"], ".family"),
+_EXPORTS = {**dict.fromkeys(["FAMILIES", "Family", "ModelDef", "build", "get_family", "register"], ".family"),
             "LocalContext": ".context", "ModelContext": ".context", "ParamSpec": ".spec", "ModelConfig": ".config"}
 __getattr__ = lazy_exports(__name__, _EXPORTS, first_use=_register_families)
 __all__ = sorted([*_EXPORTS, *FAMILY_FOLDERS])

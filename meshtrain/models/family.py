@@ -1,5 +1,5 @@
-"""A model family is one registry entry: its config, its parameters, its forward, and the
-cost terms the estimators need. Everything above `models` (the step factories, the
+"""A model family is one registry entry: its config, its parameters and its forward (the
+estimators read its costs from the forward itself: recording.py). Everything above `models` (the step factories, the
 partitioner, the estimators, generation, the config) reaches a family through here, by
 its name (`model.arch`); adding a family is a folder under models/ with its `FAMILY`,
 plus its name in models/__init__.py's FAMILY_FOLDERS (docs/architecture.md walks through
@@ -17,46 +17,11 @@ from .decode import KVCache, decode
 from .hf import HFFormat
 from .spec import ParamSpec
 
-# Logical layouts of the activations every family's blocks pass around (the cost walks
-# name them): the residual stream between blocks (also what crosses a pipeline stage
+# Logical layouts of the activations every family's blocks pass around: the residual stream between blocks (also what crosses a pipeline stage
 # boundary), a block's normed input, the token ids.
 RESIDUAL = ("batch", "seq_sp", None)
 BLOCK_IN = ("batch", "seq", None)
 TOKENS = ("batch", "seq")
-
-
-@dataclass(frozen=True)
-class Costs:
-    """What the estimators (meshtrain/estimate) ask of a family beyond its parameter specs.
-    FLOPs come from the specs themselves (each weight matrix is one matmul per token).
-
-    mlp_saved: (tokens x ffn_dim) tensors a dense MLP keeps for backward (SwiGLU: gate
-      pre-activation, its silu, up, their product = 4; GELU: pre-activation, output = 2).
-    mlp_matmuls: (tokens x ffn_dim) matmul outputs a dense MLP keeps under selective
-      checkpointing (SwiGLU: gate and up = 2; GELU: up = 1).
-    norm_stats: fp32 values per row a norm keeps besides its input (models/layers.py:
-      RMSNorm its rsqrt = 1; LayerNorm its mean and rsqrt = 2).
-    per_sequence(cfg, seq_len, itemsize): tensors kept once per micro-batch besides the
-      blocks', as (shape, logical axes, bytes per element): RoPE tables, position ids.
-    weight_saved(cfg, name): does some op keep this weight for backward (a matmul or a
-      norm scale does; an embedding lookup keeps ids, a bias addition nothing)?
-    walk_block / walk_moe_block / walk_embed / walk_head: the block (dense, MoE), the
-      embedding and the head as walks over the estimator's walker (estimate/walker.py),
-      mirroring the forward's parameter uses and `ctx.constrain` calls one for one, the
-      uses in the order the forward looks the parameters up (`w.reuse` where a kept,
-      tied table is used again).
-      walk_embed(w, cfg, tied_head) and walk_head(w, cfg, table_used) say whether this
-      rank also runs the head (embedding) that shares a tied table."""
-
-    mlp_saved: int
-    per_sequence: Callable[[Any, int, int], list]
-    weight_saved: Callable[[Any, str], bool]
-    walk_block: Callable
-    walk_embed: Callable
-    walk_head: Callable
-    walk_moe_block: Callable | None = None
-    mlp_matmuls: int = 2
-    norm_stats: int = 1
 
 
 @dataclass(frozen=True)
@@ -78,7 +43,6 @@ class Family:
     forward_stage: Callable
     head: Callable
     kv_heads: Callable[[Any], int]
-    costs: Costs
     presets: Mapping[str, Any]
     check_fields: Callable[[Any], None] = lambda m: None
     hf: HFFormat | None = None

@@ -25,7 +25,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from ..errors import ConfigError
+from ..models.cost_terms import cost_terms
 
 FP32 = 4
 
@@ -89,9 +92,10 @@ def activation_bytes(model, *, seq_len: int, micro_batch: int) -> tuple[int, int
     T, D, F, V, hd, Hq = micro_batch * seq_len, cfg.dim, cfg.ffn_dim, cfg.vocab_size, cfg.head_dim, cfg.n_heads
     Hkv = model.family.kv_heads(cfg)
     c = FP32
-    norm = c * D + 4 * model.family.costs.norm_stats
+    terms = cost_terms(model, seq_len, torch.float32)
+    norm = c * D + 4 * terms.norm_stats
     attn = norm + c * D + c * hd * (Hq + 2 * Hkv) + c * hd * Hq + 4 * Hq
-    mlp = norm + c * D + model.family.costs.mlp_saved * c * F
+    mlp = norm + c * D + terms.mlp_saved * c * F
     head = norm + c * D + 2 * FP32 * V + 8 + 1 + 8 + 1
     return T * (attn + mlp), 0, T * head
 

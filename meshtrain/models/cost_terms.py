@@ -1,0 +1,90 @@
+"""What a family's forward keeps for backward, read from its recording (recording.py)
+rather than declared by the family: the memory estimators' per-family terms.
+
+The estimators' formulas (estimate/activation_memory.py, pipeline/partition.py) count a
+block as a norm, attention and a norm with its feed-forward; the terms that differ from
+family to family are counted here from the tensors autograd keeps in the recorded
+forward (saved-tensor hooks on the meta device):
+
+  mlp_saved    ffn-wide tensors a dense block keeps (SwiGLU: gate pre-activation, its
+               silu, up, their product = 4; GELU: pre-activation and output = 2): kept
+               tensors whose layout comes from a linear onto the "mlp" axis
+  mlp_matmuls  the ctx.linear outputs onto the "mlp" axis (kept by selective
+               checkpointing: SwiGLU gate and up = 2, GELU up = 1)
+  norm_stats   fp32 values per row the final norm keeps besides its input (RMSNorm its
+               rsqrt = 1; LayerNorm its mean and rsqrt = 2)
+  per_sequence tables the forward builds and keeps once per micro-batch (RoPE's cos and
+               sin, learned positions' ids): (shape, logical axes, bytes per element)
+  weight_saved does an op keep this parameter for backward (a matmul or a norm scale
+               does; a lookup keeps its ids, a bias addition nothing)?"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .family import ModelDef
+from .recording import record_block, record_ends
+
+MLP = "mlp"
+
+
+@dataclass(frozen=True)
+class CostTerms:
+    mlp_saved: int
+    mlp_matmuls: int
+    norm_stats: int
+    per_sequence: tuple
+    saved_weights: frozenset
+
+    def weight_saved(self, name: str) -> bool:
+        return name in self.saved_weights
+
+
+def _onto_mlp(layout, specs) -> bool:
+    """Does this layout expression come from a linear onto the mlp axis?"""
+    if not isinstance(layout, tuple) or not layout:
+        return False
+    if layout[0] == "linear" and specs[layout[2]].axes[0] == MLP:
+        return True
+    return any(_onto_mlp(part, specs) for part in layout[1:] if isinstance(part, tuple))
+
+
+def cost_terms(model: ModelDef, seq_len: int, dtype: torch.dtype) -> CostTerms:
+    """The terms of `model` at `seq_len` positions, compute dtype `dtype` (module docstring)."""
+    key = (model.family.name, model.cfg, seq_len, dtype)
+    if key not in _TERMS:
+        _TERMS[key] = _terms(model, seq_len, dtype)
+    return _TERMS[key]
+
+
+_TERMS: dict = {}
+
+
+def _terms(model: ModelDef, seq_len: int, dtype: torch.dtype) -> CostTerms:
+    cfg, specs = model.cfg, model.specs
+    moe = set(getattr(cfg, "moe_layers", ()) or ())
+    front, back = record_ends(model, True, True, 1, seq_len, dtype)
+    blocks = {}  # the first layer of each kind: recorded once, its names stand for the kind's
+    for i in range(cfg.n_layers):
+        blocks.setdefault(i in moe, i)
+    recorded = {i: record_block(model, i, 1, seq_len, dtype) for i in blocks.values()}
+    dense = recorded.get(blocks.get(False))
+    mlp_saved = mlp_matmuls = 0
+    if dense is not None:
+        mlp_saved = sum(1 for s in dense.saved if _onto_mlp(s.layout, specs))
+        mlp_matmuls = sum(1 for name in dense.linears if specs[name].axes[0] == MLP)
+    norm_stats = sum(1 for s in back.saved if s.dtype == torch.float32 and s.shape[-1:] == (1,) and len(s.shape) == 3)
+    first = recorded[min(blocks.values())] if recorded else None
+    tables = list(front.saved) + (list(first.saved) if first is not None else [])
+    per_sequence = tuple((s.shape, s.const, s.dtype.itemsize) for s in tables if s.const is not None)
+    saved = set()
+    for layer, rec in recorded.items():
+        kept = {e.name for e in rec.events if getattr(e, "saves", 0)}
+        prefix = f"layers.{layer}."
+        for i in range(cfg.n_layers):
+            if (i in moe) == (layer in moe):
+                saved |= {f"layers.{i}." + n[len(prefix):] for n in kept if n.startswith(prefix)}
+    saved |= {e.name for rec in (front, back) for e in rec.events if getattr(e, "saves", 0)}
+    return CostTerms(mlp_saved, mlp_matmuls, norm_stats, per_sequence, frozenset(saved))
