@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
+from typing import ClassVar
 
 from ..errors import ConfigError
 
@@ -30,6 +31,9 @@ class MeshSpec:
     ep (experts) is folded from fsdp x cp, as Megatron's parallel folding does, so it is
     not a factor of the world size.
     """
+
+    # The axes this mesh's dims are drawn from, in rank order (ExpertMeshSpec: ep for cp).
+    ORDER: ClassVar[tuple[str, ...]] = MESH_AXES
 
     pp: int = 1
     dp: int = 1
@@ -76,12 +80,12 @@ class MeshSpec:
 
     @property
     def world(self) -> int:
-        return math.prod(getattr(self, a) for a in MESH_AXES)
+        return math.prod(getattr(self, a) for a in self.ORDER)
 
     @property
     def axes(self) -> tuple[str, ...]:
         """The mesh dims that exist: axes of size > 1 in mesh order (a 1-rank mesh keeps dp)."""
-        return tuple(a for a in MESH_AXES if getattr(self, a) > 1) or ("dp",)
+        return tuple(a for a in self.ORDER if getattr(self, a) > 1) or ("dp",)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -146,13 +150,7 @@ class ExpertMeshSpec(MeshSpec):
     """The expert mesh: the dense mesh's ranks in the same order with fsdp x cp refolded
     as fsdp x ep; its ep axis is a real mesh dim."""
 
-    @property
-    def world(self) -> int:
-        return math.prod(getattr(self, a) for a in EXPERT_AXES)
-
-    @property
-    def axes(self) -> tuple[str, ...]:
-        return tuple(a for a in EXPERT_AXES if getattr(self, a) > 1) or ("dp",)
+    ORDER: ClassVar[tuple[str, ...]] = EXPERT_AXES
 
 
 def device_mesh_for(device_mesh, spec: MeshSpec):

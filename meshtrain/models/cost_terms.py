@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from .family import ModelDef
-from .recording import record_block, record_ends
+from .recording import cached, record_block, record_ends
 
 MLP = "mlp"
 
@@ -53,13 +53,7 @@ def _onto_mlp(layout, specs) -> bool:
 
 def cost_terms(model: ModelDef, seq_len: int, dtype: torch.dtype) -> CostTerms:
     """The terms of `model` at `seq_len` positions, compute dtype `dtype` (module docstring)."""
-    key = (model.family.name, model.cfg, seq_len, dtype)
-    if key not in _TERMS:
-        _TERMS[key] = _terms(model, seq_len, dtype)
-    return _TERMS[key]
-
-
-_TERMS: dict = {}
+    return cached((model.family.name, model.cfg, "terms", seq_len, dtype), lambda: _terms(model, seq_len, dtype))
 
 
 def _terms(model: ModelDef, seq_len: int, dtype: torch.dtype) -> CostTerms:

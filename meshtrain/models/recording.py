@@ -283,7 +283,7 @@ class RecordingContext:
         # The runtime's router: fp32 logits of every token (the fp32 h itself is kept).
         logits = F.linear(h.float(), router.float())
         if bias is not None:  # added to the scores to choose experts: nothing kept
-            logits + bias
+            logits = logits + bias
         for w in (w_gate, w_up, w_down):  # the experts' grouped matmuls keep their weights
             use = self.info(w).use
             use.experts, use.saves = True, use.saves + 1
@@ -308,9 +308,10 @@ class _Lookups:
 _CACHE: dict = {}
 
 
-def _cached(key, make):
-    """One recording per model, stretch, batch, length and dtype: the estimators ask
-    again for every stage and layout of a plan (the oldest goes past 256)."""
+def cached(key, make):
+    """`make()` once per key (a model's specs, a recording of one stretch at a batch,
+    length and dtype, its cost terms): the estimators ask again for every stage and
+    layout of a plan (the oldest goes past 256)."""
     if key not in _CACHE:
         if len(_CACHE) >= 256:
             _CACHE.pop(next(iter(_CACHE)))
@@ -319,7 +320,7 @@ def _cached(key, make):
 
 
 def _specs(model: ModelDef) -> dict:
-    return _cached((model.family.name, model.cfg, "specs"), lambda: model.specs)
+    return cached((model.family.name, model.cfg, "specs"), lambda: model.specs)
 
 
 def record_block(model: ModelDef, layer: int, batch: int, seq_len: int, dtype: torch.dtype) -> Recording:
@@ -329,7 +330,7 @@ def record_block(model: ModelDef, layer: int, batch: int, seq_len: int, dtype: t
         x = ctx._new((batch, seq_len, model.cfg.dim), ("act", RESIDUAL))
         out = ctx.run(model.family.forward_stage, model.cfg, {}, x, ctx, (layer, layer + 1), False, False)
         return ctx.recording(out)
-    return _cached((model.family.name, model.cfg, "block", layer, batch, seq_len, dtype), make)
+    return cached((model.family.name, model.cfg, "block", layer, batch, seq_len, dtype), make)
 
 
 def record_ends(model: ModelDef, embedding: bool, head: bool, batch: int, seq_len: int,
@@ -348,4 +349,4 @@ def record_ends(model: ModelDef, embedding: bool, head: bool, batch: int, seq_le
         front, split = ctx.recording(x), ctx.mark_point()
         out = ctx.run(family.head, cfg, ctx.bind({}), x, ctx) if head else x
         return front, ctx.recording(out, split)
-    return _cached((model.family.name, model.cfg, "ends", embedding, head, batch, seq_len, dtype), make)
+    return cached((model.family.name, model.cfg, "ends", embedding, head, batch, seq_len, dtype), make)
