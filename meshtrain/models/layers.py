@@ -107,8 +107,11 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: f
 
 def rope_frequencies(head_dim: int, theta: float, scaling: dict | None = None) -> torch.Tensor:
     """Inverse frequencies, with the Llama-3 long-context rescaling when `scaling` is given
-    (keys: factor, low_freq_factor, high_freq_factor, original_max_position_embeddings)."""
+    (keys: factor, low_freq_factor, high_freq_factor, original_max_position_embeddings),
+    or YaRN's when it says type yarn (yarn_frequencies)."""
     inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    if scaling and scaling.get("type") == "yarn":
+        return yarn_frequencies(inv, head_dim, theta, scaling).float()
     if scaling:
         factor = scaling["factor"]
         low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
@@ -121,6 +124,33 @@ def rope_frequencies(head_dim: int, theta: float, scaling: dict | None = None) -
     return inv.float()
 
 
+def yarn_frequencies(inv: torch.Tensor, head_dim: int, theta: float, scaling: dict) -> torch.Tensor:
+    """YaRN (Peng et al. 2023): frequencies that turn fewer than beta_slow times over the
+    original context are interpolated (divided by factor), those that turn more than
+    beta_fast times kept, with a linear ramp over the dims between."""
+    factor, old_len = scaling["factor"], scaling["original_max_position_embeddings"]
+
+    def dim_of(turns: float) -> float:  # the dim whose frequency turns `turns` times over old_len
+        return head_dim * math.log(old_len / (turns * 2 * math.pi)) / (2 * math.log(theta))
+
+    low = max(math.floor(dim_of(scaling["beta_fast"])), 0)
+    high = min(math.ceil(dim_of(scaling["beta_slow"])), head_dim - 1)
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float64) - low) / max(high - low, 1e-3)).clamp(0, 1)
+    return inv / factor * ramp + inv * (1 - ramp)
+
+
+def yarn_mscale(factor: float, mscale: float) -> float:
+    """YaRN's attention temperature term 0.1 x mscale x ln(factor) + 1 (1 when factor <= 1)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def yarn_table_gain(scaling: dict) -> float:
+    """YaRN's factor on the cos/sin tables: mscale's term over mscale_all_dim's when both
+    are set (1 when they are equal, as DeepSeek's), else the plain term."""
+    factor, m, m_all = scaling["factor"], scaling["mscale"], scaling["mscale_all_dim"]
+    return yarn_mscale(factor, m) / yarn_mscale(factor, m_all) if m and m_all else yarn_mscale(factor, 1.0)
+
+
 def rope_table(seq_len: int, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of shape (seq, head_dim) in the half-split (Hugging Face) convention."""
     angles = torch.outer(torch.arange(seq_len, dtype=torch.float32), inv_freq)
@@ -130,8 +160,13 @@ def rope_table(seq_len: int, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torc
 
 def rope_cos_sin(seq_len: int, head_dim: int, theta: float, scaling: dict | None = None,
                  device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
-    """The RoPE tables (seq_len, head_dim) on `device` (computed on the CPU, as decode's)."""
-    return tuple(t.to(device) for t in rope_table(seq_len, rope_frequencies(head_dim, theta, scaling)))
+    """The RoPE tables (seq_len, head_dim) on `device` (computed on the CPU, as decode's).
+    YaRN scales them (yarn_table_gain)."""
+    cos, sin = rope_table(seq_len, rope_frequencies(head_dim, theta, scaling))
+    if scaling and scaling.get("type") == "yarn":
+        gain = yarn_table_gain(scaling)
+        cos, sin = cos * gain, sin * gain
+    return cos.to(device), sin.to(device)
 
 
 # A function of the config alone: under torch.compile it becomes a constant of the graph
@@ -148,3 +183,13 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos.unsqueeze(-2) + rotated * sin.unsqueeze(-2)
+
+
+def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on dims laid out in interleaved pairs (x0, x1), (x2, x3), ... as DeepSeek's
+    released weights are; the rotated pairs come out half-split (evens, then odds), which
+    a dot product of two such tensors does not see. cos/sin as for apply_rope."""
+    half = x.shape[-1] // 2
+    cos, sin = cos[..., :half].unsqueeze(-2), sin[..., :half].unsqueeze(-2)
+    even, odd = x[..., 0::2], x[..., 1::2]
+    return torch.cat([even * cos - odd * sin, odd * cos + even * sin], dim=-1)

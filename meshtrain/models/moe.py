@@ -63,6 +63,10 @@ class MoeConfig:
     """Multiplier of the gates (DeepSeek-V3: 2.5)."""
     bias_update_rate: float = 0.001
     """Step of the aux-free bias update (balance aux_free)."""
+    groups: int = 1
+    """Group-limited routing (DeepSeek-V3's n_group): the experts form this many equal groups of consecutive ids, a group scores the sum of its two best (biased) expert scores, and a token chooses its top_k among the best group_top_k groups only. 1: no groups. With expert parallelism, groups = nodes bounds the nodes a token travels to."""
+    group_top_k: int = 1
+    """Groups a token may choose experts from (DeepSeek-V3's topk_group); at most groups, and group_top_k x experts per group at least top_k."""
 
     def __post_init__(self) -> None:
         # `--model.moe.layers "'1:'"`: the command line keeps a quoted string's quotes.
@@ -82,6 +86,25 @@ class MoeConfig:
         check_bool(self.norm_topk, "model.moe.norm_topk")
         if self.capacity_factor is not None:
             check_float(self.capacity_factor, "model.moe.capacity_factor", positive=True)
+        self._check_groups()
+
+    def _check_groups(self) -> None:
+        check_int(self.groups, "model.moe.groups", 1)
+        check_int(self.group_top_k, "model.moe.group_top_k", 1)
+        if self.group_top_k > self.groups:
+            raise ConfigError(f"model.moe.group_top_k={self.group_top_k} exceeds model.moe.groups={self.groups}: "
+                              "a token cannot choose more groups than there are")
+        if self.groups == 1:
+            return
+        per_group = self.num_experts // self.groups
+        if self.num_experts % self.groups or per_group < 2:
+            raise ConfigError(f"model.moe.groups={self.groups} must split model.moe.num_experts={self.num_experts} "
+                              "into equal groups of at least 2 experts (a group scores its two best): choose a "
+                              "divisor of num_experts at most num_experts / 2, or 1")
+        if self.group_top_k * per_group < self.top_k:
+            raise ConfigError(f"model.moe.group_top_k={self.group_top_k} groups of {per_group} experts hold fewer "
+                              f"than model.moe.top_k={self.top_k} experts: raise group_top_k to at least "
+                              f"{-(-self.top_k // per_group)}")
 
     def moe_layers(self, n_layers: int) -> tuple[int, ...]:
         """The indices of the MoE blocks: 'all', a Python slice such as '3:' (all but the
@@ -111,11 +134,22 @@ def route(logits: torch.Tensor, cfg: MoeConfig, bias: torch.Tensor | None = None
     scores = logits.softmax(-1) if cfg.router == "softmax" else logits.sigmoid()
     probs = scores if cfg.router == "softmax" else scores / scores.sum(-1, keepdim=True)
     choice = scores if bias is None else scores + bias.float()
+    if cfg.groups > 1:
+        choice = _best_groups(choice, cfg.groups, cfg.group_top_k)
     idx = choice.topk(cfg.top_k, dim=-1).indices
     gates = scores.gather(-1, idx)
     if cfg.norm_topk and cfg.top_k > 1:
         gates = gates / gates.sum(-1, keepdim=True)
     return idx, gates * cfg.route_scale, probs
+
+
+def _best_groups(choice: torch.Tensor, groups: int, keep: int) -> torch.Tensor:
+    """`choice` (T, E) with the experts outside each token's `keep` best groups at -inf; a
+    group scores the sum of its two best choices (DeepSeek-V3)."""
+    grouped = choice.unflatten(-1, (groups, -1))
+    best = grouped.topk(2, dim=-1).values.sum(-1).topk(keep, dim=-1).indices  # (T, keep)
+    eligible = torch.zeros(grouped.shape[:-1], dtype=torch.bool, device=choice.device).scatter(-1, best, True)
+    return grouped.masked_fill(~eligible.unsqueeze(-1), float("-inf")).flatten(-2)
 
 
 class Exchange(Protocol):

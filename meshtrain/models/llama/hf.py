@@ -23,6 +23,7 @@ from typing import Any, Mapping
 
 from ...errors import ConfigError
 from ..hf import REQUIRED, HFFormat, HFTensor, get_key, refuse_key, same
+from ..hf_experts import dense_blocks, expert_tensors, moe_dict, same_structure
 from . import hf_moe
 
 # model_type -> (causal-LM class, base-model class); the order of the import error's list.
@@ -42,7 +43,7 @@ def tensors(cfg, specs: Mapping, experts: str) -> list[HFTensor]:
             out += [same(specs, h + f"self_attn.{w}_norm.weight", p + f"attn.{w}_norm") for w in "qk"]
         out += [same(specs, h + "post_attention_layernorm.weight", p + "mlp_norm")]
         if i in moe_layers:
-            out += hf_moe.expert_tensors(cfg, model_type, i, specs, experts)
+            out += expert_tensors(cfg, i, specs, experts, mixtral=model_type == "mixtral")
         else:
             out += [same(specs, h + f"mlp.{w}_proj.weight", p + f"mlp.w_{w}") for w in ("gate", "up", "down")]
     out.append(same(specs, "model.norm.weight", "norm"))
@@ -148,7 +149,7 @@ def model_fields(cfg) -> dict:
     if cfg.attn_head_dim is not None:
         out["head_dim"] = cfg.attn_head_dim
     if cfg.moe is not None:
-        out["moe"] = hf_moe.moe_dict(cfg.moe)
+        out["moe"] = moe_dict(cfg.moe)
     return out
 
 
@@ -160,8 +161,8 @@ def compare(theirs: dict, ours: dict, cfg) -> list[tuple[str, Any, Any]]:
     out = [("qk_norm", theirs.pop("qk_norm", False), ours.pop("qk_norm", False)),
            ("head_dim", theirs.pop("head_dim", None) or theirs["dim"] // theirs["n_heads"], cfg.head_dim)]
     ours.pop("head_dim", None)
-    out += hf_moe.same_structure(their_moe, cfg)
-    if their_moe is not None and not hf_moe.dense_blocks(their_moe, cfg.n_layers):
+    out += same_structure(their_moe, cfg)
+    if their_moe is not None and not dense_blocks(their_moe, cfg.n_layers):
         del theirs["ffn_dim"]  # every block is MoE: unused
     return out
 

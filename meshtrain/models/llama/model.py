@@ -9,10 +9,10 @@ import math
 from typing import Mapping
 
 import torch
-import torch.nn.functional as F
 
+from ..blocks import mlp, moe, moe_specs, rms_head, rope_tables, swiglu_specs
 from ..context import Documents, ModelContext
-from ..layers import apply_rope, rms_norm, rope_cos_sin
+from ..layers import apply_rope, rms_norm
 from ..spec import ParamSpec
 from .config import LlamaConfig
 
@@ -37,33 +37,12 @@ def param_specs(cfg: LlamaConfig) -> dict[str, ParamSpec]:
         specs[p + "attn.wo"] = ParamSpec((d, cfg.n_heads * hd), ("embed", "q_heads"), std=out_std, units=(1, hd))
         specs[p + "mlp_norm"] = ParamSpec((d,), ("norm",), init="ones")
         if i in moe_layers:
-            specs.update(_moe_specs(cfg, p + "moe.", std, out_std))
+            specs.update(moe_specs(cfg.moe, d, p + "moe.", std, out_std))
         else:
-            specs[p + "mlp.w_gate"] = ParamSpec((cfg.ffn_dim, d), ("mlp", "embed"), std=std)
-            specs[p + "mlp.w_up"] = ParamSpec((cfg.ffn_dim, d), ("mlp", "embed"), std=std)
-            specs[p + "mlp.w_down"] = ParamSpec((d, cfg.ffn_dim), ("embed", "mlp"), std=out_std)
+            specs.update(swiglu_specs(p + "mlp.", d, cfg.ffn_dim, std, out_std))
     specs["norm"] = ParamSpec((d,), ("norm",), init="ones")
     if not cfg.tie_embeddings:
         specs["output"] = ParamSpec((cfg.vocab_size, d), ("vocab", "embed"), std=std)
-    return specs
-
-
-def _moe_specs(cfg: LlamaConfig, p: str, std: float, out_std: float) -> dict[str, ParamSpec]:
-    """Router (E, dim); experts stacked on a leading `experts` dim (E, ffn, dim) and
-    (E, dim, ffn); shared experts as one SwiGLU of shared_experts x expert_ffn_dim."""
-    m, d = cfg.moe, cfg.dim
-    e, f = m.num_experts, m.expert_ffn_dim
-    specs = {p + "router": ParamSpec((e, d), (None, "embed"), std=std),
-             p + "w_gate": ParamSpec((e, f, d), ("experts", "mlp", "embed"), std=std),
-             p + "w_up": ParamSpec((e, f, d), ("experts", "mlp", "embed"), std=std),
-             p + "w_down": ParamSpec((e, d, f), ("experts", "embed", "mlp"), std=out_std)}
-    if m.balance == "aux_free":
-        specs[p + "expert_bias"] = ParamSpec((e,), (None,), init="zeros", trainable=False)
-    if m.shared_experts:
-        fs = m.shared_experts * f
-        specs[p + "shared.w_gate"] = ParamSpec((fs, d), ("mlp", "embed"), std=std)
-        specs[p + "shared.w_up"] = ParamSpec((fs, d), ("mlp", "embed"), std=std)
-        specs[p + "shared.w_down"] = ParamSpec((d, fs), ("embed", "mlp"), std=out_std)
     return specs
 
 
@@ -74,21 +53,10 @@ def forward_stage(cfg: LlamaConfig, params: Mapping[str, torch.Tensor], x: torch
     when `last` (logits, else the residual stream). `params` needs only the stage's own.
     `docs`: packed documents' segments (attention) and positions (RoPE), per row."""
     p = ctx.bind(params)
-    seq_len, start = x.shape[1], ctx.start_pos
     if first:
         tokens = ctx.constrain(x, ("batch", "seq"))
         x = ctx.constrain(ctx.embedding(tokens, p["tok_emb"]), ("batch", "seq_sp", None))
-    # On the activations' device: a plain tensor on the CPU would meet CUDA q/k under the
-    # LocalContext (the ShardedContext moves constants to the mesh's device itself).
-    cos, sin = rope_cos_sin(start + seq_len, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, x.device)
-    if start:  # decoding: the angles of the new positions
-        cos, sin = cos[start:], sin[start:]
-    if docs is not None and docs.positions is not None:  # each row's angles: positions restart
-        positions = ctx.constrain(docs.positions, ("batch", "seq"))
-        cos, sin = (ctx.constrain(ctx.embedding(positions, ctx.constrain(t.to(x.dtype), (None, None))),
-                                  ("batch", "seq", None)) for t in (cos, sin))
-    else:
-        cos, sin = (ctx.constrain(t.to(x.dtype), ("seq", None)) for t in (cos, sin))
+    cos, sin = rope_tables(ctx, x, docs, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
     segments = None if docs is None or docs.segments is None else ctx.constrain(docs.segments, ("batch", "seq"))
     window = None if docs is None else docs.window
     for i in range(*layers):
@@ -98,17 +66,15 @@ def forward_stage(cfg: LlamaConfig, params: Mapping[str, torch.Tensor], x: torch
 
 def head(cfg: LlamaConfig, p: Mapping[str, torch.Tensor], x: torch.Tensor, ctx: ModelContext) -> torch.Tensor:
     """Final norm and output projection: logits of the residual stream x (bound params)."""
-    x = ctx.constrain(rms_norm(x, p["norm"], cfg.norm_eps), ("batch", "seq", None))
-    logits = ctx.linear(x, p, "tok_emb" if cfg.tie_embeddings else "output")
-    return ctx.constrain(logits, ("batch", "seq", "vocab"))
+    return rms_head(p, x, cfg.norm_eps, "tok_emb" if cfg.tie_embeddings else "output", ctx)
 
 
 def _block(cfg, p, i, x, cos, sin, ctx, segments=None, window=None):
     prefix = f"layers.{i}."
     x = x + _attention(cfg, p, prefix, x, cos, sin, ctx, segments, window)
     if i in cfg.moe_layers:
-        return x + _moe(cfg, p, prefix, x, ctx)
-    return x + _mlp(p, prefix, x, cfg.norm_eps, ctx)
+        return x + moe(cfg.moe, p, prefix, x, cfg.norm_eps, ctx)
+    return x + mlp(p, prefix, x, cfg.norm_eps, ctx)
 
 
 def _attention(cfg, p, prefix, x, cos, sin, ctx, segments, window):
@@ -122,24 +88,3 @@ def _attention(cfg, p, prefix, x, cos, sin, ctx, segments, window):
         k = rms_norm(k, p[prefix + "attn.k_norm"], cfg.norm_eps)
     out = ctx.attention(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, segments, window).flatten(-2)
     return ctx.constrain(ctx.linear(out, p, prefix + "attn.wo"), ("batch", "seq_sp", None))
-
-
-def _swiglu(p, prefix, h, ctx):
-    gate = F.silu(ctx.linear(h, p, prefix + "w_gate")) * ctx.linear(h, p, prefix + "w_up")
-    return ctx.linear(gate, p, prefix + "w_down")
-
-
-def _mlp(p, prefix, x, eps, ctx):
-    h = ctx.constrain(rms_norm(x, p[prefix + "mlp_norm"], eps), ("batch", "seq", None))
-    return ctx.constrain(_swiglu(p, prefix + "mlp.", h, ctx), ("batch", "seq_sp", None))
-
-
-def _moe(cfg, p, prefix, x, ctx):
-    m = cfg.moe
-    h = ctx.constrain(rms_norm(x, p[prefix + "mlp_norm"], cfg.norm_eps), ("batch", "seq", None))
-    e = prefix + "moe."
-    bias = p[e + "expert_bias"] if m.balance == "aux_free" else None
-    out = ctx.moe(h, m, p[e + "router"], bias, p[e + "w_gate"], p[e + "w_up"], p[e + "w_down"])
-    if m.shared_experts:
-        out = out + _swiglu(p, e + "shared.", h, ctx)
-    return ctx.constrain(out, ("batch", "seq_sp", None))
