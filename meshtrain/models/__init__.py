@@ -11,7 +11,7 @@ import importlib
 from ..lazy import lazy_exports
 
 # The model families, by model.arch: one line per family (its folder's FAMILY).
-FAMILY_FOLDERS = ("llama", "gpt2")
+FAMILY_FOLDERS = ("llama", "gpt2", "deepseek_v3")
 
 
 def _register_families() -> None:

@@ -15,6 +15,7 @@ from ..errors import ConfigError, check_bool, check_choice, check_float, check_i
 # For the annotation only: importing models.moe here would import torch with the config.
 # jsonargparse resolves the name from this block when the CLI builds its parser.
 if TYPE_CHECKING:
+    from .mla import MlaConfig
     from .moe import MoeConfig
 
 # Upper bounds of the model sizes: far above any real model (Llama 3 405B: dim 16384, 126
@@ -35,7 +36,7 @@ class ModelConfig:
     """The model architecture."""
 
     arch: str = "llama"
-    """Model family: llama, or gpt2."""
+    """Model family: llama, gpt2, or deepseek_v3."""
     dim: int = 256
     """Width of the residual stream (hidden size)."""
     n_layers: int = 4
@@ -65,7 +66,9 @@ class ModelConfig:
     head_dim: int | None = None
     """Width of an attention head when it is not dim / n_heads (Qwen3; llama only); null: dim / n_heads."""
     moe: MoeConfig | None = None
-    """Mixture-of-experts blocks (llama only); null: every block is dense."""
+    """Mixture-of-experts blocks (llama, deepseek_v3); null: every block is dense."""
+    mla: MlaConfig | None = None
+    """Multi-head latent attention's sizes (deepseek_v3, which needs it; null for the other families)."""
 
     def __post_init__(self):
         # model.moe as a mapping of its fields (the Python API, a config.json read by interop).
@@ -73,6 +76,10 @@ class ModelConfig:
             from .moe import MoeConfig
 
             self.moe = MoeConfig(**self.moe)
+        if isinstance(self.mla, Mapping):
+            from .mla import MlaConfig
+
+            self.mla = MlaConfig(**self.mla)
 
     def family_config(self):
         """The model family's own config (LlamaConfig, GPT2Config, ...)."""
@@ -101,6 +108,11 @@ class ModelConfig:
         FAMILIES[self.arch].check_fields(self)  # the keys only some families read (RoPE, GQA, q/k norms, ...)
         if self.moe is not None:
             self._check_moe()
+        if self.mla is not None:
+            from .mla import MlaConfig
+
+            if not isinstance(self.mla, MlaConfig):
+                raise ConfigError(f"model.mla={self.mla!r} must be a mapping of its fields, or null")
         # The family's own checks (head divisibility, even head dim, ...).
         self.family_config()
         return self

@@ -64,8 +64,8 @@ def check_fields(m) -> None:
     if m.rope_theta is not None:
         raise ConfigError(f"model.rope_theta={m.rope_theta}: model.arch=gpt2 uses learned absolute positions, not "
                           "RoPE; set model.rope_theta to null, e.g. --model.rope_theta null")
-    for key, value in (("qk_norm", m.qk_norm or None), ("head_dim", m.head_dim), ("moe", m.moe)):
+    for key, value in (("qk_norm", m.qk_norm or None), ("head_dim", m.head_dim), ("moe", m.moe), ("mla", m.mla)):
         if value is not None:
-            raise ConfigError(f"model.{key}={value!r} is llama-only, but model.arch={m.arch!r}: set model.arch "
-                              f"llama, or model.{key} {'false' if key == 'qk_norm' else 'null'} (model.qk_norm, "
-                              "model.head_dim and model.moe are llama-only)")
+            raise ConfigError(f"model.{key}={value!r} is not read by model.arch={m.arch!r}: set model.arch llama or "
+                              f"deepseek_v3, or model.{key} {'false' if key == 'qk_norm' else 'null'} (gpt2 has "
+                              "none of model.qk_norm, model.head_dim, model.moe, model.mla)")

@@ -1,0 +1,15 @@
+"""The deepseek_v3 family (DeepSeek-V3, R1, Kimi K2's architecture): config.py, model.py
+(parameters and forward), hf.py (the Hugging Face format)."""
+
+from ..family import Family
+from .config import PRESETS, DeepseekV3Config, check_fields, from_fields
+from .hf import HF
+from .model import forward_stage, head, param_specs
+
+FAMILY = Family(name="deepseek_v3", config=DeepseekV3Config, from_fields=from_fields, param_specs=param_specs,
+                forward_stage=forward_stage, head=head, kv_heads=lambda cfg: cfg.n_heads,
+                presets=PRESETS, check_fields=check_fields, hf=HF)
+
+forward = FAMILY.forward
+
+__all__ = ["FAMILY", "PRESETS", "DeepseekV3Config", "forward", "forward_stage", "param_specs"]
