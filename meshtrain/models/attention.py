@@ -148,7 +148,7 @@ def windowed_document_attention(q, k, v, segments, window: int, tile: int = TILE
     `tile` queries attends over the `window` keys that end at its last query (strided
     views of the keys and values, no copies but one front padding), so the work is seq x
     window, not seq^2. `window` must cover every tile's documents (document_window)."""
-    batch, heads, seq, dim = q.shape
+    batch, heads, seq = q.shape[:3]
     n = seq // tile
 
     def tiles(x, size):  # heads-first (batch, h, seq) -> (batch x n, h, size, dim) windows ending at each tile
@@ -158,6 +158,7 @@ def windowed_document_attention(q, k, v, segments, window: int, tile: int = TILE
     out = F.scaled_dot_product_attention(tiles(q, tile), tiles(k, window), tiles(v, window),
                                          attn_mask=window_mask(segments, window, q.dtype, tile),
                                          enable_gqa=k.shape[1] != heads)
+    dim = v.shape[-1]  # values may be narrower than queries (MLA)
     return out.view(batch, n, heads, tile, dim).permute(0, 2, 1, 3, 4).reshape(batch, heads, seq, dim)
 
 

@@ -91,13 +91,19 @@ def context_parallel_attention(q, k, v, group, comm: str, segments: torch.Tensor
     Returns (b, s_local, hq, d), equal to the matching rows of full-sequence causal attention.
     Differentiable w.r.t. q, k, v. comm: one of CP_COMMS. `segments` (b, s_local): this rank's
     document ids (zigzag, as q): a query then sees only keys of its own document, and a
-    block none of this rank's queries can see is skipped."""
+    block none of this rank's queries can see is skipped. Values narrower than the keys
+    (MLA's v_head_dim) are zero-padded to the key width, and the output cut back: the
+    exchanges move keys and values as one stacked tensor, and the padding adds zeros only."""
     if comm not in _EXCHANGES:
         raise ConfigError(f"context-parallel comm {comm!r}: choose one of {', '.join(CP_COMMS)}")
     group = group if group is not None else dist.group.WORLD
+    narrow = k.shape[-1] - v.shape[-1]
+    if narrow > 0:
+        v = torch.nn.functional.pad(v, (0, narrow))
     if q.shape[1] % 2 or q.shape[2] % k.shape[2] or k.shape != v.shape or q.shape[:2] != k.shape[:2]:
         raise ValueError(f"context_parallel_attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: "
                          "expected (b, 2c, hq, d) and (b, 2c, hkv, d) with hkv dividing hq")
     if comm == "a2a":
         _check_a2a_heads(q.shape[2], k.shape[2], dist.get_world_size(group))
-    return _cp_attention(q, k, v, segments, group.group_name, comm)[0]
+    out = _cp_attention(q, k, v, segments, group.group_name, comm)[0]
+    return out[..., :out.shape[-1] - narrow] if narrow > 0 else out

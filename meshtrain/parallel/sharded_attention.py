@@ -34,5 +34,6 @@ class ShardedAttention:
             out = causal_attention(q.to_local(), k.to_local(), v.to_local(), local, key=segments, window=window)
         # Contiguous, as the stride it is declared with says (the heads are flattened next,
         # which would copy a transposed kernel output anyway).
+        shape = (*q.shape[:-1], v.shape[-1])  # values may be narrower than queries (MLA)
         return DTensor.from_local(out.contiguous(), self.mesh, q.placements, run_check=False,
-                                  shape=q.shape, stride=make_contiguous_strides_for(q.shape))
+                                  shape=shape, stride=make_contiguous_strides_for(shape))

@@ -1,0 +1,205 @@
+"""The deepseek_v3 family against transformers' DeepseekV3ForCausalLM (fp32): export loads
+there with equal logits and imports back; a model transformers made and saved (the hub's
+per-expert layout and the fused one) imports with equal logits; and training from its
+weights with our step equals transformers' model trained with torch.optim.AdamW,
+clip_grad_norm_ and the aux-free bias update, step by step, eager and compiled. The
+router on its own; the config's refusals. The layouts: tests/test_deepseek_layouts.py."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+
+from meshtrain.config import ModelConfig, RunConfig
+from meshtrain.errors import ConfigError
+from meshtrain.interop.hf import load_hf_params, read_hf_config, save_hf
+from meshtrain.models import LocalContext, build
+from meshtrain.models.moe import route
+from support.deepseek import CFG, CLIP, LR, MIN_LR, MOE, STEPS, WARMUP, batches, hf_model, initial_params, \
+    single_process
+
+transformers = pytest.importorskip("transformers")
+ATOL = 1e-5
+
+
+def _perturbed(cfg=CFG, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random parameters with norms off their init, routers scaled up, an expert bias that
+    moves choices (sigmoid scores lie in (0, 1)), and queries and keys large enough that
+    the softmax's temperature (YaRN's) matters."""
+    g = torch.Generator().manual_seed(seed + 1)
+    out = {}
+    for name, t in initial_params(cfg).items():
+        if t.ndim == 1:
+            t = t + (0.5 if name.endswith("expert_bias") else 0.2) * torch.randn(t.shape, generator=g)
+        out[name] = t * 20 if name.endswith("moe.router") else t * 8 if name.endswith(("wq_b", "wq", "wkv_b")) else t
+    return out
+
+
+def _ours(cfg, params, tokens):
+    with torch.no_grad():
+        return build("deepseek_v3", cfg).forward(params, tokens, LocalContext())
+
+
+def _tokens(seed: int = 0):
+    return torch.randint(0, CFG.vocab_size, (2, 24), generator=torch.Generator().manual_seed(seed))
+
+
+def _hf_load(directory):
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32,
+                                                                    output_loading_info=True)
+    assert not any(info.get(k) for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    return model.eval()
+
+
+def _hf_logits(model, tokens):
+    with torch.no_grad():
+        return model(tokens).logits
+
+
+def _imported(fields: dict):
+    """The family config of imported model.* fields, with our test's training-only
+    bias_update_rate (config.json has none)."""
+    cfg = RunConfig(model=ModelConfig(**fields)).family_config()
+    return dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, bias_update_rate=MOE.bias_update_rate))
+
+
+NO_Q_LORA = dataclasses.replace(CFG, mla=dataclasses.replace(CFG.mla, q_lora_rank=None), rope_scaling=None)
+
+
+@pytest.mark.parametrize("cfg", [CFG, NO_Q_LORA], ids=["q_lora_yarn", "no_q_lora"])
+def test_export_loads_in_transformers_and_imports_back(tmp_path, cfg):
+    params = _perturbed(cfg)
+    save_hf(params, "deepseek_v3", cfg, tmp_path, dtype="fp32")
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["architectures"] == ["DeepseekV3ForCausalLM"] and config["first_k_dense_replace"] == 1
+    assert (config["n_group"], config["topk_group"], config["q_lora_rank"]) == (4, 2, cfg.mla.q_lora_rank)
+    files = load_file(tmp_path / "model.safetensors")
+    assert torch.equal(files["model.layers.1.mlp.experts.3.down_proj.weight"], params["layers.1.moe.w_down"][3])
+    assert torch.equal(files["model.layers.1.mlp.gate.e_score_correction_bias"], params["layers.1.moe.expert_bias"])
+    model = _hf_load(tmp_path)
+    tokens = _tokens()
+    ours = _ours(cfg, params, tokens)
+    diff = (_hf_logits(model, tokens) - ours).abs().max().item()
+    assert diff < ATOL, f"max |logit difference| {diff}"
+    # What the comparison sees: the expert bias, YaRN's query gain and the groups all
+    # change the logits by far more than the tolerance.
+    changed = [({**params, "layers.1.moe.expert_bias": params["layers.1.moe.expert_bias"].flip(0)}, cfg)]
+    if cfg.rope_scaling:
+        changed.append((params, dataclasses.replace(cfg, rope_scaling={**cfg.rope_scaling, "mscale_all_dim": 0.0})))
+    changed.append((params, dataclasses.replace(cfg, moe=dataclasses.replace(MOE, groups=1, group_top_k=1))))
+    for p, c in changed:
+        assert (_ours(c, p, tokens) - ours).abs().max() > 100 * ATOL, c
+    back = load_hf_params(tmp_path, "deepseek_v3", cfg)
+    assert back.keys() == params.keys() and all(torch.equal(back[n], params[n]) for n in params)
+    assert _imported(read_hf_config(tmp_path)) == cfg
+
+
+def test_import_from_transformers_both_expert_layouts(tmp_path):
+    model = hf_model(transformers).eval()
+    tokens = _tokens(1)
+    expected = _hf_logits(model, tokens)
+    model.save_pretrained(tmp_path / "hub")
+    model.save_pretrained(tmp_path / "fused", save_original_format=False)
+    assert "model.layers.1.mlp.experts.7.up_proj.weight" in load_file(tmp_path / "hub" / "model.safetensors")
+    assert "model.layers.1.mlp.experts.gate_up_proj" in load_file(tmp_path / "fused" / "model.safetensors")
+    cfg = _imported(read_hf_config(tmp_path / "hub"))
+    assert cfg == CFG
+    params = load_hf_params(tmp_path / "hub", "deepseek_v3", cfg)
+    diff = (_ours(cfg, params, tokens) - expected).abs().max().item()
+    assert diff < ATOL, f"max |logit difference| {diff}"
+    fused = load_hf_params(tmp_path / "fused", "deepseek_v3", cfg)
+    assert all(torch.equal(fused[n], params[n]) for n in params)
+
+
+def test_router_equals_transformers():
+    """Group-limited selection on biased sigmoid scores, gates from the unbiased ones."""
+    model = hf_model(transformers)
+    gate = model.model.layers[1].mlp.gate
+    h = torch.randn(256, CFG.dim, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        logits, weights, idx = gate(h)
+        ours_idx, ours_gates, _ = route(F.linear(h, gate.weight), MOE, gate.e_score_correction_bias)
+    order, ours_order = idx.sort(-1), ours_idx.sort(-1)
+    assert torch.equal(order.values, ours_order.values)
+    torch.testing.assert_close(ours_gates.gather(-1, ours_order.indices), weights.gather(-1, order.indices))
+    plain, _, _ = route(F.linear(h, gate.weight), dataclasses.replace(MOE, groups=1, group_top_k=1),
+                        gate.e_score_correction_bias)
+    assert not torch.equal(plain.sort(-1).values, order.values)  # the groups change some tokens' experts
+
+
+def _train_transformers(model):
+    """transformers' model trained as our step trains: mean cross-entropy, clip_grad_norm_,
+    AdamW (decay on >= 2-D), the schedule's lr, then each MoE block's aux-free bias moved
+    by rate x sign(mean load - load) over the step's tokens."""
+    from meshtrain import LRSchedule
+
+    schedule = LRSchedule(lr=LR, min_lr=MIN_LR, warmup_steps=WARMUP, total_steps=STEPS)
+    params = list(model.parameters())
+    opt = torch.optim.AdamW([{"params": [p for p in params if p.ndim >= 2], "weight_decay": 0.1},
+                             {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}],
+                            lr=LR, betas=(0.9, 0.95), eps=1e-8)
+    loads = {}
+    gates = [layer.mlp.gate for layer in model.model.layers if hasattr(layer.mlp, "gate")]
+    for gate in gates:
+        gate.register_forward_hook(lambda m, _, out: loads.__setitem__(m, torch.bincount(
+            out[2].flatten(), minlength=MOE.num_experts).float()))
+    losses, norms = [], []
+    model.train()
+    for t, batch in enumerate(batches()):
+        logits = model(batch["tokens"][0]).logits
+        loss = F.cross_entropy(logits.flatten(0, 1), batch["targets"][0].flatten())
+        opt.zero_grad()
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(params, CLIP)))
+        for group in opt.param_groups:
+            group["lr"] = schedule(t)
+        opt.step()
+        with torch.no_grad():
+            for gate in gates:
+                load = loads[gate]
+                gate.e_score_correction_bias.add_(MOE.bias_update_rate * torch.sign(load.mean() - load))
+        losses.append(loss.item())
+    return losses, norms
+
+
+@pytest.mark.parametrize("compile", [False, "aot_eager"], ids=["eager", "compiled"])
+def test_training_equals_transformers(tmp_path, compile):
+    model = hf_model(transformers)
+    model.save_pretrained(tmp_path)
+    params = load_hf_params(tmp_path, "deepseek_v3", CFG)
+    torch._dynamo.reset()
+    metrics, final = single_process(params, compile=compile)
+    losses, norms = _train_transformers(model)
+    assert all(n > 1.5 * CLIP for n in norms)  # clipping engages: a wrong norm scales every update
+    torch.testing.assert_close(torch.tensor([m["loss"] for m in metrics]), torch.tensor(losses), rtol=1e-5, atol=0)
+    torch.testing.assert_close(torch.tensor([m["grad_norm"] for m in metrics]), torch.tensor(norms), rtol=1e-5, atol=0)
+    bias = model.model.layers[1].mlp.gate.e_score_correction_bias
+    torch.testing.assert_close(final["layers.1.moe.expert_bias"], bias, rtol=0, atol=1e-7)
+    assert not torch.equal(bias, params["layers.1.moe.expert_bias"])
+    for n, theirs in load_hf_params(_saved(model, tmp_path / "after"), "deepseek_v3", CFG).items():
+        torch.testing.assert_close(final[n], theirs, rtol=0, atol=1e-5, msg=lambda m: f"{n}: {m}")
+
+
+def _saved(model, directory):
+    model.save_pretrained(directory)
+    return directory
+
+
+@pytest.mark.parametrize("changes, fragment", [
+    (dict(mla=None), "model.mla is null"),
+    (dict(n_kv_heads=2), "model.n_kv_heads=2: model.arch=deepseek_v3"),
+    (dict(rope_scaling={"type": "yarn", "factor": 4.0}), "model.rope_scaling="),
+    (dict(mla={"qk_rope_head_dim": 5}), "model.mla.qk_rope_head_dim=5 is odd"),
+    (dict(moe={"num_experts": 8, "groups": 3}), "model.moe.groups=3 must split"),
+    (dict(moe={"num_experts": 8, "top_k": 4, "groups": 4, "group_top_k": 1}), "model.moe.group_top_k=1 groups of 2"),
+    (dict(arch="llama", n_kv_heads=4), "model.mla="),
+])
+def test_config_refusals_name_the_key(changes, fragment):
+    base = dict(arch="deepseek_v3", n_kv_heads=None, mla={})
+    with pytest.raises(ConfigError, match=fragment.replace("(", r"\(").replace("[", r"\[")):
+        ModelConfig(**{**base, **changes}).check()
