@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from meshtrain import AdamW, LRSchedule, TrainState, build, make_train_step
+from meshtrain.data.documents import document_positions, document_segments, mask_after_eod
 from meshtrain.models.deepseek_v3 import DeepseekV3Config
 from meshtrain.models.mla import MlaConfig
 from meshtrain.models.moe import MoeConfig
@@ -22,15 +23,30 @@ MLA = MlaConfig(q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_hea
 CFG = DeepseekV3Config(dim=48, n_layers=2, n_heads=4, ffn_dim=96, vocab_size=130, max_seq_len=32, moe=MOE, mla=MLA,
                        rope_scaling=YARN)
 STEPS, BATCH, SEQ = 4, 8, 16
-LR, MIN_LR, WARMUP, CLIP = 1e-3, 1e-4, 2, 0.5
+# lr as tests/support/equivalence.py's: Adam divides out a gradient's scale, so an entry whose
+# gradient is noise-sized moves by up to lr in a direction the reduction order picks;
+# at 1e-3 that reached the 1e-5 parameter tolerance after 4 steps (fsdp2, 1.07e-5).
+LR, MIN_LR, WARMUP, CLIP = 3e-4, 3e-5, 2, 0.5
 
 
-def batches(micro_steps: int = 1):
+EOD = 3
+
+
+def batches(micro_steps: int = 1, documents: bool = False):
+    """STEPS random batches; with `documents`, rows packing documents (an EOD about one
+    token in 5): their segments and restarting positions, targets after an EOD ignored."""
     g = torch.Generator().manual_seed(1234)
     for _ in range(STEPS):
-        t = torch.randint(0, CFG.vocab_size, (BATCH, SEQ + 1), generator=g)
+        t = torch.randint(4 if documents else 0, CFG.vocab_size, (BATCH, SEQ + 1), generator=g)
+        if documents:
+            t[torch.rand(t.shape, generator=g) < 0.2] = EOD
         t = t.reshape(micro_steps, BATCH // micro_steps, SEQ + 1)
-        yield {"tokens": t[..., :-1], "targets": t[..., 1:]}
+        tokens, targets = t[..., :-1], t[..., 1:]
+        if not documents:
+            yield {"tokens": tokens, "targets": targets}
+            continue
+        yield {"tokens": tokens, "targets": mask_after_eod(tokens, targets, EOD),
+               "positions": document_positions(tokens, EOD), "segments": document_segments(tokens, EOD)}
 
 
 def optimizer_args() -> dict:
@@ -42,14 +58,14 @@ def initial_params(cfg=CFG) -> dict[str, torch.Tensor]:
     return {n: init_slice(s, n, seed=0) for n, s in build("deepseek_v3", cfg).specs.items()}
 
 
-def single_process(params: dict | None = None, compile=False, recorder=None, micro_steps: int = 1):
+def single_process(params: dict | None = None, compile=False, documents: bool = False):
     """(metrics per step, final params) of one process from `params` (default: seed 0)."""
     model = build("deepseek_v3", CFG)
     params = {n: p.clone().requires_grad_(model.specs[n].trainable)
               for n, p in (params if params is not None else initial_params()).items()}
-    step = make_train_step(model, compile=compile, inspect_grads=recorder, **optimizer_args())
+    step = make_train_step(model, compile=compile, **optimizer_args())
     state = TrainState.create(params)
-    metrics = [step(state, b) for b in batches(micro_steps)]
+    metrics = [step(state, b) for b in batches(documents=documents)]
     return metrics, {n: p.detach().clone() for n, p in params.items()}
 
 

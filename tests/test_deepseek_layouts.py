@@ -1,0 +1,120 @@
+"""DeepSeek-V3 on every layout equals one process (fp32, gloo CPU ranks): loss and
+gradient norm per step (rtol 1e-5, the clip below every norm) and the final parameters,
+the aux-free expert bias included (atol 1e-5), over 4 steps of 2 micro-steps (the
+pipelines 4) against one process taking each batch whole. One process itself equals
+transformers' DeepseekV3ForCausalLM trained the same way (tests/test_deepseek_v3.py), so
+each layout does too. Heads split over tp (MLA's latents and shared rotary key whole on
+every tp rank), cp with its three exchanges (values narrower than keys), ep folded from
+fsdp (x tp, x dp), a 2-stage pipeline with the dense block on one stage and the MoE
+block on the other, checkpointing, packed documents, and compiled steps (aot_eager,
+error_on_recompile, one loss graph and one update graph). The cases of a world size
+share one launch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from meshtrain import MeshSpec, Rules, TrainState, build, init_params, make_plan, make_train_step
+from meshtrain.models.spec import init_slice
+from meshtrain.pipeline.partition import partition
+from meshtrain.pipeline.schedule import build_pipeline_schedule
+from meshtrain.testing import run_ranks
+from meshtrain.train.pipeline_step import local_stage_layout, make_pipeline_step
+from support.deepseek import BATCH, CFG, CLIP, SEQ, batches, optimizer_args, single_process
+
+LOSS_RTOL, PARAM_ATOL = 1e-5, 1e-5
+# name: (mesh sizes, sp, cp_comm, pipeline schedule, compile, activation checkpointing, documents)
+CASES = {
+    2: {"fsdp2": ({"fsdp": 2}, False, "allgather", None, False, "none", False),
+        "tp2_sp": ({"tp": 2}, True, "allgather", None, False, "none", False),
+        "cp2_allgather": ({"cp": 2}, False, "allgather", None, False, "none", False),
+        "cp2_ring": ({"cp": 2}, False, "ring", None, False, "none", False),
+        "cp2_a2a": ({"cp": 2}, False, "a2a", None, False, "none", False),
+        "ep2": ({"fsdp": 2, "ep": 2}, False, "allgather", None, False, "none", False),
+        "pp2_1f1b": ({"pp": 2}, False, "allgather", "1f1b", False, "none", False),
+        "tp2_sp_selective": ({"tp": 2}, True, "allgather", None, False, "selective", False),
+        "ep2_full": ({"fsdp": 2, "ep": 2}, False, "allgather", None, False, "full", False),
+        "tp2_sp_documents": ({"tp": 2}, True, "allgather", None, False, "none", True),
+        "cp2_ring_documents": ({"cp": 2}, False, "ring", None, False, "none", True),
+        "fsdp2_compiled": ({"fsdp": 2}, False, "allgather", None, "aot_eager", "none", False),
+        "tp2_sp_compiled": ({"tp": 2}, True, "allgather", None, "aot_eager", "none", False),
+        "cp2_a2a_compiled": ({"cp": 2}, False, "a2a", None, "aot_eager", "none", False),
+        "ep2_compiled": ({"fsdp": 2, "ep": 2}, False, "allgather", None, "aot_eager", "selective", False)},
+    4: {"fsdp2_tp2_sp": ({"fsdp": 2, "tp": 2}, True, "allgather", None, False, "none", False),
+        "dp2_fsdp2": ({"dp": 2, "fsdp": 2}, False, "allgather", None, False, "none", False),
+        "ep2_tp2_sp": ({"fsdp": 2, "tp": 2, "ep": 2}, True, "allgather", None, False, "none", False),
+        "ep4_fsdp2_cp2": ({"fsdp": 2, "cp": 2, "ep": 4}, False, "ring", None, False, "none", False),
+        "pp2_fsdp2_ep2_zb": ({"pp": 2, "fsdp": 2, "ep": 2}, False, "allgather", "zb", False, "none", False),
+        "fsdp2_tp2_sp_compiled": ({"fsdp": 2, "tp": 2}, True, "allgather", None, "aot_eager", "none", False)},
+}
+COMPILED_GRAPHS = 2  # the loss (forward and backward) and the update
+
+
+def _full(p):
+    return p.full_tensor() if hasattr(p, "full_tensor") else p
+
+
+def _case(model, world, sizes, sp, cp_comm, schedule, compile, checkpointing, documents):
+    plan = make_plan(model.specs, Rules.default(sp=sp), MeshSpec(**sizes), world=world, cp_comm=cp_comm)
+    mesh = plan.mesh.build()
+    if schedule is None:
+        params = init_params(plan, mesh, seed=0)
+        step = make_train_step(model, plan, mesh, compile=compile, activation_checkpointing=checkpointing,
+                               **optimizer_args())
+        micro = 2
+    else:
+        micro = 4
+        stages = partition(model, sizes["pp"], seq_len=SEQ, micro_batch=BATCH // micro)
+        mine, sub_plan, sub_mesh = local_stage_layout(plan, mesh, stages)
+        params = init_params(sub_plan, sub_mesh, seed=0, names=mine) if sub_plan is not None else \
+            {n: init_slice(model.specs[n], n, seed=0).requires_grad_(model.specs[n].trainable) for n in mine}
+        step = make_pipeline_step(model, stages, build_pipeline_schedule(schedule, sizes["pp"], micro), plan, mesh,
+                                  **optimizer_args())
+    state = TrainState.create(params)
+    metrics = [step(state, b) for b in batches(micro, documents)]
+    return [(m["loss"], m["grad_norm"]) for m in metrics], {n: _full(p).detach() for n, p in params.items()}
+
+
+def _layouts():
+    torch.set_num_threads(1)
+    world, out = dist.get_world_size(), {}
+    model = build("deepseek_v3", CFG)
+    for name, case in CASES[world].items():
+        torch._dynamo.reset()
+        before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            run = _case(model, world, *case)
+        out[name] = run, torch._dynamo.utils.counters["stats"]["unique_graphs"] - before
+    return out
+
+
+@pytest.fixture(scope="module")
+def references():
+    out = {}
+    for documents in (False, True):
+        metrics, params = single_process(documents=documents)
+        assert all(m["grad_norm"] > 1.5 * CLIP for m in metrics)  # clipping engages on every step
+        out[documents] = [(m["loss"], m["grad_norm"]) for m in metrics], params
+    # The documents change the run: a layout that dropped them fails on its losses.
+    assert abs(out[True][0][0][0] - out[False][0][0][0]) > 100 * LOSS_RTOL
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4])
+def test_deepseek_layouts_match_single_process(references, world):
+    held = {}
+    for rank_out in run_ranks(_layouts, world):
+        for name, ((metrics, params), graphs) in rank_out.items():
+            ref_metrics, ref_params = references[CASES[world][name][-1]]
+            got, want = torch.tensor(metrics), torch.tensor(ref_metrics)
+            torch.testing.assert_close(got, want, rtol=LOSS_RTOL, atol=0, msg=lambda m: f"{name} loss, norm: {m}")
+            for n, p in params.items():
+                torch.testing.assert_close(p, ref_params[n], rtol=0, atol=PARAM_ATOL, msg=lambda m: f"{name} {n}: {m}")
+            held.setdefault(name, set()).update(params)
+            if CASES[world][name][4]:
+                assert graphs == COMPILED_GRAPHS, (name, graphs)
+    for name, names in held.items():  # every parameter is checked, the pipelines' on their stages
+        assert names == set(references[False][1]), name
