@@ -100,8 +100,9 @@ def test_no_advice_is_above_the_peak_of_the_layout_given(tmp_path, capsys, gpu):
                 for would in run.would_fit:  # planned again, it fits at the peak it was named with
                     again = dry_run(with_flags(path, would.flags), would.world, gpu)
                     assert again.fits and again.memory["peak"] == would.peak, (path.stem, world, would)
-    # The cases that test it: 70B, 405B and Mixtral on one node, DeepSeek on 8 nodes...
-    assert {("llama3-70b", 8), ("llama3-405b", 8), ("llama3-405b", 64), ("deepseek-v3-style", 64)} <= set(over)
+    # The cases that test it: 70B and 405B on one node, 405B on 8 nodes... (DeepSeek-V3's ep
+    # 32 folds from fsdp only at 1024 ranks and more, where it fits.)
+    assert {("llama3-70b", 8), ("llama3-405b", 8), ("llama3-405b", 64)} <= set(over)
 
 
 def test_nothing_fits_says_how_much_cp_would(tmp_path, capsys):

@@ -390,7 +390,7 @@ def test_flops_per_token_matches_the_architecture():
     assert 6 * matmul / 1e9 == pytest.approx(45.1, abs=0.1)  # 6 x 7.5B non-embedding parameters
 
 
-@pytest.mark.parametrize("name", ["tiny", "tiny-4proc", "tiny-pp2", "tiny-cp2", "tiny-moe", "mixtral-8x7b", "qwen3-moe-30b-a3b", "deepseek-v3-style", "llama3-1b", "llama3-8b", "llama3-70b", "llama3-405b"])
+@pytest.mark.parametrize("name", ["tiny", "tiny-4proc", "tiny-pp2", "tiny-cp2", "tiny-moe", "tiny-deepseek", "mixtral-8x7b", "qwen3-moe-30b-a3b", "deepseek-v3-671b", "llama3-1b", "llama3-8b", "llama3-70b", "llama3-405b"])
 def test_config_presets_validate(name):
     raw = yaml.safe_load((ROOT / "configs" / f"{name}.yaml").read_text())
     cfg = RunConfig.from_dict(raw).validate()

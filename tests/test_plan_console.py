@@ -33,7 +33,7 @@ def plan_text(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
 
 @pytest.mark.parametrize("config, world, extra, verdict", [
     ("llama3-405b", 16384, OVER, "does NOT fit on h100"),
-    ("deepseek-v3-style", 256, [], "fits on h100"),
+    ("deepseek-v3-671b", 1024, ["--parallel.pp", "16"], "fits on h100"),  # its own pp: one stage's rows
     ("llama3-70b", 512, ["--parallel.pp", "4", "--train.compile", "false"], "fits on h100"),
 ])
 def test_first_screen_at_80_columns(monkeypatch, capsys, config, world, extra, verdict):

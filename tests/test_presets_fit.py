@@ -26,7 +26,7 @@ def worlds(path) -> list[int]:
 
 
 def test_the_gpu_presets_are_the_seven_real_models():
-    assert [p.stem for p in GPU_PRESETS] == ["deepseek-v3-style", "llama3-1b", "llama3-405b", "llama3-70b",
+    assert [p.stem for p in GPU_PRESETS] == ["deepseek-v3-671b", "llama3-1b", "llama3-405b", "llama3-70b",
                                              "llama3-8b", "mixtral-8x7b", "qwen3-moe-30b-a3b"]
 
 
