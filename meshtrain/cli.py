@@ -39,10 +39,11 @@ def build_parser():
     from .config import RunConfig
 
     # A class_path in a config value must not import anything (a module's import runs its
-    # code): the only classes a config may name are model.moe's MoeConfig and model.mla's
-    # MlaConfig, which are ours, by the shortest import path that jsonargparse finds.
+    # code): the only classes a config may name are model.moe's, model.mla's and model.mtp's
+    # dataclasses, which are ours, by the shortest import path that jsonargparse finds.
     set_parsing_settings(docstring_parse_attribute_docstrings=True, import_path_denylist=["*"],
-                         import_path_allowlist=["meshtrain.models.moe.MoeConfig", "meshtrain.models.mla.MlaConfig"])
+                         import_path_allowlist=[f"meshtrain.models.{m}.{c}Config" for m, c in
+                                                (("moe", "Moe"), ("mla", "Mla"), ("mtp", "Mtp"))])
     parser = ArgumentParser(**_STRICT, prog="meshtrain", description="Megatron-class LLM pre-training in PyTorch.")
     fit = ArgumentParser(**_STRICT, description="Train a model. Values come from the defaults, then --config files, "
                                      "then dotted flags, in the order given.")

@@ -79,7 +79,7 @@ def moe(m, p, prefix: str, x: torch.Tensor, eps: float, ctx: ModelContext) -> to
 
 
 def rms_head(p: Mapping[str, torch.Tensor], x: torch.Tensor, eps: float, output: str,
-             ctx: ModelContext) -> torch.Tensor:
-    """Final RMSNorm and output projection `output`: logits of the residual stream x."""
-    x = ctx.constrain(rms_norm(x, p["norm"], eps), ("batch", "seq", None))
+             ctx: ModelContext, norm: str = "norm") -> torch.Tensor:
+    """Final RMSNorm `norm` and output projection `output`: logits of the residual stream x."""
+    x = ctx.constrain(rms_norm(x, p[norm], eps), ("batch", "seq", None))
     return ctx.constrain(ctx.linear(x, p, output), ("batch", "seq", "vocab"))

@@ -17,6 +17,7 @@ from ..errors import ConfigError, check_bool, check_choice, check_float, check_i
 if TYPE_CHECKING:
     from .mla import MlaConfig
     from .moe import MoeConfig
+    from .mtp import MtpConfig
 
 # Upper bounds of the model sizes: far above any real model (Llama 3 405B: dim 16384, 126
 # layers, ffn_dim 53248, 128 heads, vocabulary 128256), low enough that a typo fails here,
@@ -69,6 +70,8 @@ class ModelConfig:
     """Mixture-of-experts blocks (llama, deepseek_v3); null: every block is dense."""
     mla: MlaConfig | None = None
     """Multi-head latent attention's sizes (deepseek_v3, which needs it; null for the other families)."""
+    mtp: MtpConfig | None = None
+    """Multi-token prediction (deepseek_v3): {depth, loss_coef}; null: none."""
 
     def __post_init__(self):
         # model.moe as a mapping of its fields (the Python API, a config.json read by interop).
@@ -80,6 +83,10 @@ class ModelConfig:
             from .mla import MlaConfig
 
             self.mla = MlaConfig(**self.mla)
+        if isinstance(self.mtp, Mapping):
+            from .mtp import MtpConfig
+
+            self.mtp = MtpConfig(**self.mtp)
 
     def family_config(self):
         """The model family's own config (LlamaConfig, GPT2Config, ...)."""
@@ -108,14 +115,20 @@ class ModelConfig:
         FAMILIES[self.arch].check_fields(self)  # the keys only some families read (RoPE, GQA, q/k norms, ...)
         if self.moe is not None:
             self._check_moe()
-        if self.mla is not None:
-            from .mla import MlaConfig
-
-            if not isinstance(self.mla, MlaConfig):
-                raise ConfigError(f"model.mla={self.mla!r} must be a mapping of its fields, or null")
+        self._check_sections()
         # The family's own checks (head divisibility, even head dim, ...).
         self.family_config()
         return self
+
+    def _check_sections(self) -> None:
+        """model.mla and model.mtp: their dataclasses (which checked their fields when built)."""
+        from .mla import MlaConfig
+        from .mtp import MtpConfig
+
+        for key, kind in (("mla", MlaConfig), ("mtp", MtpConfig)):
+            value = getattr(self, key)
+            if value is not None and not isinstance(value, kind):
+                raise ConfigError(f"model.{key}={value!r} must be a mapping of its fields, or null")
 
     def _check_moe(self) -> None:
         """model.moe within the model: a MoeConfig (which checked its own fields when built)

@@ -34,7 +34,9 @@ class Family:
     some families read (RoPE, GQA, ...), with messages that name the key and the fix
     (ModelConfig.check, models/config.py, calls it; the config dataclass checks its own invariants too); `hf`
     is its Hugging Face format (models/hf.py), None for a family that trains, plans and
-    generates but does not export or import."""
+    generates but does not export or import; `mtp_logits(cfg, params, h, ahead, ctx,
+    docs)` the logits of its multi-token prediction depths (models/mtp.py), None for a
+    family without."""
 
     name: str
     config: type
@@ -46,6 +48,16 @@ class Family:
     presets: Mapping[str, Any]
     check_fields: Callable[[Any], None] = lambda m: None
     hf: HFFormat | None = None
+    mtp_logits: Callable | None = None
+
+    def moe_blocks(self, cfg) -> list[str]:
+        """The prefixes ("layers.3.") of the MoE blocks in the order a forward runs them:
+        the layers', then multi-token prediction's."""
+        blocks = [f"layers.{i}." for i in getattr(cfg, "moe_layers", ())]
+        mtp = getattr(cfg, "mtp", None)
+        if mtp is not None and getattr(cfg, "moe", None) is not None:
+            blocks += [f"mtp.{k}." for k in range(mtp.depth)]
+        return blocks
 
     def forward(self, cfg, params, tokens, ctx, docs=None):
         """Logits (batch, seq, vocab) for `tokens` (batch, seq); `docs` (a models.context

@@ -349,7 +349,7 @@ def _moe_metrics(state: TrainState, pipe: _Pipe, moe: MoeTerms, moe_layers, upda
     stats = torch.zeros(2)  # (worst imbalance, objective terms) of this rank's stages
     if moe.load:
         order = sorted(moe.load)
-        layers = [i for s in order for i in range(*pipe.stages[s].layers) if i in moe_layers]
+        layers = [f"layers.{i}." for s in order for i in range(*pipe.stages[s].layers) if i in moe_layers]
         load = torch.cat([full_value(moe.load[s]) for s in order])
         stats[0] = moe_step(state, pipe.model.cfg.moe, layers, load, updated).max()
     if moe.total is not None:

@@ -29,6 +29,7 @@ from .optim import (
     replica_count,
 )
 from .lr_schedule import LRSchedule
+from .mtp_terms import MtpTerms
 
 # Called with {name: gradient} for every trainable parameter: see make_update.
 InspectGrads = Callable[[dict[str, torch.Tensor]], None]
@@ -95,7 +96,9 @@ def make_train_step(model: ModelDef, plan=None, device_mesh=None, *, optimizer: 
 
     loss_sum = _loss_sum(model, ctx)
     moe_cfg = getattr(model.cfg, "moe", None)
-    moe = (moe_cfg, model.cfg.moe_layers) if moe_cfg is not None else None
+    moe = (moe_cfg, model.family.moe_blocks(model.cfg)) if moe_cfg is not None else None
+    mtp = getattr(model.cfg, "mtp", None)
+    depth = mtp.depth if mtp is not None else 0
 
     if compile:
         loss_sum = compiled(loss_sum, compile, traffic.prefetch if plan is not None else 0)
@@ -107,16 +110,18 @@ def make_train_step(model: ModelDef, plan=None, device_mesh=None, *, optimizer: 
         n_tokens = batch.get("num_targets") or count_targets(targets)
         docs = documents(batch)
         terms = MoeTerms.of(tokens)
+        ahead = MtpTerms(batch, depth, mtp.loss_coef, count_targets) if depth else None
         total = None
         for micro in range(len(tokens)):
             with scope():
-                lm, aux = loss_sum(state.params, tokens[micro], targets[micro], docs[micro])
+                lm, aux, sums = loss_sum(state.params, tokens[micro], targets[micro], docs[micro],
+                                         *((ahead.inputs[micro], ahead.targets[micro]) if ahead else ()))
                 loss = lm / n_tokens
-                extra = terms.add(aux)
+                extra = [e for e in (terms.add(aux), ahead.add(sums) if ahead else None) if e is not None]
             # The loss is this rank's partial sum: its gradient is the step's gradient of
             # the tokens this rank holds (no all-reduce before backward).
             hold(micro < len(tokens) - 1)
-            torch.autograd.backward([_local(loss)] + ([] if extra is None else [_local(extra)]))
+            torch.autograd.backward([_local(loss)] + [_local(e) for e in extra])
             total = _add(total, loss.detach())
         if compile and plan is not None:  # what the graphs left partial, reduced once
             ctx.reduce_held(state.params)
@@ -128,6 +133,8 @@ def make_train_step(model: ModelDef, plan=None, device_mesh=None, *, optimizer: 
             metrics["expert_imbalance"] = float(moe_step(state, *moe, full_value(terms.load[0]), updated).max())
         if terms.total is not None:
             metrics["aux_loss"] = float(full_value(terms.total))
+        if ahead is not None:
+            metrics["mtp_loss"] = ahead.mtp_loss(ctx.reduce_sum)
         return metrics
 
     return step
@@ -168,15 +175,15 @@ class MoeTerms:
         return extra
 
 
-def moe_step(state: TrainState, cfg, layers, load: torch.Tensor, updated: bool = True) -> torch.Tensor:
-    """After the update, for MoE blocks `layers` whose tokens per expert over the global
-    batch are `load` (layers x E, the same on every rank): the aux-free bias moves toward
-    balance (unless the step's update was skipped); returns each layer's load imbalance
-    (max / mean)."""
+def moe_step(state: TrainState, cfg, blocks, load: torch.Tensor, updated: bool = True) -> torch.Tensor:
+    """After the update, for MoE blocks named by their prefixes `blocks` ("layers.3.")
+    whose tokens per expert over the global batch are `load` (blocks x E, the same on
+    every rank): the aux-free bias moves toward balance (unless the step's update was
+    skipped); returns each block's load imbalance (max / mean)."""
     if cfg.balance == "aux_free" and updated:
         with torch.no_grad():
-            for j, i in enumerate(layers):
-                bias = local_tensor(state.params[f"layers.{i}.moe.expert_bias"])
+            for j, prefix in enumerate(blocks):
+                bias = local_tensor(state.params[f"{prefix}moe.expert_bias"])
                 bias.copy_(expert_bias_step(bias, load[j], cfg.bias_update_rate))
     return imbalance(load)
 
@@ -279,10 +286,19 @@ def _context(plan, device_mesh, policy: Policy, traffic: Traffic = Traffic()):
 
 def _loss_sum(model: ModelDef, ctx):
     """(summed token loss, partial over the token-splitting ranks; the MoE blocks' terms
-    or None)."""
+    or None; with multi-token prediction's inputs and targets per depth, each depth's
+    summed loss, else [])."""
 
-    def loss_sum(params, tokens, targets, docs=None):
-        return ctx.cross_entropy_sum(model.forward(params, tokens, ctx, docs), targets, reduce=False), ctx.moe_aux()
+    def loss_sum(params, tokens, targets, docs=None, ahead=None, wanted=None):
+        if ahead is None:
+            logits = model.forward(params, tokens, ctx, docs)
+            return ctx.cross_entropy_sum(logits, targets, reduce=False), ctx.moe_aux(), []
+        family, cfg = model.family, model.cfg
+        h = family.forward_stage(cfg, params, tokens, ctx, (0, cfg.n_layers), first=True, last=False, docs=docs)
+        lm = ctx.cross_entropy_sum(family.head(cfg, ctx.bind(params), h, ctx), targets, reduce=False)
+        sums = [ctx.cross_entropy_sum(logits, t, reduce=False)
+                for logits, t in zip(family.mtp_logits(cfg, params, h, ahead, ctx, docs), wanted)]
+        return lm, ctx.moe_aux(), sums
 
     return loss_sum
 

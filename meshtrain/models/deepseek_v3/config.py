@@ -9,6 +9,7 @@ from ...errors import ConfigError, check_float, check_int
 from ..layers import yarn_mscale
 from ..mla import MlaConfig
 from ..moe import MoeConfig
+from ..mtp import MtpConfig
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,7 @@ class DeepseekV3Config:
     init_std: float = 0.02
     moe: MoeConfig | None = None
     mla: MlaConfig = MlaConfig()
+    mtp: MtpConfig = MtpConfig()
 
     @property
     def head_dim(self) -> int:
@@ -55,7 +57,8 @@ DEEPSEEK_V3_671B = DeepseekV3Config(
     moe=MoeConfig(num_experts=256, top_k=8, expert_ffn_dim=2048, shared_experts=1, router="sigmoid",
                   balance="aux_free", aux_coef=0.0, layers="3:", norm_topk=True, route_scale=2.5, groups=8,
                   group_top_k=4),
-    mla=MlaConfig(q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128))
+    mla=MlaConfig(q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128),
+    mtp=MtpConfig(depth=1, loss_coef=0.3))
 
 PRESETS: dict[str, DeepseekV3Config] = {"tiny": DeepseekV3Config(), "deepseek-v3-671b": DEEPSEEK_V3_671B}
 
@@ -65,7 +68,7 @@ def from_fields(m) -> DeepseekV3Config:
     return DeepseekV3Config(dim=m.dim, n_layers=m.n_layers, n_heads=m.n_heads, ffn_dim=m.ffn_dim,
                             vocab_size=m.vocab_size, max_seq_len=m.max_seq_len, rope_theta=m.rope_theta,
                             rope_scaling=m.rope_scaling, norm_eps=m.norm_eps, tie_embeddings=m.tie_embeddings,
-                            moe=m.moe, mla=m.mla)
+                            moe=m.moe, mla=m.mla, mtp=m.mtp or MtpConfig())
 
 
 def check_fields(m) -> None:

@@ -21,19 +21,40 @@ from .config import DeepseekV3Config
 def param_specs(cfg: DeepseekV3Config) -> dict[str, ParamSpec]:
     d, std = cfg.dim, cfg.init_std
     out_std = std / math.sqrt(2 * cfg.n_layers)  # as llama's: residual variance independent of depth
-    specs = {"tok_emb": ParamSpec((cfg.vocab_size, d), ("vocab", "embed"), std=std, reused=cfg.tie_embeddings)}
+    # With multi-token prediction the modules read the embedding and the head again.
+    again = cfg.mtp.depth > 0
+    specs = {"tok_emb": ParamSpec((cfg.vocab_size, d), ("vocab", "embed"), std=std, reused=cfg.tie_embeddings or again)}
     for i in range(cfg.n_layers):
-        p = f"layers.{i}."
-        specs[p + "attn_norm"] = ParamSpec((d,), ("norm",), init="ones")
-        specs.update(mla_specs(cfg.mla, p + "attn.", d, cfg.n_heads, std, out_std))
-        specs[p + "mlp_norm"] = ParamSpec((d,), ("norm",), init="ones")
-        if i in cfg.moe_layers:
-            specs.update(moe_specs(cfg.moe, d, p + "moe.", std, out_std))
-        else:
-            specs.update(swiglu_specs(p + "mlp.", d, cfg.ffn_dim, std, out_std))
+        specs.update(_block_specs(cfg, f"layers.{i}.", i in cfg.moe_layers, std, out_std))
     specs["norm"] = ParamSpec((d,), ("norm",), init="ones")
+    for k in range(cfg.mtp.depth):
+        specs.update(_mtp_specs(cfg, f"mtp.{k}.", std, out_std))
     if not cfg.tie_embeddings:
-        specs["output"] = ParamSpec((cfg.vocab_size, d), ("vocab", "embed"), std=std)
+        specs["output"] = ParamSpec((cfg.vocab_size, d), ("vocab", "embed"), std=std, reused=again)
+    return specs
+
+
+def _block_specs(cfg: DeepseekV3Config, p: str, moe_block: bool, std: float, out_std: float) -> dict:
+    d = cfg.dim
+    specs = {p + "attn_norm": ParamSpec((d,), ("norm",), init="ones")}
+    specs.update(mla_specs(cfg.mla, p + "attn.", d, cfg.n_heads, std, out_std))
+    specs[p + "mlp_norm"] = ParamSpec((d,), ("norm",), init="ones")
+    if moe_block:
+        specs.update(moe_specs(cfg.moe, d, p + "moe.", std, out_std))
+    else:
+        specs.update(swiglu_specs(p + "mlp.", d, cfg.ffn_dim, std, out_std))
+    return specs
+
+
+def _mtp_specs(cfg: DeepseekV3Config, p: str, std: float, out_std: float) -> dict:
+    """A multi-token prediction module: norms of the token embedding and of the hidden
+    state, their projection back to dim, a block (MoE when the model has experts, as
+    DeepSeek-V3's), and its own final norm; embedding and head are the model's."""
+    d = cfg.dim
+    specs = {p + "enorm": ParamSpec((d,), ("norm",), init="ones"), p + "hnorm": ParamSpec((d,), ("norm",), init="ones"),
+             p + "eh_proj": ParamSpec((d, 2 * d), ("embed", None), std=std)}
+    specs.update(_block_specs(cfg, p, cfg.moe is not None, std, out_std))
+    specs[p + "norm"] = ParamSpec((d,), ("norm",), init="ones")
     return specs
 
 
@@ -48,7 +69,7 @@ def forward_stage(cfg: DeepseekV3Config, params: Mapping[str, torch.Tensor], x: 
     segments = None if docs is None or docs.segments is None else ctx.constrain(docs.segments, ("batch", "seq"))
     window = None if docs is None else docs.window
     for i in range(*layers):
-        x = ctx.remat(_block, cfg, p, i, x, cos, sin, ctx, segments, window)
+        x = ctx.remat(_block, cfg, p, f"layers.{i}.", i in cfg.moe_layers, x, cos, sin, ctx, segments, window)
     return head(cfg, p, x, ctx) if last else x
 
 
@@ -56,11 +77,31 @@ def head(cfg: DeepseekV3Config, p: Mapping[str, torch.Tensor], x: torch.Tensor, 
     return rms_head(p, x, cfg.norm_eps, "tok_emb" if cfg.tie_embeddings else "output", ctx)
 
 
-def _block(cfg, p, i, x, cos, sin, ctx, segments=None, window=None):
-    prefix = f"layers.{i}."
+def _block(cfg, p, prefix, moe_block, x, cos, sin, ctx, segments=None, window=None):
     h = ctx.constrain(rms_norm(x, p[prefix + "attn_norm"], cfg.norm_eps), ("batch", "seq", None))
     attn = mla(cfg.mla, p, prefix + "attn.", h, cos, sin, ctx, cfg.norm_eps, cfg.q_gain, segments, window)
     x = x + ctx.constrain(attn, ("batch", "seq_sp", None))
-    if i in cfg.moe_layers:
+    if moe_block:
         return x + moe(cfg.moe, p, prefix, x, cfg.norm_eps, ctx)
     return x + mlp(p, prefix, x, cfg.norm_eps, ctx)
+
+
+def mtp_logits(cfg: DeepseekV3Config, params: Mapping[str, torch.Tensor], h: torch.Tensor, ahead: list,
+               ctx: ModelContext, docs: Documents | None = None) -> list[torch.Tensor]:
+    """The logits of each multi-token prediction depth (models/mtp.py): h is the last
+    block's output (batch, seq, dim) before the final norm, ahead[k-1] the ids (batch,
+    seq) of the tokens k positions ahead."""
+    p = ctx.bind(params)
+    cos, sin = rope_tables(ctx, h, docs, cfg.mla.qk_rope_head_dim, cfg.rope_theta, cfg.rope_scaling)
+    segments = None if docs is None or docs.segments is None else ctx.constrain(docs.segments, ("batch", "seq"))
+    window = None if docs is None else docs.window
+    out = []
+    for k, ids in enumerate(ahead):
+        pre = f"mtp.{k}."
+        e = ctx.embedding(ctx.constrain(ids, ("batch", "seq")), p["tok_emb"])
+        e = rms_norm(ctx.constrain(e, ("batch", "seq_sp", None)), p[pre + "enorm"], cfg.norm_eps)
+        x = torch.cat([e, rms_norm(h, p[pre + "hnorm"], cfg.norm_eps)], -1)
+        h = ctx.constrain(ctx.linear(x, p, pre + "eh_proj"), ("batch", "seq_sp", None))
+        h = ctx.remat(_block, cfg, p, pre, cfg.moe is not None, h, cos, sin, ctx, segments, window)
+        out.append(rms_head(p, h, cfg.norm_eps, "tok_emb" if cfg.tie_embeddings else "output", ctx, norm=pre + "norm"))
+    return out

@@ -64,8 +64,9 @@ def check_fields(m) -> None:
     if m.rope_theta is not None:
         raise ConfigError(f"model.rope_theta={m.rope_theta}: model.arch=gpt2 uses learned absolute positions, not "
                           "RoPE; set model.rope_theta to null, e.g. --model.rope_theta null")
-    for key, value in (("qk_norm", m.qk_norm or None), ("head_dim", m.head_dim), ("moe", m.moe), ("mla", m.mla)):
+    for key, value in (("qk_norm", m.qk_norm or None), ("head_dim", m.head_dim), ("moe", m.moe), ("mla", m.mla),
+                       ("mtp", m.mtp)):
         if value is not None:
             raise ConfigError(f"model.{key}={value!r} is not read by model.arch={m.arch!r}: set model.arch llama or "
                               f"deepseek_v3, or model.{key} {'false' if key == 'qk_norm' else 'null'} (gpt2 has "
-                              "none of model.qk_norm, model.head_dim, model.moe, model.mla)")
+                              "none of model.qk_norm, model.head_dim, model.moe, model.mla, model.mtp)")

@@ -99,9 +99,10 @@ def check_fields(m) -> None:
                               "between them are interpolated; Llama 3.1: 1 and 4)")
         check_int(s["original_max_position_embeddings"], "model.rope_scaling.original_max_position_embeddings",
                   minimum=1)
-    if m.mla is not None:
-        raise ConfigError(f"model.mla={m.mla!r} is multi-head latent attention, which model.arch=llama does not "
-                          "have: set model.arch deepseek_v3, or model.mla null")
+    for key, what in (("mla", "multi-head latent attention"), ("mtp", "multi-token prediction")):
+        if getattr(m, key) is not None:
+            raise ConfigError(f"model.{key}={getattr(m, key)!r} is {what}, which model.arch=llama does not have: set "
+                              f"model.arch deepseek_v3, or model.{key} null")
     if m.ffn_dim is None:
         raise ConfigError("model.ffn_dim is null, but llama needs an explicit MLP size: set model.ffn_dim "
                           "(e.g. about 8/3 * dim rounded to a multiple of 16)")
