@@ -206,9 +206,16 @@ def test_the_python_api_fills_the_same_way(hf_dirs, tmp_path):
     assert everything.model.max_seq_len == 64 and everything.model.init_from == str(hf_dir)
     assert dataclasses.replace(everything, model=cfg.model) == dataclasses.replace(cfg, model=cfg.model)
     assert fill_from_init(RunConfig()) == RunConfig()  # no init_from: nothing to read
+    # Training-only keys are the run's, given or not; the architecture is config.json's.
+    mixtral = RunConfig.from_dict({"model": {"init_from": str(hf_dirs["mixtral"][0]),
+                                             "moe": {"top_k": 1, "aux_coef": 0.3}}})
+    assert (fill_from_init(mixtral).model.moe.top_k, fill_from_init(mixtral).model.moe.aux_coef) == (2, 0.3)
     with pytest.raises(ConfigError, match="model.n_heads=8 given"):
         fill_from_init(RunConfig.from_dict({"model": {"init_from": str(hf_dir), "n_heads": 8}}),
                        {"model.init_from", "model.n_heads"})
+    with pytest.raises(ConfigError, match="model.moe.top_k=2 given, but .* says model.moe null"):  # gives model.moe
+        fill_from_init(RunConfig.from_dict({"model": {"init_from": str(hf_dir), "moe": {"top_k": 2}}}),
+                       {"model.moe.top_k"})
 
 
 def test_training_only_keys_are_one_named_list():

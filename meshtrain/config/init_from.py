@@ -75,7 +75,8 @@ def fill_from_init(cfg: RunConfig, given: Iterable[str] = ()) -> RunConfig:
     if not isinstance(path, str) or not path or not (Path(path) / "config.json").is_file():
         return cfg
     path = Path(path)
-    given = {k for k in given if k.startswith("model.")}
+    # A key given gives its sections too: model.moe.top_k gives model.moe.
+    given = {".".join(k.split(".")[:i]) for k in given if k.startswith("model.") for i in range(2, k.count(".") + 2)}
     # The model config.json describes: the importer's fields, the defaults standing for
     # what it leaves out (a dense model's moe null, a llama's qk_norm false).
     theirs = ModelConfig(**read_hf_config(path))
@@ -90,21 +91,20 @@ def _is_section(value: Any) -> bool:
 
 
 def _filled(mine: Any, theirs: Any, given: set[str], prefix: str) -> dict:
-    """The fields of section `theirs` (config.json's, a dataclass) with those `given` taken
-    from `mine` (the run's, the same dataclass or None), recursing into sections both give."""
+    """The fields of section `theirs` (config.json's, a dataclass) with those `given` and
+    the TRAINING_ONLY ones taken from `mine` (the run's, the same dataclass or None: then
+    the section's defaults), recursing into the sections config.json has."""
     out = {}
     for f in dataclasses.fields(theirs):
         name, b = prefix + f.name, getattr(theirs, f.name)
         a = getattr(mine, f.name) if mine is not None else None
         if name in TRAINING_ONLY:
             if mine is not None:
-                out[f.name] = a  # else the section's own default
-        elif name in given and _is_section(a) and _is_section(b):
-            out[f.name] = type(b)(**_filled(a, b, given, name + "."))
-        elif name in given:
+                out[f.name] = a
+        elif name in given and not (_is_section(a) and _is_section(b)):
             out[f.name] = a
-        elif _is_section(b):
-            out[f.name] = type(b)(**_filled(None, b, given, name + "."))
+        elif _is_section(b):  # given by some of its keys, or not given
+            out[f.name] = type(b)(**_filled(a if _is_section(a) else None, b, given, name + "."))
         else:
             out[f.name] = b
     return out
