@@ -118,13 +118,32 @@ def build_parser():
     return parser
 
 
-def _run_config(namespace):
+def _run_config(namespace, given=None):
+    """The RunConfig of a parsed fit or plan command. With model.init_from, the model.*
+    keys the command does not give come from its config.json (config/init_from.py);
+    `given()` lists those it gives."""
     from .config import RunConfig
 
     values = namespace.as_dict()
     for key in ("config", "__path__", "__default_config__"):
         values.pop(key, None)
-    return RunConfig.from_dict(values)
+    cfg = RunConfig.from_dict(values)
+    if cfg.model.init_from and given is not None:
+        from .config.init_from import fill_from_init
+
+        cfg = fill_from_init(cfg, given())
+    return cfg
+
+
+def _given(parser, argv: list[str], command: str):
+    """A function listing the dotted keys the --config files and flags of `argv` give:
+    jsonargparse parses them again without defaults, which keeps exactly what a file or a
+    flag set (ActionConfigFile, several files, dotted flags, `model.moe: null`)."""
+    def given() -> set[str]:
+        from .config.init_from import given_keys
+
+        return given_keys(getattr(parser.parse_args(_quote_slices(argv), defaults=False), command).as_dict())
+    return given
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -155,9 +174,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "fit":
             from .run.fit import fit
 
-            fit(_run_config(args.fit))
+            fit(_run_config(args.fit, _given(parser, argv, "fit")))
         elif args.command == "plan":
-            _plan(args.plan)
+            _plan(args.plan, _given(parser, argv, "plan"))
         elif args.command == "preprocess":
             _preprocess(args.preprocess)
         elif args.command == "export":
@@ -254,7 +273,7 @@ def _quote_slices(argv: list[str]) -> list[str]:
     return out
 
 
-def _plan(a) -> None:
+def _plan(a, given=None) -> None:
     import json
     import os
     import time
@@ -268,7 +287,7 @@ def _plan(a) -> None:
     for key in ("world", "gpu", "json"):
         delattr(values, key)
     world = a.world if a.world is not None else _preset_world(a.config or [])
-    run = dry_run(_run_config(values).validate(), world, a.gpu)
+    run = dry_run(_run_config(values, given).validate(), world, a.gpu)
     console = Console(highlight=False)
     if not console.is_terminal and "COLUMNS" not in os.environ:  # files and pipes: long lines stay whole
         console = Console(highlight=False, width=160)

@@ -163,9 +163,8 @@ def test_an_init_from_of_another_model_names_the_key_the_difference_and_the_fix(
     line = _error(capsys, "fit", "--config", str(TINY), "--model.init_from", str(hf),
                   "--run_dir", str(tmp_path / "run"))
     ffn, theirs = cfg.model.ffn_dim, cfg.model.ffn_dim * 2
-    assert line == (f"meshtrain: config error: model.init_from={str(hf)!r} holds a model with model.ffn_dim={theirs} "
-                    f"(its config.json), but this run has model.ffn_dim={ffn}: set model.ffn_dim {theirs} to start "
-                    f"from these weights, or give model.init_from the weights of a model with model.ffn_dim={ffn}")
+    assert line == (f"meshtrain: config error: model.ffn_dim={ffn} given, but {hf / 'config.json'} says {theirs}: drop "
+                    "the key to take the checkpoint's value, or point model.init_from at a matching checkpoint")
     assert not (tmp_path / "run").exists()
 
 

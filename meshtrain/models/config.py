@@ -59,7 +59,7 @@ class ModelConfig:
     tie_embeddings: bool = False
     """Share the token embedding table with the output projection."""
     init_from: str | None = None
-    """Start from Hugging Face weights: a directory with config.json and *.safetensors (Llama or GPT-2). Its architecture must match the model.* keys; each rank reads only the slices of its own shards. Ignored when resuming from a checkpoint. null: random initialisation from seed."""
+    """Start from Hugging Face weights: a directory with config.json and *.safetensors (Llama, Qwen3, Mixtral, Qwen3-MoE or GPT-2); each rank reads only the slices of its own shards. Every model.* key not given (YAML or flag) is read from its config.json, model.arch and model.moe's included; the training-only ones (model.moe.aux_coef, z_loss_coef, capacity_factor, bias_update_rate) keep their defaults. A given key that config.json contradicts is an error naming both values. The weights are ignored when resuming from a checkpoint. null: random initialisation from seed."""
     rope_scaling: dict | None = None
     """Llama 3.1-style RoPE rescaling for long context (llama only): {factor, low_freq_factor, high_freq_factor, original_max_position_embeddings} with factor >= 1, low_freq_factor < high_freq_factor and an integer original_max_position_embeddings; null: none."""
     qk_norm: bool = False
