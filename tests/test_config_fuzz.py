@@ -34,7 +34,9 @@ import meshtrain.run.fit as fit_module
 from meshtrain import cli
 from meshtrain.config import RunConfig, schema
 from meshtrain.errors import ConfigError
+from meshtrain.models.mla import MlaConfig
 from meshtrain.models.moe import MoeConfig
+from meshtrain.models.mtp import MtpConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 BASES = ("tiny", "tiny-4proc", "tiny-moe", "tiny-pp2", "tiny-cp2")
@@ -89,17 +91,19 @@ def _case(category, base, key, text, *more_flags, via_yaml=False, values=None) -
 # --- the fields ----------------------------------------------------------------------------
 
 def schema_fields() -> list[tuple[str, str]]:
-    """(dotted key, annotation) of every leaf field: the top level, each section, model.moe."""
+    """(dotted key, annotation) of every leaf field: the top level, each section, model.moe,
+    model.mla, model.mtp."""
     out = [(f.name, f.type) for f in dataclasses.fields(RunConfig) if f.name not in schema.SECTIONS]
     for section, cls in schema.SECTIONS.items():
         out += [(f"{section}.{f.name}", f.type) for f in dataclasses.fields(cls)]
-    out += [(f"model.moe.{f.name}", f.type) for f in dataclasses.fields(MoeConfig)]
+    for name, cls in (("moe", MoeConfig), ("mla", MlaConfig), ("mtp", MtpConfig)):
+        out += [(f"model.{name}.{f.name}", f.type) for f in dataclasses.fields(cls)]
     return out
 
 
 INT_MIN = {"seed": 0, "model.head_dim": 2, "train.warmup_steps": 0, "train.eval_every": 0, "train.max_skipped": 0,
            "train.stop_at": 0, "checkpoint.every": 0, "model.moe.shared_experts": 0, "parallel.prefetch": 0,
-           "data.mean_doc_len": 0}
+           "data.mean_doc_len": 0, "model.mla.qk_rope_head_dim": 2, "model.mtp.depth": 0}
 FILL_AXES = ("parallel.dp", "parallel.fsdp", "parallel.tp")  # may be -1
 HUGE_IS_VALID = {"seed", "train.steps", "train.global_batch", "train.log_every", "train.eval_every",
                  "train.eval_batches", "train.max_skipped", "train.stop_at", "checkpoint.every", "checkpoint.keep_last"}
@@ -111,18 +115,22 @@ FLOAT_BAD = {
     "train.grad_clip": ["-1"], "train.spike_factor": ["-1", "0.5", "1"], "data.valid_fraction": ["-0.1", "1", "1.5"],
     "model.moe.aux_coef": ["-0.01"], "model.moe.z_loss_coef": ["-1"], "model.moe.capacity_factor": ["0", "-1.25"],
     "model.moe.route_scale": ["0", "-2.5"], "model.moe.bias_update_rate": ["-0.001"],
+    "model.mtp.loss_coef": ["-0.3"],
 }
 CHOICES = {"model.arch": "llama", "parallel.cp_comm": "ring", "parallel.pp_schedule": "1f1b",
            "train.lr_schedule": "cosine", "train.precision": "bf16", "train.fp8_recipe": "rowwise",
            "train.activation_checkpointing": "full", "train.nonfinite": "skip", "model.moe.router": "sigmoid",
            "model.moe.balance": "aux_free", "parallel.fsdp_accumulate": "unsharded"}
 # Fields with hand-written cases below (structured or free-form values).
-SPECIAL = {"run_dir", "model.init_from", "model.rope_scaling", "model.moe", "model.moe.layers", "parallel.pp_layout",
+SPECIAL = {"run_dir", "model.init_from", "model.rope_scaling", "model.moe", "model.moe.layers", "model.mla", "model.mtp",
+           "parallel.pp_layout",
            "parallel.bucket",
            "data.paths", "data.tokenizer", "checkpoint.resume"}
 
 
 def _bases_for(key: str) -> tuple[str, ...]:
+    if key.startswith(("model.mla.", "model.mtp.")):
+        return ("tiny-deepseek",)
     return ("tiny-moe",) if key.startswith("model.moe.") else BASES
 
 
@@ -225,10 +233,13 @@ def special_cases() -> list[Case]:
     for text in ["'9:'", "[99]", "[1, 1]", "[true]", "'x:'", "[]"]:
         c.append(_case("shape", "tiny-moe", "model.moe.layers", text, via_yaml=True,
                        values=_shown(text, str(yaml.safe_load(text)).strip("'"))))
-    # model.moe as a whole
+    # model.moe, model.mla and model.mtp as a whole
     for base, text, via_yaml in [("tiny", "5", False), ("tiny-moe", "[8, 2]", False), ("tiny-moe", "5", True),
                                  ("tiny", "[1]", True), ("tiny-moe", "abc", True)]:
         c.append(_case("shape", base, "model.moe", text, via_yaml=via_yaml))
+    for key, text, via_yaml in [("model.mla", "5", False), ("model.mla", "[1]", True), ("model.mtp", "abc", True),
+                                ("model.mtp", "[1, 0.3]", False)]:
+        c.append(_case("shape", "tiny-deepseek", key, text, via_yaml=via_yaml))
     # data.paths (Any), data.tokenizer, checkpoint.resume, model.init_from (free strings)
     for base, text, shown in [("tiny", "{a: 1}", None), ("tiny-4proc", "5", None), ("tiny", "[]", None),
                               ("tiny-pp2", "[[0.5]]", "[0.5]"), ("tiny-cp2", "[[-1, builtin]]", "is -1"),

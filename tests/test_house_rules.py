@@ -46,6 +46,8 @@ FUNCTION_LOCAL_IMPORTS: dict[tuple[str, str], str] = {
         ("meshtrain.models.config", "meshtrain.models.FAMILIES"),
         ("meshtrain.models.config", "meshtrain.models.get_family"),
         ("meshtrain.models.config", "meshtrain.models.moe.MoeConfig"),
+        ("meshtrain.models.config", "meshtrain.models.mla.MlaConfig"),
+        ("meshtrain.models.config", "meshtrain.models.mtp.MtpConfig"),
         ("meshtrain.train.config", "meshtrain.models.fp8.RECIPES"),
         ("meshtrain.train.config", "meshtrain.models.policy.CHECKPOINTING"),
         ("meshtrain.train.config", "meshtrain.models.policy.PRECISIONS"),

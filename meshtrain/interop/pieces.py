@@ -12,7 +12,9 @@ import torch
 from ..errors import ConfigError
 from ..models import FAMILIES
 from ..models.hf import HFFormat
+from ..models.mla import MlaConfig
 from ..models.moe import MoeConfig
+from ..models.mtp import MtpConfig
 
 GiB = 1 << 30
 
@@ -64,9 +66,11 @@ def _family_cfg(arch: str, family_cfg):
         raise ConfigError(f"model.arch={arch!r} but the model config is a {type(family_cfg).__name__}: pass the "
                           f"{family.config.__name__} of the {arch} model")
     if isinstance(family_cfg, Mapping):
-        moe = family_cfg.get("moe")
-        fields = _ModelFields({"qk_norm": False, "head_dim": None, **family_cfg,
-                               "moe": MoeConfig(**moe) if isinstance(moe, Mapping) else moe})
+        sections = {key: cls(**family_cfg[key]) for key, cls in (("moe", MoeConfig), ("mla", MlaConfig),
+                                                                  ("mtp", MtpConfig))
+                    if isinstance(family_cfg.get(key), Mapping)}
+        fields = _ModelFields({"qk_norm": False, "head_dim": None, "moe": None, "mla": None, "mtp": None, **family_cfg,
+                               **sections})
     elif hasattr(family_cfg, "arch") and hasattr(family_cfg, "dim"):  # a model.* section
         fields = family_cfg
     else:
