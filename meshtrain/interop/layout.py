@@ -22,7 +22,7 @@ def hf_layout(arch: str, family_cfg, experts: str = "hub") -> list[HFTensor]:
     out = fmt.tensors(cfg, specs, experts)
     if not cfg.tie_embeddings:  # the causal-LM head, as every transformers *ForCausalLM names it
         out.append(same(specs, "lm_head.weight", "output"))
-    covered = collections.Counter((piece.ours, piece.lead) for t in out for piece in t.pieces)
+    covered = collections.Counter((piece.ours, piece.lead) for t in out if not t.copy for piece in t.pieces)
     split = {name for name, lead in covered if lead}  # one tensor per expert: ours[j] for every j
     absent = set(fmt.absent(specs))
     expected = collections.Counter((name, lead) for name in specs if name not in absent

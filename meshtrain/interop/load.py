@@ -40,7 +40,10 @@ def load_hf_params(hf_dir: str | os.PathLike, arch: str, family_cfg, plan=None, 
     and transposed Conv1D weights, the matching rows and columns of the file's tensor;
     for stacked expert weights, only the tensors of the rank's experts). `names`: load
     only these parameters (a pipeline stage's), still checking that the file has all of
-    them. Parameters no HF file holds (the aux-free expert_bias) come back as zeros.
+    them. Parameters no HF file holds (the aux-free expert_bias) come back as zeros. A
+    group the format lets start from the seed (its `seeded`: DeepSeek-V3's MTP modules)
+    whose tensors the files hold none of is left out of the result: the caller starts
+    those parameters from the seed (run/build.py says so in one line).
     """
     cfg = _family_cfg(arch, family_cfg)
     hf_dir = Path(hf_dir)
@@ -48,9 +51,10 @@ def load_hf_params(hf_dir: str | os.PathLike, arch: str, family_cfg, plan=None, 
         check_same_model(hf_dir, arch, cfg)
     with _WeightFiles(hf_dir) as files:
         layout = _pick_layout(files, arch, cfg)
+        layout, unseen = _without_seeded(files, layout, hf_format(arch).seeded(cfg))
         where = files.match(layout, arch, cfg.tie_embeddings)
         specs = _specs(arch, cfg)
-        wanted = set(specs if names is None else names)
+        wanted = set(specs if names is None else names) - unseen
         pieces = _pieces_of(layout)
         if plan is None:
             return {name: _read_param(files, where, pieces.get(name, ()), tuple(slice(0, n) for n in spec.shape))
@@ -70,11 +74,22 @@ def _pick_layout(files: "_WeightFiles", arch: str, cfg) -> list[HFTensor]:
     return hf_layout(arch, cfg, experts="fused") if fused else layout
 
 
+def _without_seeded(files: "_WeightFiles", layout: list[HFTensor], prefixes) -> tuple[list[HFTensor], set[str]]:
+    """The layout less the tensors of each group of `prefixes` that the files hold none
+    of, and our parameters of those groups (left for the caller to start from the seed)."""
+    unseen: set[str] = set()
+    for prefix in prefixes:
+        group = [t for t in layout if any(p.ours.startswith(prefix) for p in t.pieces) and not t.copy]
+        if group and not any(t.name in files.names or t.name.removeprefix("model.") in files.names for t in group):
+            unseen |= {p.ours for t in group for p in t.pieces}
+    return [t for t in layout if not any(p.ours in unseen for p in t.pieces) or t.copy], unseen
+
+
 def _pieces_of(layout: list[HFTensor]) -> dict[str, list[tuple[str, Piece]]]:
-    """Our parameter -> the (HF tensor, piece) pairs holding it."""
+    """Our parameter -> the (HF tensor, piece) pairs holding it (copies left out)."""
     out: dict[str, list[tuple[str, Piece]]] = {}
     for t in layout:
-        for piece in t.pieces:
+        for piece in () if t.copy else t.pieces:
             out.setdefault(piece.ours, []).append((t.name, piece))
     return out
 
@@ -204,9 +219,13 @@ class _WeightFiles:
         """Expected name -> (file, name in the file), shapes and dtypes checked, nothing left over."""
         prefix = hf_format(arch).base_prefix
         where: dict[str, tuple[Path, str]] = {}
+        copies = set()
         for t in layout:
             candidates = [t.name] + ([t.name[len(prefix):]] if t.name.startswith(prefix) else [])
             found = next((c for c in candidates if c in self.names), None)
+            if t.copy:  # read from the first copy; this one may be there or not
+                copies |= {found} - {None}
+                continue
             if found is None:
                 raise ConfigError(f"{self.dir}: tensor {t.name} (shape {t.shape}) is missing from "
                                   f"{self._file_list()}: the weights do not match config.json / the model config")
@@ -220,7 +239,7 @@ class _WeightFiles:
                 raise ConfigError(f"{self.dir}: tensor {found} in {path.name} has dtype {st_dtype}: only float "
                                   f"weights ({', '.join(sorted(_ST_READ_DTYPES))}) can be imported")
             where[t.name] = (path, found)
-        used = {name for _, name in where.values()}
+        used = {name for _, name in where.values()} | copies
         left = sorted(n for n in self.names if n not in used and not _IGNORABLE.search(n)
                       and not (tied and n == "lm_head.weight"))
         if left:

@@ -48,9 +48,13 @@ class Piece:
 
 @dataclass(frozen=True)
 class HFTensor:
+    """`copy`: a second copy of a parameter another tensor holds (DeepSeek-V3's MTP layers
+    repeat the embedding and the head): export writes it, import reads the first."""
+
     name: str
     shape: tuple[int, ...]
     pieces: tuple[Piece, ...]
+    copy: bool = False
 
     @property
     def plain(self) -> bool:
@@ -111,7 +115,9 @@ class HFFormat:
       family compares itself, popping those keys (and keys that do not matter) from the
       two field dicts; `free` names the keys that may differ (not weight shapes).
     fused_probe(cfg): the name of a tensor whose presence means the fused expert layout,
-      or None."""
+      or None.
+    seeded(cfg): prefixes of our parameters that start from the seed when the files hold
+      none of their tensors (DeepSeek-V3's MTP modules, which some conversions drop)."""
 
     architecture: str
     base_prefix: str
@@ -124,12 +130,13 @@ class HFFormat:
     compare: Callable[[dict, dict, Any], list] = lambda theirs, ours, cfg: []
     free: frozenset = frozenset()
     fused_probe: Callable[[Any], str | None] = lambda cfg: None
+    seeded: Callable[[Any], tuple[str, ...]] = lambda cfg: ()
 
 
-def same(specs: Mapping, hf: str, ours: str) -> HFTensor:
-    """The HF tensor `hf` is our parameter `ours` as it is."""
+def same(specs: Mapping, hf: str, ours: str, copy: bool = False) -> HFTensor:
+    """The HF tensor `hf` is our parameter `ours` as it is (`copy`: see HFTensor)."""
     shape = specs[ours].shape
-    return HFTensor(hf, shape, (Piece(ours, shape, tuple(range(len(shape))), (0,) * len(shape)),))
+    return HFTensor(hf, shape, (Piece(ours, shape, tuple(range(len(shape))), (0,) * len(shape)),), copy)
 
 
 def transposed(specs: Mapping, hf: str, ours: str) -> HFTensor:

@@ -61,10 +61,12 @@ def dense_blocks(moe: Mapping, n_layers: int) -> list[int]:
     return [i for i in range(n_layers) if i not in layers]
 
 
-def expert_tensors(cfg, i: int, specs: Mapping, experts: str = "hub", mixtral: bool = False) -> list[HFTensor]:
+def expert_tensors(cfg, i: int, specs: Mapping, experts: str = "hub", mixtral: bool = False,
+                   prefix: tuple[str, str] | None = None) -> list[HFTensor]:
     """The HF tensors of MoE block i's router and routed experts: per expert ("hub") or
-    fused ("fused"); named as Qwen3-MoE and DeepSeek-V3 name them, or as Mixtral."""
-    p, h = f"layers.{i}.moe.", f"model.layers.{i}."
+    fused ("fused"); named as Qwen3-MoE and DeepSeek-V3 name them, or as Mixtral.
+    `prefix`: (our parameters', the HF names') prefixes when not block i's."""
+    p, h = prefix or (f"layers.{i}.moe.", f"model.layers.{i}.")
     e, f = cfg.moe.num_experts, cfg.moe.expert_ffn_dim
 
     def whole(ours: str, offset=None) -> Piece:

@@ -29,6 +29,7 @@ class Built:
     step_fn: Callable  # (TrainState, batch) -> metrics
     eval_fn: Callable  # (params, batch) -> mean loss per token
     rows: RowSlice  # which rows and columns of each micro-batch this rank reads
+    notes: list[str]  # what the start did that the run's opening lines should say
 
 
 def build_run(cfg: RunConfig, model, plan, world: int, device: torch.device, accumulation: int, micro_rows: int,
@@ -39,22 +40,41 @@ def build_run(cfg: RunConfig, model, plan, world: int, device: torch.device, acc
     if plan.mesh.pp > 1:
         return _pipelined(cfg, model, plan, device, accumulation, micro_rows, init_from)
     options = dict(precision=t.precision, compile=t.compile, fp8_recipe=t.fp8_recipe)
+    notes: list[str] = []
     if world == 1:
         if init_from:
-            params = load_hf_params(init_from, cfg.model.arch, cfg.family_config(), device=device)
+            params = _start_from(init_from, cfg, model, notes, device=device)
             params = {n: x.requires_grad_(model.specs[n].trainable) for n, x in params.items()}
         else:
             params = {n: init_slice(s, n, cfg.seed, device=device).requires_grad_(s.trainable)
                       for n, s in model.specs.items()}
         return Built(None, params, make_train_step(model, **step_options(cfg)), make_eval_step(model, **options),
-                     RowSlice(plan, None, micro_rows, t.seq_len))
+                     RowSlice(plan, None, micro_rows, t.seq_len, _mtp_depth(cfg)), notes)
     mesh = plan.mesh.build(device.type)
     if init_from:
-        params = load_hf_params(init_from, cfg.model.arch, cfg.family_config(), plan, mesh, device)
+        params = _start_from(init_from, cfg, model, notes, plan, mesh, device)
     else:
         params = init_params(plan, mesh, cfg.seed, device=device)
     return Built(mesh, params, make_train_step(model, plan, mesh, **step_options(cfg), traffic=cfg.parallel.traffic()),
-                 make_eval_step(model, plan, mesh, **options), RowSlice(plan, mesh, micro_rows, t.seq_len))
+                 make_eval_step(model, plan, mesh, **options), RowSlice(plan, mesh, micro_rows, t.seq_len, _mtp_depth(cfg)), notes)
+
+
+def _start_from(init_from: str, cfg: RunConfig, model, notes: list[str], plan=None, mesh=None, device=None,
+                names=None) -> dict:
+    """The parameters read from a Hugging Face directory; those of a group its files hold
+    no tensor of (interop's `seeded`: DeepSeek-V3's MTP modules) from cfg.seed, said in
+    `notes`."""
+    params = load_hf_params(init_from, cfg.model.arch, cfg.family_config(), plan, mesh, device, names=names)
+    missing = [n for n in (model.specs if names is None else names) if n not in params]
+    if missing:
+        if plan is None:
+            params.update({n: init_slice(model.specs[n], n, cfg.seed, device=device) for n in missing})
+        else:
+            params.update(init_params(plan, mesh, cfg.seed, device=device, names=missing))
+        groups = sorted({".".join(n.split(".")[:2]) for n in missing})
+        notes.append(f"model.init_from={init_from}: its files hold no weights for {', '.join(groups)} (which "
+                     f"config.json announces): these {len(missing)} parameters start from seed {cfg.seed}")
+    return params
 
 
 def _pipelined(cfg: RunConfig, model, plan, device, accumulation: int, micro_rows: int, init_from) -> Built:
@@ -64,9 +84,9 @@ def _pipelined(cfg: RunConfig, model, plan, device, accumulation: int, micro_row
     mesh = plan.mesh.build(device.type)
     stages = partition(model, plan.mesh.pp, p.pp_virtual, p.pp_layout, seq_len=t.seq_len, micro_batch=t.micro_batch)
     names, sub_plan, sub_mesh = pipeline_step.local_stage_layout(plan, mesh, stages)
+    notes: list[str] = []
     if init_from:
-        params = load_hf_params(init_from, cfg.model.arch, cfg.family_config(), sub_plan, sub_mesh, device,
-                                names=names)
+        params = _start_from(init_from, cfg, model, notes, sub_plan, sub_mesh, device, names)
     elif sub_plan is not None:
         params = init_params(sub_plan, sub_mesh, cfg.seed, device=device, names=names)
     else:
@@ -82,7 +102,11 @@ def _pipelined(cfg: RunConfig, model, plan, device, accumulation: int, micro_row
                                                compile=t.compile, traffic=cfg.parallel.traffic())
     eval_fn = pipeline_step.make_pipeline_eval(model, stages, plan.mesh.pp, accumulation, plan, mesh,
                                                precision=t.precision, fp8_recipe=t.fp8_recipe)
-    return Built(mesh, params, step_fn, eval_fn, RowSlice(sub_plan, sub_mesh, micro_rows, t.seq_len))
+    return Built(mesh, params, step_fn, eval_fn, RowSlice(sub_plan, sub_mesh, micro_rows, t.seq_len, _mtp_depth(cfg)), notes)
+
+
+def _mtp_depth(cfg: RunConfig) -> int:
+    return cfg.model.mtp.depth if cfg.model.mtp is not None else 0
 
 
 def step_options(cfg: RunConfig) -> dict:

@@ -169,6 +169,7 @@ class _Run:
         init_from = cfg.model.init_from if self.resume is None else None  # a checkpoint wins
         built = build_run(cfg, model, plan, ranks.world, device, self.accumulation, self.micro_rows, init_from)
         self.mesh, self.step_fn, self.eval_fn, self.rows = built.mesh, built.step_fn, built.eval_fn, built.rows
+        self.start_notes = built.notes
         self.state = TrainState.create(built.params)
         self.consumed = 0  # global training samples consumed: the data position
         self.flops = None  # per token, for the MFU: counted at the first record
@@ -230,7 +231,7 @@ class _Run:
         rep.print(banner(cfg, self.plan, self.model.specs, self.data, self.ranks.world, self.device,
                          self.accumulation, self.dp_size))
         rep.print(f"  {rep.tensorboard_line()}")
-        for note in [*self.data.notes, *cfg.notes(self.plan.mesh), *skipped]:
+        for note in [*self.data.notes, *cfg.notes(self.plan.mesh), *self.start_notes, *skipped]:
             rep.print(f"[yellow]{note}[/]")
         if self.resume is not None:
             rep.print(f"resumed from {self.resume} at step {self.state.step} ({self.consumed:,} samples consumed)")

@@ -8,6 +8,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from ..data.documents import document_positions, document_segments, mask_after_eod
+from ..models.mtp import mtp_rows
 from ..parallel.zigzag import zigzag_order
 
 
@@ -15,8 +16,8 @@ class RowSlice:
     """Which rows (and columns) of a micro-batch this rank holds, from the plan's layout
     of ("batch", "seq") activations, and how to wrap them as that DTensor."""
 
-    def __init__(self, plan, mesh, rows: int, seq_len: int):
-        self.mesh, self.shape = mesh, (rows, seq_len)
+    def __init__(self, plan, mesh, rows: int, seq_len: int, mtp_depth: int = 0):
+        self.mesh, self.shape, self.mtp_depth = mesh, (rows, seq_len), mtp_depth
         if mesh is None:
             self.offset, self.local = (0, 0), self.shape
             return
@@ -32,7 +33,8 @@ class RowSlice:
         """This rank's "tokens" and "targets" of the micro-batch starting at row `start`,
         and the `documents` asked for, found from the EOD tokens `eod` of whole rows:
         "segments", "positions", "eod_mask_loss" (targets after an EOD ignored), and
-        "loss_mask" (targets the data's loss mask leaves out ignored)."""
+        "loss_mask" (targets the data's loss mask leaves out ignored); with multi-token
+        prediction, each depth's "mtp_tokens_k" and "mtp_targets_k" (models/mtp.py)."""
         window = source.batch(start + self.offset[0], self.local[0])
         out = {"tokens": window[:, :-1], "targets": window[:, 1:]}
         if "loss_mask" in documents:
@@ -45,6 +47,8 @@ class RowSlice:
             out["positions"] = document_positions(out["tokens"], eod)
         if "eod_mask_loss" in documents:
             out["targets"] = mask_after_eod(out["tokens"], out["targets"], eod)
+        if self.mtp_depth:
+            out.update(mtp_rows(out["tokens"], out["targets"], self.mtp_depth, out.get("segments")))
         if self.mesh is not None:  # this rank's columns, of values found on the whole rows
             out = {k: v[:, self.columns] for k, v in out.items()}
         return out

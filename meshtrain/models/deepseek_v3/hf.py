@@ -21,6 +21,10 @@ forward applies as it is, so nothing is permuted):
     layers.N.moe.w_*[J]     mlp.experts.J.{gate,up,down}_proj.weight (or fused: models/hf_experts.py)
     layers.N.moe.shared.w_* mlp.shared_experts.{gate,up,down}_proj.weight
     norm, output            model.norm.weight, lm_head.weight
+    mtp.K.*                 model.layers.{n_layers + K}.*: enorm, hnorm, eh_proj, the block's tensors
+                            as above, shared_head.norm (mtp.K.norm), and copies of the embedding and
+                            head (embed_tokens, shared_head.head) that export writes and import skips;
+                            absent ones start from the seed (transformers' model ignores these layers)
 
 config.json: the release's keys (q_lora_rank, kv_lora_rank, qk_{nope,rope}_head_dim,
 v_head_dim, n_routed_experts, num_experts_per_tok, moe_intermediate_size,
@@ -50,21 +54,31 @@ _ATTN = {"attn.wq_a": "q_a_proj", "attn.q_norm": "q_a_layernorm", "attn.wq_b": "
 def tensors(cfg, specs: Mapping, experts: str) -> list[HFTensor]:
     out = [same(specs, "model.embed_tokens.weight", "tok_emb")]
     for i in range(cfg.n_layers):
-        p, h = f"layers.{i}.", f"model.layers.{i}."
-        out.append(same(specs, h + "input_layernorm.weight", p + "attn_norm"))
-        out += [same(specs, h + f"self_attn.{theirs}.weight", p + ours) for ours, theirs in _ATTN.items()
-                if p + ours in specs]
-        out.append(same(specs, h + "post_attention_layernorm.weight", p + "mlp_norm"))
-        if i in cfg.moe_layers:
-            out += expert_tensors(cfg, i, specs, experts)
-            if p + "moe.expert_bias" in specs:
-                out.append(same(specs, h + "mlp.gate.e_score_correction_bias", p + "moe.expert_bias"))
-            out += [same(specs, h + f"mlp.shared_experts.{w}_proj.weight", p + f"moe.shared.w_{w}")
-                    for w in ("gate", "up", "down")]
-        else:
-            out += [same(specs, h + f"mlp.{w}_proj.weight", p + f"mlp.w_{w}") for w in ("gate", "up", "down")]
+        out += _block(cfg, specs, experts, f"layers.{i}.", f"model.layers.{i}.", i in cfg.moe_layers, i)
     out.append(same(specs, "model.norm.weight", "norm"))
+    for k in range(cfg.mtp.depth):  # the release's layers n_layers + k: a module, and copies of embedding and head
+        p, h = f"mtp.{k}.", f"model.layers.{cfg.n_layers + k}."
+        out += [same(specs, h + "enorm.weight", p + "enorm"), same(specs, h + "hnorm.weight", p + "hnorm"),
+                same(specs, h + "eh_proj.weight", p + "eh_proj")]
+        out += _block(cfg, specs, experts, p, h, cfg.moe is not None, cfg.n_layers + k)
+        out += [same(specs, h + "shared_head.norm.weight", p + "norm"),
+                same(specs, h + "embed_tokens.weight", "tok_emb", copy=True),
+                same(specs, h + "shared_head.head.weight", "tok_emb" if cfg.tie_embeddings else "output", copy=True)]
     return out
+
+
+def _block(cfg, specs: Mapping, experts: str, p: str, h: str, moe_block: bool, index: int) -> list[HFTensor]:
+    """The tensors of the block whose parameters are under `p`, named under `h`."""
+    out = [same(specs, h + "input_layernorm.weight", p + "attn_norm")]
+    out += [same(specs, h + f"self_attn.{theirs}.weight", p + ours) for ours, theirs in _ATTN.items() if p + ours in specs]
+    out.append(same(specs, h + "post_attention_layernorm.weight", p + "mlp_norm"))
+    if not moe_block:
+        return out + [same(specs, h + f"mlp.{w}_proj.weight", p + f"mlp.w_{w}") for w in ("gate", "up", "down")]
+    out += expert_tensors(cfg, index, specs, experts, prefix=(p + "moe.", h))
+    if p + "moe.expert_bias" in specs:
+        out.append(same(specs, h + "mlp.gate.e_score_correction_bias", p + "moe.expert_bias"))
+    return out + [same(specs, h + f"mlp.shared_experts.{w}_proj.weight", p + f"moe.shared.w_{w}")
+                  for w in ("gate", "up", "down")]
 
 
 def _first_dense(cfg) -> int:
@@ -105,7 +119,7 @@ def config(cfg) -> dict:
             "scoring_func": "sigmoid", "topk_method": "noaux_tc", "hidden_act": "silu",
             "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps,
             "rope_theta": float(cfg.rope_theta), "rope_scaling": scaling, "attention_bias": False,
-            "attention_dropout": 0.0, "num_nextn_predict_layers": 0}
+            "attention_dropout": 0.0, "num_nextn_predict_layers": cfg.mtp.depth}
 
 
 def fields(config: Mapping, model_type: str, source: str) -> dict:
@@ -135,7 +149,8 @@ def fields(config: Mapping, model_type: str, source: str) -> dict:
            "vocab_size": get_key(config, ("vocab_size",), REQUIRED, source), "max_seq_len": max_len,
            "rope_theta": theta, "norm_eps": float(get_key(config, ("rms_norm_eps",), 1e-6, source, float)),
            "tie_embeddings": bool(get_key(config, ("tie_word_embeddings",), False, source, bool)),
-           "rope_scaling": scaling, "mla": mla}
+           "rope_scaling": scaling, "mla": mla,
+           "mtp": {"depth": get_key(config, ("num_nextn_predict_layers", "num_mtp_layers"), 0, source)}}
     first_dense = get_key(config, ("first_k_dense_replace",), 3, source)
     experts = get_key(config, ("n_routed_experts", "num_local_experts"), 256, source)
     if first_dense < n_layers and experts:
@@ -182,6 +197,7 @@ def model_fields(cfg) -> dict:
                                    "v_head_dim": a.v_head_dim, "rope_interleave": a.rope_interleave}}
     if cfg.moe is not None:
         out["moe"] = moe_dict(cfg.moe)
+    out["mtp"] = {"depth": cfg.mtp.depth}
     return out
 
 
@@ -190,7 +206,8 @@ def compare(theirs: dict, ours: dict, cfg) -> list[tuple[str, Any, Any]]:
     files hold) routes; ffn_dim does not matter when every block is MoE."""
     their_moe = theirs.pop("moe", None)
     ours.pop("moe", None)
-    out = same_structure(their_moe, cfg)
+    out = [("mtp.depth", theirs.pop("mtp")["depth"], ours.pop("mtp")["depth"])]
+    out += same_structure(their_moe, cfg)
     if their_moe is not None and cfg.moe is not None:
         out.append(("moe.balance", their_moe["balance"], cfg.moe.balance))
     return out
@@ -202,4 +219,5 @@ def fused_probe(cfg) -> str | None:
 
 HF = HFFormat(architecture="DeepseekV3ForCausalLM", base_prefix="model.", model_types=MODEL_TYPES, tensors=tensors,
               config=config, fields=fields, model_fields=model_fields, compare=compare,
-              free=frozenset({"max_seq_len"}), fused_probe=fused_probe)
+              free=frozenset({"max_seq_len"}), fused_probe=fused_probe,
+              seeded=lambda cfg: tuple(f"mtp.{k}." for k in range(cfg.mtp.depth)))
