@@ -6,7 +6,8 @@ transformers' DeepseekV3ForCausalLM trained the same way (tests/test_deepseek_v3
 each layout does too. Heads split over tp (MLA's latents and shared rotary key whole on
 every tp rank), cp with its three exchanges (values narrower than keys), ep folded from
 fsdp (x tp, x dp), a 2-stage pipeline with the dense block on one stage and the MoE
-block on the other, checkpointing, packed documents, and compiled steps (aot_eager,
+block on the other, checkpointing, packed documents, a multi-token prediction module
+(its loss too), and compiled steps (aot_eager,
 error_on_recompile, one loss graph and one update graph). The cases of a world size
 share one launch."""
 
@@ -22,32 +23,38 @@ from meshtrain.pipeline.partition import partition
 from meshtrain.pipeline.schedule import build_pipeline_schedule
 from meshtrain.testing import run_ranks
 from meshtrain.train.pipeline_step import local_stage_layout, make_pipeline_step
-from support.deepseek import BATCH, CFG, CLIP, SEQ, batches, optimizer_args, single_process
+from support.deepseek import BATCH, CFG, CLIP, MTP_CFG, SEQ, batches, optimizer_args, single_process
 
 LOSS_RTOL, PARAM_ATOL = 1e-5, 1e-5
-# name: (mesh sizes, sp, cp_comm, pipeline schedule, compile, activation checkpointing, documents)
+# name: (mesh sizes, sp, cp_comm, pipeline schedule, compile, activation checkpointing, variant): the
+# variant "documents" packs documents into the rows, "mtp" adds a multi-token prediction module.
 CASES = {
-    2: {"fsdp2": ({"fsdp": 2}, False, "allgather", None, False, "none", False),
-        "tp2_sp": ({"tp": 2}, True, "allgather", None, False, "none", False),
-        "cp2_allgather": ({"cp": 2}, False, "allgather", None, False, "none", False),
-        "cp2_ring": ({"cp": 2}, False, "ring", None, False, "none", False),
-        "cp2_a2a": ({"cp": 2}, False, "a2a", None, False, "none", False),
-        "ep2": ({"fsdp": 2, "ep": 2}, False, "allgather", None, False, "none", False),
-        "pp2_1f1b": ({"pp": 2}, False, "allgather", "1f1b", False, "none", False),
-        "tp2_sp_selective": ({"tp": 2}, True, "allgather", None, False, "selective", False),
-        "ep2_full": ({"fsdp": 2, "ep": 2}, False, "allgather", None, False, "full", False),
-        "tp2_sp_documents": ({"tp": 2}, True, "allgather", None, False, "none", True),
-        "cp2_ring_documents": ({"cp": 2}, False, "ring", None, False, "none", True),
-        "fsdp2_compiled": ({"fsdp": 2}, False, "allgather", None, "aot_eager", "none", False),
-        "tp2_sp_compiled": ({"tp": 2}, True, "allgather", None, "aot_eager", "none", False),
-        "cp2_a2a_compiled": ({"cp": 2}, False, "a2a", None, "aot_eager", "none", False),
-        "ep2_compiled": ({"fsdp": 2, "ep": 2}, False, "allgather", None, "aot_eager", "selective", False)},
-    4: {"fsdp2_tp2_sp": ({"fsdp": 2, "tp": 2}, True, "allgather", None, False, "none", False),
-        "dp2_fsdp2": ({"dp": 2, "fsdp": 2}, False, "allgather", None, False, "none", False),
-        "ep2_tp2_sp": ({"fsdp": 2, "tp": 2, "ep": 2}, True, "allgather", None, False, "none", False),
-        "ep4_fsdp2_cp2": ({"fsdp": 2, "cp": 2, "ep": 4}, False, "ring", None, False, "none", False),
-        "pp2_fsdp2_ep2_zb": ({"pp": 2, "fsdp": 2, "ep": 2}, False, "allgather", "zb", False, "none", False),
-        "fsdp2_tp2_sp_compiled": ({"fsdp": 2, "tp": 2}, True, "allgather", None, "aot_eager", "none", False)},
+    2: {"fsdp2": ({"fsdp": 2}, False, "allgather", None, False, "none", "plain"),
+        "tp2_sp": ({"tp": 2}, True, "allgather", None, False, "none", "plain"),
+        "cp2_allgather": ({"cp": 2}, False, "allgather", None, False, "none", "plain"),
+        "cp2_ring": ({"cp": 2}, False, "ring", None, False, "none", "plain"),
+        "cp2_a2a": ({"cp": 2}, False, "a2a", None, False, "none", "plain"),
+        "ep2": ({"fsdp": 2, "ep": 2}, False, "allgather", None, False, "none", "plain"),
+        "pp2_1f1b": ({"pp": 2}, False, "allgather", "1f1b", False, "none", "plain"),
+        "tp2_sp_selective": ({"tp": 2}, True, "allgather", None, False, "selective", "plain"),
+        "ep2_full": ({"fsdp": 2, "ep": 2}, False, "allgather", None, False, "full", "plain"),
+        "tp2_sp_documents": ({"tp": 2}, True, "allgather", None, False, "none", "documents"),
+        "cp2_ring_documents": ({"cp": 2}, False, "ring", None, False, "none", "documents"),
+        "fsdp2_compiled": ({"fsdp": 2}, False, "allgather", None, "aot_eager", "none", "plain"),
+        "tp2_sp_compiled": ({"tp": 2}, True, "allgather", None, "aot_eager", "none", "plain"),
+        "cp2_a2a_compiled": ({"cp": 2}, False, "a2a", None, "aot_eager", "none", "plain"),
+        "ep2_compiled": ({"fsdp": 2, "ep": 2}, False, "allgather", None, "aot_eager", "selective", "plain"),
+        "tp2_sp_mtp": ({"tp": 2}, True, "allgather", None, False, "none", "mtp"),
+        "cp2_ring_mtp": ({"cp": 2}, False, "ring", None, False, "none", "mtp"),
+        "ep2_mtp": ({"fsdp": 2, "ep": 2}, False, "allgather", None, False, "selective", "mtp"),
+        "tp2_sp_mtp_compiled": ({"tp": 2}, True, "allgather", None, "aot_eager", "none", "mtp")},
+    4: {"fsdp2_tp2_sp": ({"fsdp": 2, "tp": 2}, True, "allgather", None, False, "none", "plain"),
+        "dp2_fsdp2": ({"dp": 2, "fsdp": 2}, False, "allgather", None, False, "none", "plain"),
+        "ep2_tp2_sp": ({"fsdp": 2, "tp": 2, "ep": 2}, True, "allgather", None, False, "none", "plain"),
+        "ep4_fsdp2_cp2": ({"fsdp": 2, "cp": 2, "ep": 4}, False, "ring", None, False, "none", "plain"),
+        "pp2_fsdp2_ep2_zb": ({"pp": 2, "fsdp": 2, "ep": 2}, False, "allgather", "zb", False, "none", "plain"),
+        "fsdp2_tp2_sp_compiled": ({"fsdp": 2, "tp": 2}, True, "allgather", None, "aot_eager", "none", "plain"),
+        "ep2_tp2_sp_mtp": ({"fsdp": 2, "tp": 2, "ep": 2}, True, "allgather", None, False, "none", "mtp")},
 }
 COMPILED_GRAPHS = 2  # the loss (forward and backward) and the update
 
@@ -56,7 +63,8 @@ def _full(p):
     return p.full_tensor() if hasattr(p, "full_tensor") else p
 
 
-def _case(model, world, sizes, sp, cp_comm, schedule, compile, checkpointing, documents):
+def _case(world, sizes, sp, cp_comm, schedule, compile, checkpointing, variant):
+    model = build("deepseek_v3", MTP_CFG if variant == "mtp" else CFG)
     plan = make_plan(model.specs, Rules.default(sp=sp), MeshSpec(**sizes), world=world, cp_comm=cp_comm)
     mesh = plan.mesh.build()
     if schedule is None:
@@ -73,19 +81,23 @@ def _case(model, world, sizes, sp, cp_comm, schedule, compile, checkpointing, do
         step = make_pipeline_step(model, stages, build_pipeline_schedule(schedule, sizes["pp"], micro), plan, mesh,
                                   **optimizer_args())
     state = TrainState.create(params)
-    metrics = [step(state, b) for b in batches(micro, documents)]
-    return [(m["loss"], m["grad_norm"]) for m in metrics], {n: _full(p).detach() for n, p in params.items()}
+    metrics = [step(state, b) for b in batches(micro, variant == "documents")]
+    return _numbers(metrics), {n: _full(p).detach() for n, p in params.items()}
+
+
+def _numbers(metrics):
+    """Per step: loss, grad_norm (and mtp_loss with multi-token prediction)."""
+    return [(m["loss"], m["grad_norm"], *([m["mtp_loss"]] if "mtp_loss" in m else [])) for m in metrics]
 
 
 def _layouts():
     torch.set_num_threads(1)
     world, out = dist.get_world_size(), {}
-    model = build("deepseek_v3", CFG)
     for name, case in CASES[world].items():
         torch._dynamo.reset()
         before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
         with torch._dynamo.config.patch(error_on_recompile=True):
-            run = _case(model, world, *case)
+            run = _case(world, *case)
         out[name] = run, torch._dynamo.utils.counters["stats"]["unique_graphs"] - before
     return out
 
@@ -93,12 +105,15 @@ def _layouts():
 @pytest.fixture(scope="module")
 def references():
     out = {}
-    for documents in (False, True):
-        metrics, params = single_process(documents=documents)
+    for variant in ("plain", "documents", "mtp"):
+        metrics, params = single_process(documents=variant == "documents", cfg=MTP_CFG if variant == "mtp" else CFG)
         assert all(m["grad_norm"] > 1.5 * CLIP for m in metrics)  # clipping engages on every step
-        out[documents] = [(m["loss"], m["grad_norm"]) for m in metrics], params
-    # The documents change the run: a layout that dropped them fails on its losses.
-    assert abs(out[True][0][0][0] - out[False][0][0][0]) > 100 * LOSS_RTOL
+        out[variant] = _numbers(metrics), params
+    # Each variant changes the run: a layout that dropped it fails on its losses (documents)
+    # or its gradient norms (the module's gradients; mtp_loss is compared besides).
+    for variant, column in (("documents", 0), ("mtp", 1)):
+        ours, plain = out[variant][0][0][column], out["plain"][0][0][column]
+        assert abs(ours - plain) > 100 * LOSS_RTOL * plain, variant
     return out
 
 
@@ -117,4 +132,4 @@ def test_deepseek_layouts_match_single_process(references, world):
             if CASES[world][name][4]:
                 assert graphs == COMPILED_GRAPHS, (name, graphs)
     for name, names in held.items():  # every parameter is checked, the pipelines' on their stages
-        assert names == set(references[False][1]), name
+        assert names == set(references[CASES[world][name][-1]][1]), name

@@ -18,12 +18,11 @@ from safetensors.torch import load_file, save_file
 
 from meshtrain.interop.hf import load_hf_params, read_hf_config, save_hf
 from meshtrain.models.mtp import MtpConfig, mtp_rows
-from support.deepseek import CFG, CLIP, LR, MIN_LR, MOE, STEPS, WARMUP, batches, hf_config, hf_model, initial_params
-import support.deepseek as tiny
+from support.deepseek import CFG, CLIP, LR, MIN_LR, MOE, MTP_CFG, STEPS, WARMUP, batches, hf_model, initial_params, \
+    single_process
 
 transformers = pytest.importorskip("transformers")
 modeling = pytest.importorskip("transformers.models.deepseek_v3.modeling_deepseek_v3")
-MTP_CFG = dataclasses.replace(CFG, mtp=MtpConfig(depth=1, loss_coef=0.3))
 
 
 class ReferenceMtp(torch.nn.Module):
@@ -124,15 +123,14 @@ def release(tmp_path_factory):
 
 
 @pytest.mark.parametrize("compile", [False, "aot_eager"], ids=["eager", "compiled"])
-def test_mtp_training_equals_the_reference(release, monkeypatch, compile):
+def test_mtp_training_equals_the_reference(release, compile):
     directory, model, mtp = release
     fields = read_hf_config(directory)
     assert fields["mtp"] == {"depth": 1}
     params = load_hf_params(directory, "deepseek_v3", MTP_CFG)
     assert torch.equal(params["mtp.0.eh_proj"], mtp.eh_proj.weight)
-    monkeypatch.setattr(tiny, "CFG", MTP_CFG)
     torch._dynamo.reset()
-    metrics, final = tiny.single_process(params, compile=compile)
+    metrics, final = single_process(params, compile=compile, cfg=MTP_CFG)
     model, mtp = _reference()  # fresh copies: the fixture's are the files'
     expected = _train_reference(model, mtp)
     got = [(m["loss"], m["mtp_loss"], m["grad_norm"]) for m in metrics]
@@ -143,13 +141,11 @@ def test_mtp_training_equals_the_reference(release, monkeypatch, compile):
     assert not torch.equal(bias, params["mtp.0.moe.expert_bias"])  # the module's bias moves too
 
 
-def test_the_mtp_loss_changes_the_training(monkeypatch):
+def test_the_mtp_loss_changes_the_training():
     """Guards the test above: loss_coef 0 trains the main model alone, to other losses."""
     params = initial_params(MTP_CFG)
-    monkeypatch.setattr(tiny, "CFG", MTP_CFG)
-    with_mtp = tiny.single_process(params)[0]
-    monkeypatch.setattr(tiny, "CFG", dataclasses.replace(MTP_CFG, mtp=MtpConfig(depth=1, loss_coef=0.0)))
-    without = tiny.single_process(params)[0]
+    with_mtp = single_process(params, cfg=MTP_CFG)[0]
+    without = single_process(params, cfg=dataclasses.replace(MTP_CFG, mtp=MtpConfig(depth=1, loss_coef=0.0)))[0]
     assert with_mtp[0]["loss"] == without[0]["loss"]  # step 1: the same main loss
     assert abs(with_mtp[-1]["loss"] - without[-1]["loss"]) > 1e-4
 

@@ -131,6 +131,11 @@ def _validate_experts(cfg: RunConfig) -> None:
     if m.moe is None:
         raise ConfigError(f"parallel.ep={p.ep} shards experts, but model.moe is null (no experts): set "
                           "parallel.ep 1, or configure model.moe")
+    if cfg.train.compile and m.mtp is not None and m.mtp.depth:
+        raise ConfigError(f"train.compile=true with parallel.ep={p.ep} and model.mtp.depth={m.mtp.depth}: the compiled "
+                          "step of a multi-token prediction module with experts split over ranks fails in torch "
+                          "2.13's graph partitioner (docs/deepseek.md, Known gaps); set train.compile false, "
+                          "parallel.ep 1, or model.mtp.depth 0")
     if m.moe.num_experts % p.ep:
         raise ConfigError(f"parallel.ep={p.ep} does not divide model.moe.num_experts={m.moe.num_experts}: each "
                           "ep rank holds an equal share of the experts; choose an ep that divides num_experts")

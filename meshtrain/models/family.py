@@ -34,9 +34,9 @@ class Family:
     some families read (RoPE, GQA, ...), with messages that name the key and the fix
     (ModelConfig.check, models/config.py, calls it; the config dataclass checks its own invariants too); `hf`
     is its Hugging Face format (models/hf.py), None for a family that trains, plans and
-    generates but does not export or import; `mtp_logits(cfg, params, h, ahead, ctx,
-    docs)` the logits of its multi-token prediction depths (models/mtp.py), None for a
-    family without."""
+    generates but does not export or import; `forward_mtp(cfg, params, tokens, ahead,
+    ctx, docs)` the logits and those of its multi-token prediction depths (models/mtp.py),
+    None for a family without."""
 
     name: str
     config: type
@@ -48,7 +48,7 @@ class Family:
     presets: Mapping[str, Any]
     check_fields: Callable[[Any], None] = lambda m: None
     hf: HFFormat | None = None
-    mtp_logits: Callable | None = None
+    forward_mtp: Callable | None = None
 
     def moe_blocks(self, cfg) -> list[str]:
         """The prefixes ("layers.3.") of the MoE blocks in the order a forward runs them:

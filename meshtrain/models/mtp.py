@@ -8,7 +8,7 @@ ids and targets come from the row's whole sequence, so they are found where whol
 are (the data reader, or the step for batches given whole) and then laid out as the
 tokens are. A target is kept where the row has it, the main targets do not mask it (loss
 masks, the target after an EOD), and, with packed documents, it lies in position i's
-document. The module itself is the family's (models/deepseek_v3/model.py `mtp_logits`).
+document. The module itself is the family's (models/deepseek_v3/model.py `forward_mtp`).
 
 MtpConfig is the model.mtp section of a run config itself, checked when built.
 """

@@ -293,12 +293,9 @@ def _loss_sum(model: ModelDef, ctx):
         if ahead is None:
             logits = model.forward(params, tokens, ctx, docs)
             return ctx.cross_entropy_sum(logits, targets, reduce=False), ctx.moe_aux(), []
-        family, cfg = model.family, model.cfg
-        h = family.forward_stage(cfg, params, tokens, ctx, (0, cfg.n_layers), first=True, last=False, docs=docs)
-        lm = ctx.cross_entropy_sum(family.head(cfg, ctx.bind(params), h, ctx), targets, reduce=False)
-        sums = [ctx.cross_entropy_sum(logits, t, reduce=False)
-                for logits, t in zip(family.mtp_logits(cfg, params, h, ahead, ctx, docs), wanted)]
-        return lm, ctx.moe_aux(), sums
+        logits, depths = model.family.forward_mtp(model.cfg, params, tokens, ahead, ctx, docs)
+        sums = [ctx.cross_entropy_sum(d, t, reduce=False) for d, t in zip(depths, wanted)]
+        return ctx.cross_entropy_sum(logits, targets, reduce=False), ctx.moe_aux(), sums
 
     return loss_sum
 

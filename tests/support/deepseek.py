@@ -6,6 +6,8 @@ batches and optimizer, and one process's run from the same weights."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from meshtrain import AdamW, LRSchedule, TrainState, build, make_train_step
@@ -13,6 +15,7 @@ from meshtrain.data.documents import document_positions, document_segments, mask
 from meshtrain.models.deepseek_v3 import DeepseekV3Config
 from meshtrain.models.mla import MlaConfig
 from meshtrain.models.moe import MoeConfig
+from meshtrain.models.mtp import MtpConfig
 from meshtrain.models.spec import init_slice
 
 YARN = {"type": "yarn", "factor": 2.0, "original_max_position_embeddings": 16, "beta_fast": 32.0, "beta_slow": 1.0,
@@ -58,11 +61,16 @@ def initial_params(cfg=CFG) -> dict[str, torch.Tensor]:
     return {n: init_slice(s, n, seed=0) for n, s in build("deepseek_v3", cfg).specs.items()}
 
 
-def single_process(params: dict | None = None, compile=False, documents: bool = False):
-    """(metrics per step, final params) of one process from `params` (default: seed 0)."""
-    model = build("deepseek_v3", CFG)
+MTP_CFG = dataclasses.replace(CFG, mtp=MtpConfig(depth=1, loss_coef=0.3))  # one multi-token prediction module
+
+
+def single_process(params: dict | None = None, compile=False, documents: bool = False, cfg=None):
+    """(metrics per step, final params) of one process of `cfg` (default: CFG) from
+    `params` (default: seed 0)."""
+    cfg = cfg or CFG
+    model = build("deepseek_v3", cfg)
     params = {n: p.clone().requires_grad_(model.specs[n].trainable)
-              for n, p in (params if params is not None else initial_params()).items()}
+              for n, p in (params if params is not None else initial_params(cfg)).items()}
     step = make_train_step(model, compile=compile, **optimizer_args())
     state = TrainState.create(params)
     metrics = [step(state, b) for b in batches(documents=documents)]

@@ -4,11 +4,11 @@
 from ..family import Family
 from .config import PRESETS, DeepseekV3Config, check_fields, from_fields
 from .hf import HF
-from .model import forward_stage, head, mtp_logits, param_specs
+from .model import forward_stage, head, forward_mtp, param_specs
 
 FAMILY = Family(name="deepseek_v3", config=DeepseekV3Config, from_fields=from_fields, param_specs=param_specs,
                 forward_stage=forward_stage, head=head, kv_heads=lambda cfg: cfg.n_heads,
-                presets=PRESETS, check_fields=check_fields, hf=HF, mtp_logits=mtp_logits)
+                presets=PRESETS, check_fields=check_fields, hf=HF, forward_mtp=forward_mtp)
 
 forward = FAMILY.forward
 

@@ -27,10 +27,10 @@ def param_specs(cfg: DeepseekV3Config) -> dict[str, ParamSpec]:
     for i in range(cfg.n_layers):
         specs.update(_block_specs(cfg, f"layers.{i}.", i in cfg.moe_layers, std, out_std))
     specs["norm"] = ParamSpec((d,), ("norm",), init="ones")
-    for k in range(cfg.mtp.depth):
-        specs.update(_mtp_specs(cfg, f"mtp.{k}.", std, out_std))
     if not cfg.tie_embeddings:
         specs["output"] = ParamSpec((cfg.vocab_size, d), ("vocab", "embed"), std=std, reused=again)
+    for k in range(cfg.mtp.depth):  # after the head: they run after it
+        specs.update(_mtp_specs(cfg, f"mtp.{k}.", std, out_std))
     return specs
 
 
@@ -62,6 +62,23 @@ def forward_stage(cfg: DeepseekV3Config, params: Mapping[str, torch.Tensor], x: 
                   layers: tuple[int, int], first: bool, last: bool, docs: Documents | None = None) -> torch.Tensor:
     """One pipeline stage, as llama's (models/family.py Family.forward_stage)."""
     p = ctx.bind(params)
+    x = _layers(cfg, p, x, ctx, layers, first, docs)
+    return head(cfg, p, x, ctx) if last else x
+
+
+def forward_mtp(cfg: DeepseekV3Config, params: Mapping[str, torch.Tensor], tokens: torch.Tensor, ahead: list,
+                ctx: ModelContext, docs: Documents | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The whole model with its multi-token prediction modules (models/mtp.py): the
+    logits, and each depth's; ahead[k-1] holds the ids (batch, seq) of the tokens k
+    positions ahead. One binding of the parameters for all of it (a sharded context
+    gathers each once)."""
+    p = ctx.bind(params)
+    h = _layers(cfg, p, tokens, ctx, (0, cfg.n_layers), True, docs)
+    return head(cfg, p, h, ctx), _mtp(cfg, p, h, ahead, ctx, docs)
+
+
+def _layers(cfg, p, x, ctx, layers, first, docs):
+    """Blocks [start, stop) on bound parameters, after the embedding when `first`."""
     if first:
         tokens = ctx.constrain(x, ("batch", "seq"))
         x = ctx.constrain(ctx.embedding(tokens, p["tok_emb"]), ("batch", "seq_sp", None))
@@ -70,7 +87,7 @@ def forward_stage(cfg: DeepseekV3Config, params: Mapping[str, torch.Tensor], x: 
     window = None if docs is None else docs.window
     for i in range(*layers):
         x = ctx.remat(_block, cfg, p, f"layers.{i}.", i in cfg.moe_layers, x, cos, sin, ctx, segments, window)
-    return head(cfg, p, x, ctx) if last else x
+    return x
 
 
 def head(cfg: DeepseekV3Config, p: Mapping[str, torch.Tensor], x: torch.Tensor, ctx: ModelContext) -> torch.Tensor:
@@ -86,12 +103,8 @@ def _block(cfg, p, prefix, moe_block, x, cos, sin, ctx, segments=None, window=No
     return x + mlp(p, prefix, x, cfg.norm_eps, ctx)
 
 
-def mtp_logits(cfg: DeepseekV3Config, params: Mapping[str, torch.Tensor], h: torch.Tensor, ahead: list,
-               ctx: ModelContext, docs: Documents | None = None) -> list[torch.Tensor]:
-    """The logits of each multi-token prediction depth (models/mtp.py): h is the last
-    block's output (batch, seq, dim) before the final norm, ahead[k-1] the ids (batch,
-    seq) of the tokens k positions ahead."""
-    p = ctx.bind(params)
+def _mtp(cfg, p, h, ahead, ctx, docs):
+    """Each depth's logits: h is the last block's output before the final norm."""
     cos, sin = rope_tables(ctx, h, docs, cfg.mla.qk_rope_head_dim, cfg.rope_theta, cfg.rope_scaling)
     segments = None if docs is None or docs.segments is None else ctx.constrain(docs.segments, ("batch", "seq"))
     window = None if docs is None else docs.window
