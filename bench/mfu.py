@@ -387,7 +387,7 @@ def main(argv=None) -> int:
     init_s = time.perf_counter() - t0
     n_params = sum(v.numel() for v in init.values())
     tokens_per_step = args.micro * args.batch * args.seq
-    fpt = flops_per_token(specs, cfg.n_layers, cfg.dim, args.seq, cfg.tie_embeddings)
+    fpt = flops_per_token(model, args.seq)
     peak = args.peak_tflops or device_peak_tflops(device, args.precision)
     dev_name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
     env = {"torch": torch.__version__, "python": platform.python_version(), "device": dev_name,

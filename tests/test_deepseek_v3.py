@@ -20,6 +20,7 @@ from meshtrain.errors import ConfigError
 from meshtrain.interop.hf import load_hf_params, read_hf_config, save_hf
 from meshtrain.models import LocalContext, build
 from meshtrain.models.moe import route
+from meshtrain.models.mtp import MtpConfig
 from support.deepseek import CFG, CLIP, LR, MIN_LR, MOE, STEPS, WARMUP, batches, hf_model, initial_params, \
     single_process
 
@@ -203,3 +204,37 @@ def test_config_refusals_name_the_key(changes, fragment):
     base = dict(arch="deepseek_v3", n_kv_heads=None, mla={})
     with pytest.raises(ConfigError, match=fragment.replace("(", r"\(").replace("[", r"\[")):
         ModelConfig(**{**base, **changes}).check()
+
+
+def test_the_671b_preset_counts_as_published():
+    """DeepSeek-V3's report: 671B parameters, 37B activated per token; the Hugging Face
+    release: 685B with the MTP module's 14B (its block, projection and norms, and its
+    copies of the embedding and head)."""
+    import yaml
+    from meshtrain.models.deepseek_v3 import PRESETS
+    from support.cli import ROOT
+
+    preset = RunConfig.from_dict(yaml.safe_load((ROOT / "configs" / "deepseek-v3-671b.yaml").read_text()))
+    assert preset.validate().family_config() == dataclasses.replace(PRESETS["deepseek-v3-671b"], mtp=MtpConfig())
+    specs = build("deepseek_v3", PRESETS["deepseek-v3-671b"]).specs
+    main = {n: s.numel for n, s in specs.items() if not n.startswith("mtp.")}
+    routed = sum(s.numel for n, s in specs.items() if "experts" in s.axes and n in main)
+    assert sum(main.values()) / 1e9 == pytest.approx(671.03, abs=0.01)
+    assert (sum(main.values()) - routed * 248 / 256) / 1e9 == pytest.approx(37.55, abs=0.01)
+    mtp = sum(s.numel for n, s in specs.items() if n.startswith("mtp."))
+    assert (mtp + 2 * 129280 * 7168) / 1e9 == pytest.approx(13.5, abs=0.05)  # the release's "14B"
+
+
+def test_flops_per_token_counts_mla_and_mtp_heads():
+    """6 x the matmul weights a token uses (top_k of the experts, the head once more per MTP
+    depth) + 3 x 2 x keys x heads x (qk + v head dims) per block, MTP's included."""
+    from meshtrain.train.metrics import flops_per_token
+
+    for cfg in (CFG, dataclasses.replace(CFG, mtp=MtpConfig(depth=2))):
+        specs = build("deepseek_v3", cfg).specs
+        matrices = sum(s.numel for n, s in specs.items() if len(s.shape) == 2 and n != "tok_emb")
+        experts = sum(s.numel for s in specs.values() if len(s.shape) == 3)
+        blocks = cfg.n_layers + cfg.mtp.depth
+        matmul = matrices + experts * MOE.top_k / MOE.num_experts + cfg.mtp.depth * specs["output"].numel
+        attention = 6 * 16 * cfg.n_heads * (cfg.mla.qk_head_dim + cfg.mla.v_head_dim) * blocks
+        assert flops_per_token(build("deepseek_v3", cfg), 16) == pytest.approx(6 * matmul + attention, rel=1e-12)

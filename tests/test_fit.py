@@ -386,7 +386,7 @@ def test_flops_per_token_matches_the_architecture():
     mlp = 3 * m.dim * m.ffn_dim
     matmul = m.n_layers * (attn + mlp) + m.vocab_size * m.dim  # the output head, not the lookup
     expected = 6 * matmul + 12 * m.n_layers * m.dim * 8192
-    assert flops_per_token(cfg.model_def().specs, m.n_layers, m.dim, 8192, False) == expected
+    assert flops_per_token(cfg.model_def(), 8192) == expected
     assert 6 * matmul / 1e9 == pytest.approx(45.1, abs=0.1)  # 6 x 7.5B non-embedding parameters
 
 

@@ -41,9 +41,9 @@ def test_attention_flops_are_the_documents_and_the_cli_reports_them(tmp_path):
     assert done.returncode == 0, done.stderr
     compute = json.loads(out.read_text())["compute"]
     tiny = RunConfig.from_dict(yaml.safe_load(TINY.read_text())).validate()
-    m, t, specs = tiny.model, tiny.train, tiny.model_def().specs
+    m, t = tiny.model, tiny.train
     seq = t.seq_len
-    want = flops_per_token(specs, m.n_layers, m.dim, 16, m.tie_embeddings, m.moe)
+    want = flops_per_token(tiny.model_def(), 16)
     assert compute["attention_span"] == 16
     assert compute["attention_flops_per_token"] == 12 * m.n_layers * m.dim * 16
     assert compute["attention_flops_per_token_whole_row"] == 12 * m.n_layers * m.dim * seq
@@ -53,7 +53,7 @@ def test_attention_flops_are_the_documents_and_the_cli_reports_them(tmp_path):
     # Without the mask the documents change nothing, and the plan says so.
     done = run_cli("plan", "--config", str(TINY), "--world", "1", "--data.mean_doc_len", "16")
     assert done.returncode == 0 and "counts for nothing without data.document_mask" in done.stdout, done.stdout
-    assert f"{flops_per_token(specs, m.n_layers, m.dim, seq, m.tie_embeddings, m.moe) / 1e9:,.3g} GFLOP" in done.stdout
+    assert f"{flops_per_token(tiny.model_def(), seq) / 1e9:,.3g} GFLOP" in done.stdout
     bad = run_cli("plan", "--config", str(TINY), "--data.mean_doc_len", "-5")
     assert bad.returncode == 2 and "data.mean_doc_len=-5" in bad.stderr and "Traceback" not in bad.stderr
 

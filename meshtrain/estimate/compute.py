@@ -16,7 +16,7 @@ from typing import NamedTuple
 
 from ..config import RunConfig
 from ..models.attention import TILE, window_for
-from ..train.metrics import flops_per_token
+from ..train.metrics import attention_flops_per_token, flops_per_token
 
 
 def attention_span(cfg: RunConfig) -> int:
@@ -53,11 +53,11 @@ def mask_keys(cfg: RunConfig, cp: int) -> MaskKeys:
 def step_compute(cfg: RunConfig, model, world: int) -> dict:
     """The step's model FLOPs: per token (with the attention term apart, masked and over the
     whole row), per step and per rank (the step's over the world)."""
-    m, t = cfg.model, cfg.train
+    t = cfg.train
     span = attention_span(cfg)
-    per_token = flops_per_token(model.specs, m.n_layers, m.dim, span, m.tie_embeddings, m.moe)
+    per_token = flops_per_token(model, span)
     step = per_token * t.global_batch * t.seq_len
     return {"attention_span": span, "model_flops_per_token": per_token,
-            "attention_flops_per_token": 12.0 * m.n_layers * m.dim * span,
-            "attention_flops_per_token_whole_row": 12.0 * m.n_layers * m.dim * t.seq_len,
+            "attention_flops_per_token": attention_flops_per_token(model, span),
+            "attention_flops_per_token_whole_row": attention_flops_per_token(model, t.seq_len),
             "step_flops": step, "step_flops_per_rank": step / world}

@@ -264,11 +264,11 @@ class _Run:
 
     def _record(self, metrics: dict, clock: StepClock, first: bool, skipped: int, evaluate: bool) -> dict:
         """The logged record of the step just done: losses, rates, memory, evaluation."""
-        done, m, t = self.state.step, self.cfg.model, self.cfg.train
+        done, t = self.state.step, self.cfg.train
         timing = clock.fields(done)
         peak = device_peak_tflops(self.device, t.precision)
         if self.flops is None:
-            self.flops = flops_per_token(self.model.specs, m.n_layers, m.dim, t.seq_len, m.tie_embeddings, m.moe)
+            self.flops = flops_per_token(self.model, t.seq_len)
         record = step_record(done, metrics, timing, mfu(self.flops, timing["tokens_per_s"], self.ranks.world, peak),
                              memory_gib(self.device))
         if first:

@@ -1,7 +1,8 @@
 """What a run measures: model FLOPs per token, MFU against the device's peak, memory.
 
 MFU = achieved model FLOP/s per device / the device's dense peak for the run's precision.
-Model FLOPs per token = 6 x (weight-matrix parameters) + 12 x layers x dim x seq_len:
+Model FLOPs per token = 6 x (weight-matrix parameters) + 12 x layers x dim x seq_len
+(Llama's; attention_flops_per_token counts any family's from its attention shapes):
 the first term is the forward (2) and backward (4) of every weight matmul (token and
 position embedding lookups are not matmuls, nor are norm scales and biases; the output
 head is, tied or not); the second
@@ -17,6 +18,8 @@ import sys
 
 import torch
 
+from ..models.recording import Attend, record_block
+
 # Dense peak TFLOP/s per device (no sparsity), from the vendors' data sheets. fp32 runs on
 # tensor cores as TF32. Devices missing here report no MFU.
 PEAK_TFLOPS = {
@@ -29,14 +32,34 @@ PEAK_TFLOPS = {
 EMBEDDING_TABLES = ("tok_emb", "pos_emb")
 
 
-def flops_per_token(specs: dict, n_layers: int, dim: int, seq_len: int, tied: bool, moe=None) -> float:
-    """Model FLOPs to train on one token (forward + backward), as in the module docstring.
-    Of the stacked expert weights a token uses top_k of num_experts."""
+def flops_per_token(model, seq_len: int) -> float:
+    """Model FLOPs to train on one token (forward + backward) of `model` (a ModelDef), as
+    in the module docstring. Of the stacked expert weights a token uses top_k of
+    num_experts; multi-token prediction's modules run the head once more each."""
+    specs, cfg = model.specs, model.cfg
     matrices = sum(s.numel for n, s in specs.items() if len(s.shape) == 2 and n not in EMBEDDING_TABLES)
+    moe = getattr(cfg, "moe", None)
     experts = sum(s.numel for s in specs.values() if "experts" in s.axes)
     active = experts * moe.top_k / moe.num_experts if moe is not None else 0
-    matmul = matrices + active + (specs["tok_emb"].numel if tied else 0)  # a tied head reuses the table
-    return 6.0 * matmul + 12.0 * n_layers * dim * seq_len
+    head = specs["tok_emb" if cfg.tie_embeddings else "output"].numel
+    matmul = matrices + active + (head if cfg.tie_embeddings else 0) + _mtp_depth(cfg) * head
+    return 6.0 * matmul + attention_flops_per_token(model, seq_len)
+
+
+def attention_flops_per_token(model, seq_len: int) -> float:
+    """The attention term per token over `seq_len` keys: per block, 2 x keys x (query
+    heads x query/key head dim) for the scores and 2 x keys x (query heads x value head dim)
+    for the weighted values, forward and backward (x 3), read from the shapes the
+    family's own forward gives attention (models/recording.py): 12 x dim x seq_len for
+    Llama, its own head dims for MLA."""
+    events = record_block(model, 0, 1, seq_len, torch.float32).events
+    per_block = sum(2.0 * seq_len * e.q[2] * (e.q[3] + e.v[3]) for e in events if isinstance(e, Attend))
+    return 3.0 * per_block * (model.cfg.n_layers + _mtp_depth(model.cfg))
+
+
+def _mtp_depth(cfg) -> int:
+    mtp = getattr(cfg, "mtp", None)
+    return mtp.depth if mtp is not None else 0
 
 
 def device_peak_tflops(device: torch.device, precision: str) -> float | None:
