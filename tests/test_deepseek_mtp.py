@@ -186,3 +186,17 @@ def test_depth_inputs_and_targets():
     assert rows["mtp_targets_2"].tolist() == [[-1, 14, 15, -1, -1]]
     split = mtp_rows(tokens, targets, 1, segments)  # position 2 (document 0) cannot predict 14 (document 1)
     assert split["mtp_targets_1"].tolist() == [[12, -1, -1, 15, -1]]
+
+
+def test_tiny_deepseek_logs_mtp_loss(tmp_path):
+    """configs/tiny-deepseek.yaml through the CLI: metrics.jsonl keeps loss as the
+    next-token loss and adds mtp_loss."""
+    from meshtrain.cli import main
+    from support.cli import ROOT, read_metrics
+
+    code = main(["fit", "--config", str(ROOT / "configs" / "tiny-deepseek.yaml"), "--run_dir", str(tmp_path / "run"),
+                 "--train.steps", "2", "--train.global_batch", "4", "--train.micro_batch", "2", "--train.seq_len", "32",
+                 "--train.log_every", "1", "--checkpoint.every", "0"])
+    assert code == 0
+    rows = read_metrics(tmp_path / "run")
+    assert len(rows) == 2 and all(r["mtp_loss"] > 0 and r["loss"] > 0 for r in rows)

@@ -90,7 +90,8 @@ class StepTable:
         optional += [("mem GiB", 7, "memory_gib", lambda r: f"{r['memory_gib']:.2f}"),
                      ("eta", 8, "eta_s", lambda r: duration(r["eta_s"])),
                      ("aux_loss", 8, "aux_loss", lambda r: f"{r['aux_loss']:.4f}"),
-                     ("imbal", 5, "expert_imbalance", lambda r: f"{r['expert_imbalance']:.2f}")]
+                     ("imbal", 5, "expert_imbalance", lambda r: f"{r['expert_imbalance']:.2f}"),
+                     ("mtp_loss", 8, "mtp_loss", lambda r: f"{r['mtp_loss']:.4f}")]
         for col in optional:
             if col[2] not in first:
                 continue
