@@ -238,3 +238,21 @@ def test_flops_per_token_counts_mla_and_mtp_heads():
         matmul = matrices + experts * MOE.top_k / MOE.num_experts + cfg.mtp.depth * specs["output"].numel
         attention = 6 * 16 * cfg.n_heads * (cfg.mla.qk_head_dim + cfg.mla.v_head_dim) * blocks
         assert flops_per_token(build("deepseek_v3", cfg), 16) == pytest.approx(6 * matmul + attention, rel=1e-12)
+
+
+def test_greedy_decoding_with_the_latent_cache_equals_transformers(tmp_path):
+    """The cache holds each position's latent and rotary key (kv_lora_rank + rope dims, not
+    heads x (qk + v) dims); greedy generation equals transformers' generate."""
+    from meshtrain.generate import generate
+    from meshtrain.models.deepseek_v3 import init_cache
+
+    model = hf_model(transformers).eval()
+    model.save_pretrained(tmp_path)
+    params = load_hf_params(tmp_path, "deepseek_v3", CFG)
+    cache = init_cache(CFG, 1, 8)
+    assert cache.k[0].shape == (1, 8, 1, CFG.mla.kv_lora_rank) and cache.v[0].shape == (1, 8, 1, 4)
+    ids = _tokens(5)[0, :7].tolist()
+    with torch.no_grad():
+        theirs = model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False, min_new_tokens=12,
+                                pad_token_id=0)[0, len(ids):].tolist()
+    assert generate(params, "deepseek_v3", CFG, ids, 12, temperature=0) == theirs

@@ -18,6 +18,7 @@ from meshtrain.models import FAMILIES, LocalContext, gpt2, llama
 from meshtrain.models.spec import init_slice
 from meshtrain import checkpoint
 from meshtrain.train.step import TrainState
+from support.deepseek import CFG as DEEPSEEK
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -33,6 +34,10 @@ DECODE_CASES = {
         "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 16})),
     "gpt2-tied": ("gpt2", GPT2),
     "gpt2-untied": ("gpt2", dataclasses.replace(GPT2, tie_embeddings=False)),
+    # MLA's compressed cache (the latent and the rotary key), YaRN, experts in groups
+    "deepseek-v3": ("deepseek_v3", DEEPSEEK),
+    "deepseek-v3-no-q-lora": ("deepseek_v3", dataclasses.replace(DEEPSEEK, mla=dataclasses.replace(
+        DEEPSEEK.mla, q_lora_rank=None, rope_interleave=False))),
 }
 
 

@@ -75,6 +75,11 @@ class ModelContext(Protocol):
         looks back over `window` keys per tile of queries (Documents.window). Returns
         (batch, seq, q_heads, head_dim)."""
 
+    def cached_latents(self, latent: torch.Tensor, rope_key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The latents multi-head latent attention expands into keys and values
+        (models/mla.py): those given in training; when decoding, every cached position's
+        (models/decode.py), this call's stored."""
+
     def cross_entropy_sum(self, logits: torch.Tensor, targets: torch.Tensor, reduce: bool = True) -> torch.Tensor:
         """Sum over tokens of -log softmax(logits)[target]; targets < 0 are ignored. With
         `reduce` False the sum may be left partial over the ranks that split the tokens,
@@ -155,6 +160,9 @@ class LocalContext:
 
     def attention(self, q, k, v, segments=None, window=None):
         return causal_attention(q, k, v, segments, window=window)
+
+    def cached_latents(self, latent, rope_key):
+        return latent, rope_key
 
     def cross_entropy_sum(self, logits, targets, reduce=True):
         return cross_entropy_sum(logits, targets)

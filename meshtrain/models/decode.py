@@ -29,14 +29,25 @@ class KVCache:
 
     @staticmethod
     def empty(n_layers: int, batch: int, max_len: int, kv_heads: int, head_dim: int,
-              dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> "KVCache":
-        shape = (batch, max_len, kv_heads, head_dim)
-        return KVCache([torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)],
-                       [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)])
+              dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+              v_dim: int | None = None) -> "KVCache":
+        """`v_dim`: the width of v when not head_dim (MLA caches its latent as k and its
+        rotary key as v: models/mla.py)."""
+        k, v = (batch, max_len, kv_heads, head_dim), (batch, max_len, kv_heads, v_dim or head_dim)
+        return KVCache([torch.zeros(k, dtype=dtype, device=device) for _ in range(n_layers)],
+                       [torch.zeros(v, dtype=dtype, device=device) for _ in range(n_layers)])
 
     @property
     def max_len(self) -> int:
         return self.k[0].shape[1]
+
+
+def _check_fits(cache: KVCache, start_pos: int, t: int) -> int:
+    end = start_pos + t
+    if start_pos < 0 or end > cache.max_len:
+        raise ConfigError(f"decoding positions {start_pos}..{end - 1} do not fit the KV cache of "
+                          f"{cache.max_len} positions: allocate a longer cache")
+    return end
 
 
 def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache, layer: int,
@@ -45,14 +56,16 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: K
     cache, then causal attention of q (batch, t, q_heads, head_dim) at those positions over
     every cached position up to its own. GQA by grouping (no repeated K/V). Returns
     (batch, t, q_heads, head_dim)."""
-    t = q.shape[1]
-    end = start_pos + t
-    if start_pos < 0 or end > cache.max_len:
-        raise ConfigError(f"decoding positions {start_pos}..{end - 1} do not fit the KV cache of "
-                          f"{cache.max_len} positions: allocate a longer cache")
+    end = _check_fits(cache, start_pos, q.shape[1])
     cache.k[layer][:, start_pos:end] = k
     cache.v[layer][:, start_pos:end] = v
-    keys, values = cache.k[layer][:, :end], cache.v[layer][:, :end]
+    return attend_cached(q, cache.k[layer][:, :end], cache.v[layer][:, :end], start_pos)
+
+
+def attend_cached(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start_pos: int) -> torch.Tensor:
+    """Causal attention of q (batch, t, q_heads, d) at positions start_pos.. over keys and
+    values of every position up to the last query's (batch, end, kv_heads, d / d_v)."""
+    t, end = q.shape[1], keys.shape[1]
     if t == 1:  # one new token sees every cached position
         mask, causal = None, False
     elif start_pos == 0:  # prefill: plain causal attention
@@ -72,12 +85,26 @@ class DecodeContext(LocalContext):
 
     def __init__(self, cache: KVCache, start_pos: int):
         super().__init__()
-        self.cache, self.start_pos, self._layer = cache, start_pos, 0
+        self.cache, self.start_pos, self._layer, self._expanded = cache, start_pos, 0, False
+
+    def cached_latents(self, latent, rope_key):
+        """MLA's compressed cache: store this call's latent (batch, t, rank) and rotary key
+        (batch, t, 1, rope) in the layer's cache; every cached position's come back, for
+        the layer to expand into keys and values (its `attention` then caches nothing)."""
+        end = _check_fits(self.cache, self.start_pos, latent.shape[1])
+        layer = self._layer
+        self.cache.k[layer][:, self.start_pos:end, 0] = latent
+        self.cache.v[layer][:, self.start_pos:end] = rope_key
+        self._expanded = True
+        return self.cache.k[layer][:, :end, 0], self.cache.v[layer][:, :end]
 
     def attention(self, q, k, v, segments=None, window=None):
         assert segments is None, "decoding generates one sequence per row: no packed documents"
-        out = cached_attention(q, k, v, self.cache, self._layer, self.start_pos)
-        self._layer += 1
+        if self._expanded:  # k, v expanded from cached latents: every position's already
+            out = attend_cached(q, k, v, self.start_pos)
+        else:
+            out = cached_attention(q, k, v, self.cache, self._layer, self.start_pos)
+        self._layer, self._expanded = self._layer + 1, False
         return out
 
 

@@ -67,7 +67,11 @@ class Family:
         return self.forward_stage(cfg, params, tokens, ctx, (0, cfg.n_layers), first=True, last=True, docs=docs)
 
     def init_cache(self, cfg, batch: int, max_len: int, dtype=torch.float32, device="cpu") -> KVCache:
-        """An empty KV cache for `max_len` positions (at most cfg.max_seq_len is meaningful)."""
+        """An empty KV cache for `max_len` positions (at most cfg.max_seq_len is meaningful);
+        MLA's holds each position's latent and rotary key (models/decode.py)."""
+        mla = getattr(cfg, "mla", None)
+        if mla is not None:
+            return KVCache.empty(cfg.n_layers, batch, max_len, 1, mla.kv_lora_rank, dtype, device, mla.qk_rope_head_dim)
         return KVCache.empty(cfg.n_layers, batch, max_len, self.kv_heads(cfg), cfg.head_dim, dtype, device)
 
     def decode(self, cfg, params, tokens, cache, start_pos: int, last_only: bool = False):

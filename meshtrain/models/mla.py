@@ -97,11 +97,13 @@ def mla(m: MlaConfig, p, prefix: str, h: torch.Tensor, cos: torch.Tensor, sin: t
         [m.qk_nope_head_dim, m.qk_rope_head_dim], -1)
     latent, k_rope = ctx.linear(h, p, prefix + "wkv_a").split([m.kv_lora_rank, m.qk_rope_head_dim], -1)
     latent = ctx.constrain(rms_norm(latent, p[prefix + "kv_norm"], eps), ("batch", "seq", None))
+    rope = apply_rope_interleaved if m.rope_interleave else apply_rope
+    k_rope = rope(k_rope.unsqueeze(-2), cos, sin)  # (batch, seq, 1, rope): one key for every head
+    # Decoding caches these two, not the expanded keys and values (models/decode.py).
+    latent, k_rope = ctx.cached_latents(latent, k_rope)
     kv = ctx.constrain(ctx.linear(latent, p, prefix + "wkv_b").unflatten(-1, (-1, m.qk_nope_head_dim + m.v_head_dim)),
                        heads)
     k_nope, v = kv.split([m.qk_nope_head_dim, m.v_head_dim], -1)
-    rope = apply_rope_interleaved if m.rope_interleave else apply_rope
-    k_rope = rope(k_rope.unsqueeze(-2), cos, sin)  # (batch, seq, 1, rope): one key for every head
     k_rope = ctx.constrain(k_rope.expand(*k_nope.shape[:-1], m.qk_rope_head_dim), heads)
     q = torch.cat([q_nope, rope(q_rope, cos, sin)], -1)
     k = torch.cat([k_nope, k_rope], -1)

@@ -102,6 +102,9 @@ class ShardedContext(RegatherHooks, Reductions, ActivationLayouts, ShardedLinear
             self._views.append(weakref.ref(view))
         return view
 
+    def cached_latents(self, latent, rope_key):
+        return latent, rope_key  # training: the latents given (models/context.py)
+
     def remat(self, fn, *args):
         if torch.compiler.is_compiling() and self.policy.checkpointing != "none":
             # Dynamo refuses a checkpointed region that mutates state from outside it, as

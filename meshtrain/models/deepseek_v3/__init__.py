@@ -10,6 +10,7 @@ FAMILY = Family(name="deepseek_v3", config=DeepseekV3Config, from_fields=from_fi
                 forward_stage=forward_stage, head=head, kv_heads=lambda cfg: cfg.n_heads,
                 presets=PRESETS, check_fields=check_fields, hf=HF, forward_mtp=forward_mtp)
 
-forward = FAMILY.forward
+forward, decode, init_cache = FAMILY.forward, FAMILY.decode, FAMILY.init_cache
 
-__all__ = ["FAMILY", "PRESETS", "DeepseekV3Config", "forward", "forward_stage", "param_specs"]
+__all__ = ["FAMILY", "PRESETS", "DeepseekV3Config", "decode", "forward", "forward_stage", "forward_mtp", "init_cache",
+           "param_specs"]
