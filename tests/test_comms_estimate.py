@@ -463,3 +463,37 @@ def test_checkpointed_estimate_equals_recorded_step(case, bucket, mode):
                          activation_checkpointing=mode), rec)
     if mode == "full" and (sp or "cp" in layout):  # the recompute's collectives are counted
         assert estimate(model, layout, bucket=bucket, sp=sp, batch=B, seq=S, world=world, cp_comm=comm) != rec
+
+
+# DeepSeek-V3 (tests/support/deepseek.py: MLA, values narrower than keys, experts in groups):
+# id, layout, sp, cp_comm, batch, seq, world, precision. Layouts with experts split over ep
+# use run_moe_step (the routing-dependent token all-to-alls compared by count).
+DEEPSEEK_CASES = [
+    ("fsdp2", dict(fsdp=2), False, "allgather", 2, 8, 2, "fp32"),
+    ("dp2", dict(dp=2), False, "allgather", 2, 8, 2, "fp32"),
+    ("cp2-ring", dict(cp=2), False, "ring", 2, 8, 2, "fp32"),  # values padded to the keys' width
+    ("cp2-a2a-bf16", dict(cp=2), False, "a2a", 2, 8, 2, "bf16"),
+    ("ep2", dict(fsdp=2, ep=2), False, "allgather", 4, 8, 2, "fp32"),
+    ("ep2xtp2-sp-bf16", dict(fsdp=2, tp=2, ep=2), True, "allgather", 4, 8, 4, "bf16"),
+]
+
+
+@pytest.mark.parametrize("bucket", BUCKETS)
+@pytest.mark.parametrize("case", DEEPSEEK_CASES, ids=[c[0] for c in DEEPSEEK_CASES])
+def test_deepseek_estimate_equals_recorded_step(case, bucket, monkeypatch):
+    from support.deepseek import CFG as DEEPSEEK
+
+    _, layout, sp, comm, B, S, world, precision = case
+    model = build("deepseek_v3", DEEPSEEK)
+    est = estimate(model, layout, bucket=bucket, sp=sp, batch=B, seq=S, world=world, precision=precision,
+                   cp_comm=comm)
+    if "ep" not in layout:
+        rec = totals(run_model_step(model, layout, bucket=bucket, sp=sp, batch=B, seq=S, world=world,
+                                    precision=precision, cp_comm=comm))
+        assert_same(est, rec)
+        return
+    rec = run_moe_step(model, layout, bucket=bucket, sp=sp, batch=B, seq=S, world=world, precision=precision,
+                       monkeypatch=monkeypatch)[0]
+    a2a = [k for k in rec if k[1:] == ("all_to_all_single", "ep")]
+    assert len(a2a) == 2 and all(rec[k][0] == est[k][0] for k in a2a)
+    assert_same({k: v for k, v in est.items() if k not in a2a}, {k: v for k, v in rec.items() if k not in a2a})

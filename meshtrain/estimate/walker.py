@@ -161,6 +161,7 @@ class Walker(PlacementRules):
         e = self.c or 4
         q = self._numel(q_shape, self.act(("batch", "seq", "q_heads", None)))
         heads = self.act(("batch", "seq", "kv_heads", None))
+        v_shape = (*v_shape[:-1], max(v_shape[-1], k_shape[-1]))  # narrower values travel padded to the keys' width
         kv = self._numel(k_shape, heads) + self._numel(v_shape, heads)
         comm = self.plan.cp_comm
         if comm == "allgather":  # K/V stacked; their gradients summed in fp32
