@@ -64,10 +64,6 @@ def validate(cfg: RunConfig) -> RunConfig:
         raise ConfigError(batch_message(t, p.dp, p.fsdp, dp))
     if p.pp > 1:
         _validate_pipeline(cfg)
-        if cfg.model.mtp is not None and cfg.model.mtp.depth:
-            raise ConfigError(f"model.mtp.depth={cfg.model.mtp.depth} with parallel.pp={p.pp}: multi-token prediction "
-                              "in a pipeline (its modules on the last stage, which then needs the embedding) is not "
-                              "built yet; use parallel.pp 1, or model.mtp.depth 0")
     elif p.pp_layout is not None:  # one stage: a layout must say so, not be ignored
         partition(model_def(cfg), 1, 1, p.pp_layout, seq_len=t.seq_len, micro_batch=t.micro_batch)
     # Any other layout problem the planner can see before the world size is known (a

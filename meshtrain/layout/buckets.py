@@ -92,10 +92,11 @@ def _member(p: ParamPlan) -> Member | None:
 
 
 def _unit(name: str, seen_block: bool) -> str:
-    """Block mode: the bucket a parameter belongs to ('layers.3', or the groups before and
-    after the blocks: embeddings, final norm and head)."""
+    """Block mode: the bucket a parameter belongs to ('layers.3'; a multi-token prediction
+    module, 'mtp.0', run after the head; or the groups before and after the blocks:
+    embeddings, final norm and head)."""
     parts = name.split(".")
-    if parts[0] == "layers" and len(parts) > 1:
+    if parts[0] in ("layers", "mtp") and len(parts) > 1:
         return ".".join(parts[:2])
     return "after" if seen_block else "before"
 

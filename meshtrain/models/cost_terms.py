@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from .family import ModelDef
-from .recording import cached, record_block, record_ends
+from .recording import Attend, cached, record_block, record_ends
 
 MLP = "mlp"
 
@@ -82,3 +82,11 @@ def _terms(model: ModelDef, seq_len: int, dtype: torch.dtype) -> CostTerms:
                 saved |= {f"layers.{i}." + n[len(prefix):] for n in kept if n.startswith(prefix)}
     saved |= {e.name for rec in (front, back) for e in rec.events if getattr(e, "saves", 0)}
     return CostTerms(mlp_saved, mlp_matmuls, norm_stats, per_sequence, frozenset(saved))
+
+
+def attention_flops(model: ModelDef, seq_len: int) -> float:
+    """One block's attention FLOPs per token, forward, over `seq_len` keys: 2 x keys x
+    query heads x (query/key head dim + value head dim), from the shapes the family's
+    forward gives ctx.attention (4 x keys x dim for Llama; MLA's own head dims)."""
+    events = record_block(model, 0, 1, seq_len, torch.float32).events
+    return sum(2.0 * seq_len * e.q[2] * (e.q[3] + e.v[3]) for e in events if isinstance(e, Attend))

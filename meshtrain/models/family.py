@@ -34,9 +34,9 @@ class Family:
     some families read (RoPE, GQA, ...), with messages that name the key and the fix
     (ModelConfig.check, models/config.py, calls it; the config dataclass checks its own invariants too); `hf`
     is its Hugging Face format (models/hf.py), None for a family that trains, plans and
-    generates but does not export or import; `forward_mtp(cfg, params, tokens, ahead,
-    ctx, docs)` the logits and those of its multi-token prediction depths (models/mtp.py),
-    None for a family without."""
+    generates but does not export or import; `forward_mtp(cfg, params, x, ctx, layers,
+    first, ahead, docs)` a last stage's (or the whole model's) logits and those of its
+    multi-token prediction depths (models/mtp.py), None for a family without."""
 
     name: str
     config: type

@@ -6,7 +6,8 @@ loss. S = pp x v stages; stage s lives on pp rank s % pp (interleaved: rank r ho
 stages r, r + pp, ...).
 
 Tied embeddings: `tok_emb` is *owned* by stage 0 (it is in stage 0's `params` and nowhere
-else's) and listed in the last stage's `shared`. The executor gives the last stage a
+else's) and listed in the last stage's `shared`, as it is when multi-token prediction's
+modules (on the last stage, with the head) embed the tokens ahead. The executor gives the last stage a
 replica of the table and all-reduces the two gradient contributions between the owning
 and sharing ranks before the optimizer step (Megatron's "embedding group"); the optimizer
 updates only the owner's copy and re-broadcasts it. With pp x v == 1 the same stage owns
@@ -14,9 +15,11 @@ and uses it, and `shared` is empty.
 
 Cost model (FLOPs of one micro-batch of `micro_batch` sequences of `seq_len` tokens,
 forward + backward, backward = 2 x forward):
-  layer      2 T x (weight-matrix elements of the layer) + 4 T S D  (QK^T and PV, full)
+  layer      2 T x (weight-matrix elements of the layer) + QK^T and PV over the full
+             square (4 T S D for Llama; the family's attention shapes, MLA's head dims)
   embedding  T D            (a row gather; small)
-  head       2 T D V + 5 T V + final norm  (the output matmul and the vocab-wide loss)
+  head       2 T D V + 5 T V + final norm  (the output matmul and the vocab-wide loss);
+             with multi-token prediction, per depth a block, eh_proj and the head again
 with T = micro_batch x seq_len. Activation memory per stage (`act_bytes`, fp32, no
 checkpointing, unsharded) follows the per-token counts of `meshtrain/estimate/activation_memory.py`.
 """
@@ -28,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import ConfigError
-from ..models.cost_terms import cost_terms
+from ..models.cost_terms import attention_flops, cost_terms
 
 FP32 = 4
 
@@ -80,9 +83,13 @@ def costs(model, *, seq_len: int, micro_batch: int) -> tuple[list[float], float,
             mat[i] += spec.shape[0] * spec.shape[1]
         elif i is not None and "experts" in spec.axes:  # a token uses top_k of the experts
             mat[i] += spec.numel * moe.top_k // moe.num_experts
-    layer = [3.0 * (2 * T * n + 4 * T * seq_len * D) for n in mat]
+    attention = T * attention_flops(model, seq_len)  # the family's own attention shapes
+    layer = [3.0 * (2 * T * n + attention) for n in mat]
     emb = 3.0 * T * D
     head = 3.0 * (2 * T * D * V + 5 * T * V + 4 * T * D)
+    mtp = getattr(cfg, "mtp", None)
+    if mtp is not None and mtp.depth:  # the modules run on the last stage: a block, eh_proj, the head again
+        head += mtp.depth * (layer[-1] + 3.0 * 2 * T * 2 * D * D + head)
     return layer, emb, head
 
 
@@ -181,7 +188,9 @@ def partition(model, pp: int, virtual: int = 1, layout: list[int] | None = None,
         counts = _balanced(w, S)
 
     specs = model.specs
-    tied = "tok_emb" in specs and "output" not in specs
+    # The last stage reads the embedding table too: a tied head, or multi-token prediction.
+    mtp = getattr(cfg, "mtp", None)
+    tied = "tok_emb" in specs and ("output" not in specs or (mtp is not None and mtp.depth > 0))
     stages, start = [], 0
     for s, k in enumerate(counts):
         stop = start + k
@@ -195,7 +204,7 @@ def partition(model, pp: int, virtual: int = 1, layout: list[int] | None = None,
             elif name in ("tok_emb", "pos_emb"):
                 if first:
                     owned.append(name)
-            elif last:  # norm, norm_bias, output
+            elif last:  # norm, norm_bias, output, multi-token prediction's modules
                 owned.append(name)
         shared = ("tok_emb",) if (tied and last and not first) else ()
         flops = sum(layer_c[start:stop]) + (emb_c if first else 0.0) + (head_c if last else 0.0)

@@ -18,7 +18,7 @@ import sys
 
 import torch
 
-from ..models.recording import Attend, record_block
+from ..models.cost_terms import attention_flops
 
 # Dense peak TFLOP/s per device (no sparsity), from the vendors' data sheets. fp32 runs on
 # tensor cores as TF32. Devices missing here report no MFU.
@@ -47,14 +47,10 @@ def flops_per_token(model, seq_len: int) -> float:
 
 
 def attention_flops_per_token(model, seq_len: int) -> float:
-    """The attention term per token over `seq_len` keys: per block, 2 x keys x (query
-    heads x query/key head dim) for the scores and 2 x keys x (query heads x value head dim)
-    for the weighted values, forward and backward (x 3), read from the shapes the
-    family's own forward gives attention (models/recording.py): 12 x dim x seq_len for
-    Llama, its own head dims for MLA."""
-    events = record_block(model, 0, 1, seq_len, torch.float32).events
-    per_block = sum(2.0 * seq_len * e.q[2] * (e.q[3] + e.v[3]) for e in events if isinstance(e, Attend))
-    return 3.0 * per_block * (model.cfg.n_layers + _mtp_depth(model.cfg))
+    """The attention term per token over `seq_len` keys, forward and backward (x 3), of
+    every block, multi-token prediction's included (models/cost_terms.py attention_flops:
+    the shapes the family's own forward gives attention; 12 x dim x seq_len for Llama)."""
+    return 3.0 * attention_flops(model, seq_len) * (model.cfg.n_layers + _mtp_depth(model.cfg))
 
 
 def _mtp_depth(cfg) -> int:

@@ -34,8 +34,9 @@ class MtpTerms:
         return per_depth.sum() * (self.coef / self.depth)
 
     def mtp_loss(self, reduce_sum) -> float:
-        """The step's mean over depths of each depth's mean loss."""
-        return float(reduce_sum(self.total).sum()) / self.depth
+        """The step's mean over depths of each depth's mean loss (`reduce_sum` of the
+        per-depth totals, None on a rank that ran no module)."""
+        return float(torch.as_tensor(reduce_sum(self.total)).sum()) / self.depth
 
 
 def _whole_rows(batch: dict, depth: int) -> dict:

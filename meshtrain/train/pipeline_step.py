@@ -57,8 +57,10 @@ from ..pipeline.schedule import B, BI, BW, F, RECV_B, RECV_F, SEND_B, SEND_F, Pi
 from .optim import AdamW
 from .lr_schedule import LRSchedule
 from .split_backward import SplitBackward
+from .mtp_terms import MtpTerms
+from .pipeline_terms import moe_metrics, pp_sum
 from .step import (InspectGrads, MoeTerms, TrainState, check_compile, check_split, compiled, count_targets, documents,
-                   full_value, make_update, moe_step)
+                   make_update)
 
 _TIED_TAG = 7  # the tied-embedding gradient exchange, apart from the schedule's traffic
 
@@ -129,7 +131,12 @@ class _Pipe:
     def _stage_fn(self, stage: Stage):
         cfg, ctx, family = self.model.cfg, self.ctx, self.model.family
 
-        def run(params, x, targets, docs):
+        def run(params, x, targets, docs, ahead=None, wanted=None):
+            if ahead is not None:  # the last stage with multi-token prediction: (loss, each depth's)
+                logits, depths = family.forward_mtp(cfg, params, x, ctx, stage.layers, stage.has_embedding, ahead,
+                                                    docs)
+                sums = [ctx.cross_entropy_sum(d, t) for d, t in zip(depths, wanted)]
+                return (ctx.cross_entropy_sum(logits, targets), sums), ctx.moe_aux()
             out = family.forward_stage(cfg, params, x, ctx, stage.layers, stage.has_embedding, stage.has_head,
                                        **({} if docs is None else {"docs": docs}))
             out = ctx.cross_entropy_sum(out, targets) if stage.has_head else ctx.constrain(out, RESIDUAL)
@@ -141,11 +148,13 @@ class _Pipe:
         code = run.__code__.replace(co_name=f"stage_{stage.index}")
         return types.FunctionType(code, run.__globals__, code.co_name, run.__defaults__, run.__closure__)
 
-    def forward(self, stage: Stage, params, x, targets=None, docs=None):
+    def forward(self, stage: Stage, params, x, targets=None, docs=None, ahead=None, wanted=None):
         """(the stage's output, or the last stage's summed token loss on `targets`; its MoE
         blocks' terms, or None). `docs`: the micro-batch's packed documents, which every
-        stage reads from the batch (they do not travel between stages)."""
-        return self._stage_fns[stage.index](params, x, targets, docs)
+        stage reads from the batch (they do not travel between stages). With multi-token
+        prediction's `ahead` and `wanted` (the last stage): the loss is (the loss, each
+        depth's summed loss)."""
+        return self._stage_fns[stage.index](params, x, targets, docs, ahead, wanted)
 
     def scope(self):
         return getattr(self.ctx, "regather_in_backward", contextlib.nullcontext)()
@@ -177,10 +186,11 @@ def _backward_roots(out: torch.Tensor, grad, extra):
 
 
 def _run(pipe: _Pipe, actions, params: dict, tokens, targets, n_tokens: int, *, train: bool,
-         timings: list | None = None, moe: MoeTerms | None = None, docs=None) -> torch.Tensor:
+         timings: list | None = None, moe: MoeTerms | None = None, docs=None, mtp: MtpTerms | None = None) -> torch.Tensor:
     """Walk this rank's actions; returns the loss (this rank's share: zero off the last stage).
     `timings`: append (kind, stage, seconds) for every compute action (host time: exact on
-    CPU, launch time only on an asynchronous device). `moe` collects MoE blocks' terms."""
+    CPU, launch time only on an asynchronous device). `moe` collects MoE blocks' terms,
+    `mtp` multi-token prediction's (the last stage adds them to its objective)."""
     stages, last = pipe.stages, len(pipe.stages) - 1
     rows, seq = tokens[0].shape
     local_shape, spec = pipe.boundary(rows, seq)
@@ -189,8 +199,8 @@ def _run(pipe: _Pipe, actions, params: dict, tokens, targets, n_tokens: int, *, 
     moe = moe or MoeTerms(1, 1)  # forward-only: the MoE records are drained, not used
     extras = {}  # (stage, micro-batch) -> its MoE objective term
 
-    def weights(stage: Stage):
-        return [params[n] for n in stage.params + stage.shared]
+    def weights(stage: Stage):  # what a weight-gradient pass differentiates: not the aux-free bias
+        return [params[n] for n in stage.params + stage.shared if params[n].requires_grad]
 
     for a in actions:
         s, j, key = a.stage, a.micro, (a.stage, a.micro)
@@ -207,12 +217,16 @@ def _run(pipe: _Pipe, actions, params: dict, tokens, targets, n_tokens: int, *, 
             value = local_tensor(value.detach()).contiguous()
             pending.append((dist.isend(value, dst=pipe.peer(a.peer)), value))
         elif a.kind == F:
+            ahead = (mtp.inputs[j], mtp.targets[j]) if mtp is not None and s == last else ()
             with pipe.scope():
                 out, aux = pipe.forward(stages[s], params, tokens[j] if s == 0 else pipe.wrap(inputs[key], spec),
-                                        targets[j] if s == last else None, None if docs is None else docs[j])
+                                        targets[j] if s == last else None, None if docs is None else docs[j], *ahead)
                 if s == last:
+                    out, sums = out if ahead else (out, None)
                     out = out / n_tokens
                     loss += local_tensor(out.detach())
+                    if ahead:
+                        out = out + mtp.add(sums)  # the objective; `loss` stays the next-token loss
                 extra = moe.add(aux, s)
                 if extra is not None and train:
                     extras[key] = extra
@@ -304,6 +318,7 @@ def make_pipeline_step(model: ModelDef, stages: list[Stage], pipeline_schedule: 
     tied_peer = pipe.peer(stages[-1].rank if pipe.rank == 0 else 0)
     tied_here = [n for n in stages[-1].shared if pipe.rank in (0, stages[-1].rank)]
     moe_layers = getattr(model.cfg, "moe_layers", ())
+    depth = model.cfg.mtp.depth if getattr(model.cfg, "mtp", None) is not None else 0
 
     def step(state: TrainState, batch: dict) -> dict:
         tokens, targets = batch["tokens"], batch["targets"]
@@ -314,9 +329,10 @@ def make_pipeline_step(model: ModelDef, stages: list[Stage], pipeline_schedule: 
         n_tokens = batch.get("num_targets") or count_targets(targets)
         timings = [] if record_timings else None
         moe = MoeTerms.of(tokens)
+        ahead = MtpTerms(batch, depth, model.cfg.mtp.loss_coef, count_targets) if depth else None
         params = state.params if pipe.kept is None else pipe.kept.gather(state.params)
         loss = _run(pipe, actions, params, tokens, targets, n_tokens, train=True, timings=timings, moe=moe,
-                    docs=documents(batch))
+                    docs=documents(batch), mtp=ahead)
         update_start = time.perf_counter()
         if pipe.kept is not None:  # the step's summed gradients, reduced once
             pipe.kept.release(params)
@@ -335,32 +351,14 @@ def make_pipeline_step(model: ModelDef, stages: list[Stage], pipeline_schedule: 
             norm, lr, updated = apply_update(state, uncounted=tied, loss=float(loss))
         metrics = {"loss": float(loss), "grad_norm": float(norm), "lr": lr, "skipped": not updated}
         if moe_layers:
-            metrics.update(_moe_metrics(state, pipe, moe, moe_layers, updated))
+            metrics.update(moe_metrics(state, pipe, moe, moe_layers, updated))
+        if ahead is not None:
+            metrics["mtp_loss"] = ahead.mtp_loss(lambda t: pp_sum(t, depth, pipe))
         if record_timings:
             metrics["timings"] = timings + [("update", -1, time.perf_counter() - update_start)]
         return metrics
 
     return step
-
-
-def _moe_metrics(state: TrainState, pipe: _Pipe, moe: MoeTerms, moe_layers, updated: bool) -> dict:
-    """Bias updates and load imbalance of this rank's MoE blocks; the metrics of all of
-    them (max imbalance, summed terms) over the pp group."""
-    stats = torch.zeros(2)  # (worst imbalance, objective terms) of this rank's stages
-    if moe.load:
-        order = sorted(moe.load)
-        layers = [f"layers.{i}." for s in order for i in range(*pipe.stages[s].layers) if i in moe_layers]
-        load = torch.cat([full_value(moe.load[s]) for s in order])
-        stats[0] = moe_step(state, pipe.model.cfg.moe, layers, load, updated).max()
-    if moe.total is not None:
-        stats[1] = full_value(moe.total)
-    imbalance = stats[:1].clone()
-    dist.all_reduce(imbalance, op=dist.ReduceOp.MAX, group=pipe.group)
-    dist.all_reduce(stats, group=pipe.group)
-    out = {"expert_imbalance": float(imbalance)}
-    if pipe.model.cfg.moe.balance == "aux" or pipe.model.cfg.moe.z_loss_coef:
-        out["aux_loss"] = float(stats[1])
-    return out
 
 
 def make_pipeline_eval(model: ModelDef, stages: list[Stage], pp: int, micro_steps: int, plan, device_mesh, *,

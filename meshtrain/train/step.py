@@ -293,7 +293,8 @@ def _loss_sum(model: ModelDef, ctx):
         if ahead is None:
             logits = model.forward(params, tokens, ctx, docs)
             return ctx.cross_entropy_sum(logits, targets, reduce=False), ctx.moe_aux(), []
-        logits, depths = model.family.forward_mtp(model.cfg, params, tokens, ahead, ctx, docs)
+        cfg = model.cfg
+        logits, depths = model.family.forward_mtp(cfg, params, tokens, ctx, (0, cfg.n_layers), True, ahead, docs)
         sums = [ctx.cross_entropy_sum(d, t, reduce=False) for d, t in zip(depths, wanted)]
         return ctx.cross_entropy_sum(logits, targets, reduce=False), ctx.moe_aux(), sums
 

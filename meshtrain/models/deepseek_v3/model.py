@@ -66,14 +66,15 @@ def forward_stage(cfg: DeepseekV3Config, params: Mapping[str, torch.Tensor], x: 
     return head(cfg, p, x, ctx) if last else x
 
 
-def forward_mtp(cfg: DeepseekV3Config, params: Mapping[str, torch.Tensor], tokens: torch.Tensor, ahead: list,
-                ctx: ModelContext, docs: Documents | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """The whole model with its multi-token prediction modules (models/mtp.py): the
-    logits, and each depth's; ahead[k-1] holds the ids (batch, seq) of the tokens k
-    positions ahead. One binding of the parameters for all of it (a sharded context
-    gathers each once)."""
+def forward_mtp(cfg: DeepseekV3Config, params: Mapping[str, torch.Tensor], x: torch.Tensor, ctx: ModelContext,
+                layers: tuple[int, int], first: bool, ahead: list,
+                docs: Documents | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The last stage (the whole model when layers are all of them and `first`) with its
+    multi-token prediction modules (models/mtp.py): the logits, and each depth's;
+    ahead[k-1] holds the ids (batch, seq) of the tokens k positions ahead. One binding of
+    the parameters for all of it (a sharded context gathers each once)."""
     p = ctx.bind(params)
-    h = _layers(cfg, p, tokens, ctx, (0, cfg.n_layers), True, docs)
+    h = _layers(cfg, p, x, ctx, layers, first, docs)
     return head(cfg, p, h, ctx), _mtp(cfg, p, h, ahead, ctx, docs)
 
 
