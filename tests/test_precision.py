@@ -11,17 +11,15 @@ fraction of a percent.
 
 from __future__ import annotations
 
-import collections
-
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from meshtrain import AdamW, LRSchedule, MeshSpec, Rules, TrainState, build, init_params, make_plan, make_train_step
 from meshtrain.models.spec import init_slice
 from meshtrain.testing import run_ranks
 
 from support.equivalence import BATCH, CFG, SEQ
+from support.precision import ComputeDtypes
 
 STEPS, LR = 6, 3e-3
 # Measured (this CPU, torch 2.13) as the largest |loss - fp32 loss| / fp32 loss over the 6
@@ -49,28 +47,6 @@ def batches(micro_steps: int = 1, steps: int = STEPS):
 def _optimizer(lr: float = LR):
     return dict(optimizer=AdamW(lr=lr, weight_decay=0.1),
                 lr_schedule=LRSchedule(lr=lr, min_lr=lr / 10, warmup_steps=2, total_steps=STEPS), grad_clip=1.0)
-
-
-class ComputeDtypes(TorchDispatchMode):
-    """Counts (op, operand dtypes) for the GEMMs, attention and embedding lookups, and
-    (collective, dtype) for every c10d functional op issued."""
-
-    OPS = {"mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "embedding", "_scaled_dot_product_flash_attention_for_cpu",
-           "_scaled_dot_product_flash_attention_for_cpu_backward"}
-
-    def __init__(self):
-        super().__init__()
-        self.ops: collections.Counter = collections.Counter()
-        self.collectives: set[tuple[str, str]] = set()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func._schema.name
-        if name.startswith("_c10d_functional::") and name != "_c10d_functional::wait_tensor":
-            self.collectives.add((name.split("::")[1], str(args[0].dtype)))
-        op = func.overloadpacket.__name__
-        if op in self.OPS:
-            self.ops[(op, tuple(str(a.dtype).removeprefix("torch.") for a in args if isinstance(a, torch.Tensor)))] += 1
-        return func(*args, **(kwargs or {}))
 
 
 def one_process(precision: str, fp8_recipe: str = "tensorwise", lr: float = LR):
