@@ -45,7 +45,7 @@ class ModelConfig:
     n_heads: int = 8
     """Number of attention (query) heads; must divide dim."""
     n_kv_heads: int | None = 4
-    """Number of key/value heads (grouped-query attention; llama only). Must divide n_heads. null: as many as n_heads. gpt2 has no GQA: leave it null or equal to n_heads."""
+    """Number of key/value heads (grouped-query attention; llama only). Must divide n_heads. null: as many as n_heads. gpt2 and deepseek_v3 have no GQA: leave it null or equal to n_heads."""
     ffn_dim: int | None = 688
     """Hidden size of the MLP. null: 4 * dim (gpt2 only; llama needs a value)."""
     vocab_size: int = 512
@@ -53,15 +53,15 @@ class ModelConfig:
     max_seq_len: int = 256
     """Longest sequence the model supports (gpt2: rows of the learned position table); train.seq_len may not exceed it."""
     rope_theta: float | None = 10000.0
-    """RoPE base frequency (llama only; gpt2 uses learned positions: leave it null)."""
+    """RoPE base frequency (llama, deepseek_v3; gpt2 uses learned positions: leave it null)."""
     norm_eps: float = 1.0e-5
-    """Epsilon of RMSNorm (llama) or LayerNorm (gpt2)."""
+    """Epsilon of RMSNorm (llama, deepseek_v3) or LayerNorm (gpt2)."""
     tie_embeddings: bool = False
     """Share the token embedding table with the output projection."""
     init_from: str | None = None
-    """Start from Hugging Face weights: a directory with config.json and *.safetensors (Llama, Qwen3, Mixtral, Qwen3-MoE or GPT-2); each rank reads only the slices of its own shards. Every model.* key not given (YAML or flag) is read from its config.json, model.arch and model.moe's included; the training-only ones (model.moe.aux_coef, z_loss_coef, capacity_factor, bias_update_rate) keep their defaults. A given key that config.json contradicts is an error naming both values. The weights are ignored when resuming from a checkpoint. null: random initialisation from seed."""
+    """Start from Hugging Face weights: a directory with config.json and *.safetensors (Llama, Qwen3, Mixtral, Qwen3-MoE, GPT-2 or DeepSeek-V3); each rank reads only the slices of its own shards. Every model.* key not given (YAML or flag) is read from its config.json, model.arch and model.moe's, model.mla's and model.mtp's included; the training-only ones (model.moe.aux_coef, z_loss_coef, capacity_factor, bias_update_rate, model.mtp.loss_coef) keep their defaults. A given key that config.json contradicts is an error naming both values. The weights are ignored when resuming from a checkpoint. null: random initialisation from seed."""
     rope_scaling: dict | None = None
-    """Llama 3.1-style RoPE rescaling for long context (llama only): {factor, low_freq_factor, high_freq_factor, original_max_position_embeddings} with factor >= 1, low_freq_factor < high_freq_factor and an integer original_max_position_embeddings; null: none."""
+    """RoPE rescaling for long context. llama: Llama 3.1's {factor, low_freq_factor, high_freq_factor, original_max_position_embeddings} with factor >= 1, low_freq_factor < high_freq_factor and an integer original_max_position_embeddings. deepseek_v3: YaRN's {type: yarn, factor, original_max_position_embeddings, beta_fast, beta_slow, mscale, mscale_all_dim}. null: none."""
     qk_norm: bool = False
     """RMSNorm on each query and key head before RoPE (Qwen3; llama only)."""
     head_dim: int | None = None

@@ -4,7 +4,7 @@ routed expert computation on local tensors.
 MoeConfig is the model.moe section of a run config itself: the CLI parses it from YAML and
 flags (its attribute docstrings are the --help of model.moe.*), and it checks its own
 fields when built. Only what crosses into the rest of the model (model.moe.layers against
-model.n_layers, llama-only) is config/'s to check.
+model.n_layers) is config/'s to check.
 
 The layer is written once, for local tensors; the context decides where experts live.
 `routed_experts` takes an optional `exchange` (expert parallelism: tokens travel to the
@@ -35,7 +35,7 @@ MAX_SIZES = {"num_experts": 2**16, "shared_experts": 2**16, "expert_ffn_dim": 2*
 
 @dataclass(frozen=True)
 class MoeConfig:
-    """Mixture-of-experts feed-forward blocks (llama family): a router picks top_k of num_experts SwiGLU experts per token."""
+    """Mixture-of-experts feed-forward blocks (llama and deepseek_v3 families): a router picks top_k of num_experts SwiGLU experts per token."""
 
     num_experts: int = 8
     """Routed experts per MoE block."""

@@ -56,8 +56,8 @@ which experts are chosen): Mixtral and Qwen3-MoE have none of these. For Mixtral
 dense blocks (model.moe.layers other than every block), norm_topk false and top_k 1
 (Mixtral gives a lone expert the gate 1, meshtrain its router probability; for Qwen3-MoE
 top_k 1 exports as norm_topk_prob false, which is ours). DeepSeek-V3, the architecture
-with a sigmoid router, expert bias and shared experts, is no target: its attention is MLA,
-which meshtrain's llama lacks. capacity_factor is allowed: transformers computes every
+with a sigmoid router, expert bias and shared experts, is the deepseek_v3 family's target
+(models/deepseek_v3/hf.py), not llama's: its attention is MLA. capacity_factor is allowed: transformers computes every
 routed token (dropless), as meshtrain does at inference without one; a model trained
 with dropped tokens is then evaluated without drops, the usual practice.
 
