@@ -2,7 +2,8 @@
 alone (every model key read from its config.json) equals transformers' model trained on
 the run's own batches with torch.optim.AdamW, clip_grad_norm_ and the aux-free bias
 update: loss and gradient norm per step (rtol 1e-5), on one process (eager and compiled)
-and on 2 ranks (fsdp 2 x ep 2, the reader's batches sharded; cp 2 with the ring). The
+and on ranks (fsdp 2 x ep 2, cp 2 with the ring, pp 2, fsdp 2 x tp 2 + sp), the reader's
+batches sharded. The
 layouts' equivalence at the step level: tests/test_deepseek_layouts.py."""
 
 from __future__ import annotations
@@ -92,10 +93,13 @@ def test_fit_from_init_from_alone_equals_transformers(release, tmp_path, compile
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("parallel", [{"fsdp": 2, "ep": 2}, {"fsdp": 1, "cp": 2, "cp_comm": "ring"}],
-                         ids=["fsdp2_ep2", "cp2_ring"])
-def test_two_ranks_from_init_from_alone_equal_transformers(release, tmp_path, parallel):
-    config = _config(tmp_path, release, "two", **parallel)
-    proc = run_cli("fit", "--config", config, "--parallel.nproc_per_node", "2")
+@pytest.mark.parametrize("parallel", [{"fsdp": 2, "ep": 2}, {"fsdp": 1, "cp": 2, "cp_comm": "ring"},
+                                      {"fsdp": 1, "pp": 2}, {"fsdp": 2, "tp": 2, "sp": True}],
+                         ids=["fsdp2_ep2", "cp2_ring", "pp2", "fsdp2_tp2_sp"])
+def test_ranks_from_init_from_alone_equal_transformers(release, tmp_path, parallel):
+    """Each rank reads its own slices of the transformers files (pp: its stage's)."""
+    config = _config(tmp_path, release, "ranks", **parallel)
+    ranks = 4 if parallel.get("tp") else 2
+    proc = run_cli("fit", "--config", config, "--parallel.nproc_per_node", str(ranks))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    _check(tmp_path / "two", _reference(release, tmp_path / "two"))
+    _check(tmp_path / "ranks", _reference(release, tmp_path / "ranks"))
