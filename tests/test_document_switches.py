@@ -165,15 +165,15 @@ def at_positions(params: dict, positions: list[int]):
     if "pos_emb" in params:
         yield {**params, "pos_emb": params["pos_emb"][index]}
         return
-    from meshtrain.models.llama import model as llama
+    from meshtrain.models import blocks  # rope_tables: the RoPE tables of every RoPE family's stage
 
-    real = llama.rope_cos_sin
+    real = blocks.rope_cos_sin
 
     def gathered(seq_len, head_dim, *args, **kwargs):
         assert seq_len == len(positions)
         return tuple(t[index] for t in real(max(positions) + 1, head_dim, *args, **kwargs))
 
-    with mock.patch.object(llama, "rope_cos_sin", gathered):
+    with mock.patch.object(blocks, "rope_cos_sin", gathered):
         yield params
 
 
