@@ -36,7 +36,9 @@ class Family:
     is its Hugging Face format (models/hf.py), None for a family that trains, plans and
     generates but does not export or import; `forward_mtp(cfg, params, x, ctx, layers,
     first, ahead, docs)` a last stage's (or the whole model's) logits and those of its
-    multi-token prediction depths (models/mtp.py), None for a family without."""
+    multi-token prediction depths (models/mtp.py), None for a family without;
+    `cache_dims(cfg)` the (heads, k width, v width) a decoding cache holds per position
+    when not (kv_heads, head_dim, head_dim): MLA's latent and rotary key."""
 
     name: str
     config: type
@@ -49,6 +51,7 @@ class Family:
     check_fields: Callable[[Any], None] = lambda m: None
     hf: HFFormat | None = None
     forward_mtp: Callable | None = None
+    cache_dims: Callable[[Any], tuple[int, int, int]] | None = None
 
     def moe_blocks(self, cfg) -> list[str]:
         """The prefixes ("layers.3.") of the MoE blocks in the order a forward runs them:
@@ -69,10 +72,8 @@ class Family:
     def init_cache(self, cfg, batch: int, max_len: int, dtype=torch.float32, device="cpu") -> KVCache:
         """An empty KV cache for `max_len` positions (at most cfg.max_seq_len is meaningful);
         MLA's holds each position's latent and rotary key (models/decode.py)."""
-        mla = getattr(cfg, "mla", None)
-        if mla is not None:
-            return KVCache.empty(cfg.n_layers, batch, max_len, 1, mla.kv_lora_rank, dtype, device, mla.qk_rope_head_dim)
-        return KVCache.empty(cfg.n_layers, batch, max_len, self.kv_heads(cfg), cfg.head_dim, dtype, device)
+        heads, k_width, v_width = self.cache_dims(cfg) if self.cache_dims else (self.kv_heads(cfg), cfg.head_dim, None)
+        return KVCache.empty(cfg.n_layers, batch, max_len, heads, k_width, dtype, device, v_width)
 
     def decode(self, cfg, params, tokens, cache, start_pos: int, last_only: bool = False):
         """Logits (batch, t, vocab) for `tokens` (batch, t) at positions start_pos.., given

@@ -62,7 +62,7 @@ def forward_stage(cfg: DeepseekV3Config, params: Mapping[str, torch.Tensor], x: 
                   layers: tuple[int, int], first: bool, last: bool, docs: Documents | None = None) -> torch.Tensor:
     """One pipeline stage, as llama's (models/family.py Family.forward_stage)."""
     p = ctx.bind(params)
-    x = _layers(cfg, p, x, ctx, layers, first, docs)
+    x, _ = _layers(cfg, p, x, ctx, layers, first, docs)
     return head(cfg, p, x, ctx) if last else x
 
 
@@ -74,12 +74,13 @@ def forward_mtp(cfg: DeepseekV3Config, params: Mapping[str, torch.Tensor], x: to
     ahead[k-1] holds the ids (batch, seq) of the tokens k positions ahead. One binding of
     the parameters for all of it (a sharded context gathers each once)."""
     p = ctx.bind(params)
-    h = _layers(cfg, p, x, ctx, layers, first, docs)
-    return head(cfg, p, h, ctx), _mtp(cfg, p, h, ahead, ctx, docs)
+    h, tables = _layers(cfg, p, x, ctx, layers, first, docs)
+    return head(cfg, p, h, ctx), _mtp(cfg, p, h, ahead, ctx, tables)
 
 
 def _layers(cfg, p, x, ctx, layers, first, docs):
-    """Blocks [start, stop) on bound parameters, after the embedding when `first`."""
+    """Blocks [start, stop) on bound parameters, after the embedding when `first`; and
+    what they attended with (RoPE tables, segments, window), which MTP's blocks reuse."""
     if first:
         tokens = ctx.constrain(x, ("batch", "seq"))
         x = ctx.constrain(ctx.embedding(tokens, p["tok_emb"]), ("batch", "seq_sp", None))
@@ -88,7 +89,7 @@ def _layers(cfg, p, x, ctx, layers, first, docs):
     window = None if docs is None else docs.window
     for i in range(*layers):
         x = ctx.remat(_block, cfg, p, f"layers.{i}.", i in cfg.moe_layers, x, cos, sin, ctx, segments, window)
-    return x
+    return x, (cos, sin, segments, window)
 
 
 def head(cfg: DeepseekV3Config, p: Mapping[str, torch.Tensor], x: torch.Tensor, ctx: ModelContext) -> torch.Tensor:
@@ -104,11 +105,10 @@ def _block(cfg, p, prefix, moe_block, x, cos, sin, ctx, segments=None, window=No
     return x + mlp(p, prefix, x, cfg.norm_eps, ctx)
 
 
-def _mtp(cfg, p, h, ahead, ctx, docs):
-    """Each depth's logits: h is the last block's output before the final norm."""
-    cos, sin = rope_tables(ctx, h, docs, cfg.mla.qk_rope_head_dim, cfg.rope_theta, cfg.rope_scaling)
-    segments = None if docs is None or docs.segments is None else ctx.constrain(docs.segments, ("batch", "seq"))
-    window = None if docs is None else docs.window
+def _mtp(cfg, p, h, ahead, ctx, tables):
+    """Each depth's logits: h is the last block's output before the final norm, `tables`
+    what the blocks attended with."""
+    cos, sin, segments, window = tables
     out = []
     for k, ids in enumerate(ahead):
         pre = f"mtp.{k}."
