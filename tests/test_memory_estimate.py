@@ -21,9 +21,11 @@ import torch
 
 from meshtrain import MeshSpec, Rules, build, init_params, make_plan
 from meshtrain.models import gpt2, llama
+from meshtrain.models.deepseek_v3 import DeepseekV3Config
 from meshtrain.estimate.memory import per_rank_memory
 from meshtrain.layout.traffic import Traffic
 from meshtrain.testing import run_ranks
+from support import deepseek
 from support.memory import kept_instead
 
 CFG = llama.LlamaConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=128, max_seq_len=64)
@@ -33,27 +35,37 @@ UNEVEN_CFG = llama.LlamaConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_
 UNEVEN = {"tok_emb": {"vocab": ("fsdp",), "embed": ()}, "output": {"vocab": ("fsdp",), "embed": ()}}
 QK_CFG = dataclasses.replace(CFG, qk_norm=True)
 GPT2_CFG = gpt2.GPT2Config(dim=64, n_layers=2, n_heads=4, ffn_dim=128, vocab_size=128, max_seq_len=64)
+# MLA (query and key/value latents with their norms, values narrower than keys: the math
+# kernel on CPU, fp32 inside under bf16), YaRN's tables; dense blocks (MoE: below).
+MLA_CFG = dataclasses.replace(deepseek.CFG, moe=None)
+MLA_NO_Q_CFG = dataclasses.replace(MLA_CFG, mla=dataclasses.replace(MLA_CFG.mla, q_lora_rank=None))
 MICRO, SEQ = 2, 24  # sequences per data-parallel rank; seq != head_dim keeps shapes apart
 
 # name: (mesh sizes, sequence parallel, rule overrides, config)
 LAYOUTS = {
     1: {"single": ({}, False, None, CFG), "single_qk_norm": ({}, False, None, QK_CFG),
-        "single_gpt2": ({}, False, None, GPT2_CFG)},
+        "single_gpt2": ({}, False, None, GPT2_CFG), "single_mla": ({}, False, None, MLA_CFG),
+        "single_mla_no_q_latent": ({}, False, None, MLA_NO_Q_CFG)},
     2: {"fsdp2": ({"fsdp": 2}, False, None, CFG), "tp2": ({"tp": 2}, False, None, CFG),  # sp: fsdp2_tp2_sp
         "tp2_sp_qk_norm": ({"tp": 2}, True, None, QK_CFG), "tp2_sp_gpt2": ({"tp": 2}, True, None, GPT2_CFG),
         "cp2_allgather": ({"cp": 2}, False, None, CFG), "cp2_ring": ({"cp": 2}, False, None, CFG),
-        "cp2_a2a": ({"cp": 2}, False, None, CFG)},
+        "cp2_a2a": ({"cp": 2}, False, None, CFG), "tp2_sp_mla": ({"tp": 2}, True, None, MLA_CFG),
+        "cp2_allgather_mla": ({"cp": 2}, False, None, MLA_CFG), "cp2_ring_mla": ({"cp": 2}, False, None, MLA_CFG),
+        "cp2_a2a_mla": ({"cp": 2}, False, None, MLA_CFG)},
     4: {"fsdp2_tp2_sp": ({"fsdp": 2, "tp": 2}, True, None, CFG), "dp2_fsdp2": ({"dp": 2, "fsdp": 2}, False, None, CFG),
         "fsdp4_uneven": ({"fsdp": 4}, False, UNEVEN, UNEVEN_CFG),
-        "cp2_tp2_sp_allgather": ({"cp": 2, "tp": 2}, True, None, CFG)},
+        "cp2_tp2_sp_allgather": ({"cp": 2, "tp": 2}, True, None, CFG),
+        "fsdp2_tp2_sp_mla": ({"fsdp": 2, "tp": 2}, True, None, MLA_CFG)},
 }
-CP_COMM = {"cp2_allgather": "allgather", "cp2_ring": "ring", "cp2_a2a": "a2a", "cp2_tp2_sp_allgather": "allgather"}
+CP_COMM = {"cp2_allgather": "allgather", "cp2_ring": "ring", "cp2_a2a": "a2a", "cp2_tp2_sp_allgather": "allgather",
+           "cp2_allgather_mla": "allgather", "cp2_ring_mla": "ring", "cp2_a2a_mla": "a2a"}
+FAMILIES = {gpt2.GPT2Config: "gpt2", llama.LlamaConfig: "llama", DeepseekV3Config: "deepseek_v3"}
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16}
 
 
 def _plan(name, world):
     sizes, sp, overrides, cfg = LAYOUTS[world][name]
-    model = build("gpt2" if isinstance(cfg, gpt2.GPT2Config) else "llama", cfg)
+    model = build(FAMILIES[type(cfg)], cfg)
     return model, make_plan(model.specs, Rules(Rules.default(sp=sp).mapping, overrides or {}), MeshSpec(**sizes),
                             world=world, cp_comm=CP_COMM.get(name, "allgather"))
 
@@ -202,6 +214,9 @@ MOE_MEMORY_CASES = [
      "bf16"),
     ("fsdp2xtp2-ep2-sp-all", dict(shared_experts=1, router="sigmoid", balance="aux_free", layers="all"),
      {"fsdp": 2, "tp": 2, "ep": 2}, True, 4, "fp32"),
+    # DeepSeek-V3 (MLA; 8 experts in 4 groups, the best 2 eligible; a shared expert; block 0 dense)
+    ("deepseek-fsdp2-ep2-bf16", None, {"fsdp": 2, "ep": 2}, False, 2, "bf16"),
+    ("deepseek-fsdp2xtp2-ep2-sp", None, {"fsdp": 2, "tp": 2, "ep": 2}, True, 4, "fp32"),
 ]
 
 
@@ -263,8 +278,11 @@ def test_moe_activation_bytes_match(case, monkeypatch):
     from meshtrain.models.moe import MoeConfig
 
     _, moe, sizes, sp, world, precision = case
-    cfg = llama.LlamaConfig(**{**CFG.__dict__, "moe": MoeConfig(num_experts=4, top_k=2, expert_ffn_dim=32, **moe)})
-    model = build("llama", cfg)
+    if moe is None:
+        model = build("deepseek_v3", deepseek.CFG)
+    else:
+        model = build("llama", llama.LlamaConfig(**{**CFG.__dict__, "moe": MoeConfig(num_experts=4, top_k=2,
+                                                                                     expert_ffn_dim=32, **moe)}))
     plan = make_plan(model.specs, Rules.default(sp=sp), MeshSpec(**sizes), world=world)
     got = measure_moe(model, plan, precision, monkeypatch)
     est = per_rank_memory(plan, model, micro_batch=MICRO, seq_len=SEQ, precision=precision)
@@ -274,3 +292,37 @@ def test_moe_activation_bytes_match(case, monkeypatch):
                            traffic=Traffic(reshard_after_forward=False))
     assert kept["gathered_weights"] == got["regathered"]
     assert est["activations_per_moe_layer"] > 0
+
+
+def test_mla_layer_under_each_checkpointing_mode_matches_the_allocator():
+    """What one MLA block keeps (bench/layer_memory.py's allocator measure: the model at 2
+    and 3 layers) under none / selective / full checkpointing, fp32 and bf16, one process
+    and tp2 + sp, equals the planner's to the byte. On CPU its narrower values take the
+    math kernel, whose matmuls (scores, output) selective checkpointing keeps; YaRN is left
+    out here: its query gain is a float64 scalar autograd keeps (8 bytes a block, no
+    tensor the planner counts)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+    import layer_memory
+
+    cfg = dataclasses.replace(MLA_CFG, rope_scaling=None, dim=64, max_seq_len=128)
+    family = "deepseek_v3"
+    layer_memory.FAMILIES[family] = lambda n: dataclasses.replace(cfg, n_layers=n)
+    try:
+        for tp in (1, 2):
+            cases = [(family, n, m, p, 2, 64, tp) for m in ("none", "selective", "full") for p in PRECISIONS
+                     for n in (2, 3)]
+            held = layer_memory._measure_all(cases, tp)
+            for _, n, mode, precision, b, s, _ in cases[1::2]:
+                measured = held[(family, n, mode, precision, b, s, tp)] - held[(family, n - 1, mode, precision, b, s, tp)]
+                planner = []
+                for layers in (n - 1, n):
+                    model = build(family, layer_memory.FAMILIES[family](layers))
+                    plan = layer_memory._plan(model, tp) or make_plan(model.specs, Rules.default(), MeshSpec(), world=1)
+                    planner.append(per_rank_memory(plan, model, micro_batch=b, seq_len=s, precision=precision,
+                                                   activation_checkpointing=mode)["activations"])
+                assert planner[1] - planner[0] == measured, (tp, mode, precision, planner, measured)
+    finally:
+        del layer_memory.FAMILIES[family]

@@ -28,6 +28,13 @@ Hq: Korthikanti et al.'s (2022) accounting for RMSNorm, GQA, SwiGLU and a fused
 attention kernel (41 for llama3-8b), plus 8 + 4 Hq bytes of fp32 row statistics; every
 term divided by tp under tp + sp (docs/plan.md derives it).
 
+The attention half is not written here as a formula but counted from the family's own
+recorded forward (models/cost_terms.py AttentionTerms): each tensor it keeps beside the
+kernel in its recorded dtype and its layout on the plan (an all-gathered one as the shard
+it came from), and the kernel's tensors from the shapes the forward gave it. For Llama
+that is the table above; for MLA (DeepSeek-V3) it adds the query and key/value latents,
+their norms' inputs and statistics, and values narrower than q and k.
+
 Once per micro-batch: RoPE cos and sin (S x hd each, c); the final norm (c*D + 4)
 and the output matmul's input (c*D, its shard under sp); the loss (models.losses), which never gathers the
 vocab and makes no fp32 copy of the logits: the local logits slice itself (c*V/tp per
@@ -45,7 +52,10 @@ local ones, and the zigzag order. The token ids a rank selects are a new tensor 
 cp, kept by a lookup that is not vocab-parallel.
 
 Attention kernel: the fused kernels (CPU's flash kernel, CUDA flash / mem-efficient)
-keep q, k, v, output and log-sum-exp and recompute the probabilities. The math path
+keep q, k, v, output and log-sum-exp and recompute the probabilities. The CPU's flash
+kernel needs values as wide as keys: MLA's narrower ones take the math kernel there,
+which computes a bf16 attention in fp32 (q, expanded k and v, probabilities; the output
+cast back). The math path
 keeps q and k expanded to Hq heads (GQA), v expanded, the probabilities (B, Hq, S, S)
 and a contiguous copy of the output; it is selected with attention="math" and is what
 CUDA runs for fp32 GQA (no fused kernel takes fp32 + GQA there).
@@ -74,13 +84,17 @@ models/policy.py):
              alone, CostTerms.mlp_matmuls) and of attention (output, log-sum-exp), and wo's
              and w_down's outputs as reduced over tp ([seq_sp]: the row-parallel matmul
              is recomputed, its reduce-scatter kept); recompute norms, RoPE,
-             activation functions and products. With the math kernel the (S x S)
-             probabilities are recomputed too (Korthikanti et al. 2022). MoE blocks'
+             activation functions and products. With the math kernel its two
+             matmuls' outputs are kept instead of output and log-sum-exp: the (S x S)
+             scores and the output, in the kernel's dtype (the softmax is recomputed).
+             MLA keeps its latent projections' outputs too (every matmul before the
+             kernel, as recorded). MoE blocks'
              selective figure is an estimate (not measured).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Sequence
@@ -94,6 +108,7 @@ from ..models.family import RESIDUAL, TOKENS
 from ..models.losses import CHUNK_ROWS
 from .compute import MaskKeys
 from .dtype_bytes import BOOL, FP32, INT64
+from .placement_rules import R, PlacementRules, numel_on_rank
 
 
 def local_numel(plan: Plan, shape: Sequence[int], axes: Sequence[str | None]) -> int:
@@ -105,8 +120,8 @@ def local_numel(plan: Plan, shape: Sequence[int], axes: Sequence[str | None]) ->
 class MicroBatch:
     """The sizes the activation terms read: one micro-batch of B sequences (every
     data-parallel rank's) x S positions on the plan, c bytes per compute-dtype element,
-    and the model's dims (D, head_dim hd, ffn F, vocab V, heads Hq and Hkv, `stats` fp32
-    row statistics per norm)."""
+    and the model's dims (D, ffn F, vocab V, `stats` fp32 row statistics per norm); the
+    attention's shapes are its recording's (costs.attention)."""
 
     plan: Plan
     cfg: object
@@ -114,26 +129,24 @@ class MicroBatch:
     B: int
     S: int
     c: int
-    Hq: int
-    Hkv: int
 
     @classmethod
     def of(cls, plan: Plan, model, micro_batch: int, seq_len: int, c: int) -> MicroBatch:
-        family, cfg, mesh = model.family, model.cfg, plan.mesh
         dtype = torch.float32 if c == FP32 else torch.bfloat16
-        return cls(plan, cfg, cost_terms(model, seq_len, dtype), micro_batch * mesh.dp * mesh.fsdp, seq_len, c,
-                   cfg.n_heads, family.kv_heads(cfg))
+        return cls(plan, model.cfg, cost_terms(model, seq_len, dtype), micro_batch * plan.mesh.dp * plan.mesh.fsdp,
+                   seq_len, c)
 
     def local(self, shape: Sequence[int], axes: Sequence[str | None]) -> int:
         return local_numel(self.plan, shape, axes)
 
+    @functools.cached_property
+    def rules(self) -> PlacementRules:
+        """The placements of recorded layouts on this plan."""
+        return PlacementRules(self.plan)
+
     @property
     def D(self) -> int:
         return self.cfg.dim
-
-    @property
-    def hd(self) -> int:
-        return self.cfg.head_dim
 
     @property
     def stats(self) -> int:
@@ -159,50 +172,71 @@ def norm_saved(mb: MicroBatch) -> int:
     return mb.c * mb.local((mb.B, mb.S, mb.D), RESIDUAL) + FP32 * mb.stats * mb.local((mb.B, mb.S, 1), RESIDUAL)
 
 
+def kept_bytes(mb: MicroBatch, saved) -> int:
+    """Local bytes of recorded saved tensors (models/recording.py, batch 1) at this
+    micro-batch: each in its own dtype and layout on the plan, an all-gathered one as the
+    shard it was gathered from (the runtime keeps that and gathers again in backward)."""
+    total = 0
+    for s in saved:
+        layout = mb.rules.layout(s.layout)
+        if s.src is not None and gathers(src := mb.rules.layout(s.src), layout):
+            layout = src
+        total += s.dtype.itemsize * numel_on_rank((mb.B, *s.shape[1:]), layout, mb.plan.mesh)
+    return total
+
+
+def gathers(src: tuple, dst: tuple) -> bool:
+    """Does redistributing `src` to `dst` only gather (no reduction, no new split)?"""
+    return src != dst and all(s == d or (s[0] == "S" and d == R) for s, d in zip(src, dst))
+
+
 def attention_saved(mb: MicroBatch, kernel: str) -> int:
     """What the attention kernel keeps (q, k, v, output, log-sum-exp; the math kernel's
-    expanded heads and probabilities; context parallelism's own)."""
-    plan, B, S, hd, c = mb.plan, mb.B, mb.S, mb.hd, mb.c
-    q = local_numel(plan, (B, S, mb.Hq, hd), ("batch", "seq", "q_heads", None))
-    kv = local_numel(plan, (B, S, mb.Hkv, hd), ("batch", "seq", "kv_heads", None))
-    lse = local_numel(plan, (B, mb.Hq, S), ("batch", "q_heads", "seq"))
+    expanded heads and probabilities; context parallelism's own), from the shapes the
+    recorded forward gave it: values may be narrower than keys (MLA)."""
+    plan, B, S, c = mb.plan, mb.B, mb.S, mb.c
+    attend = mb.costs.attention.attend
+    Hq, Hkv, dk, dv = attend.q[2], attend.k[2], attend.k[3], attend.v[3]
+    heads, kv_heads = ("batch", "seq", "q_heads", None), ("batch", "seq", "kv_heads", None)
+    q = local_numel(plan, (B, S, Hq, dk), heads)
+    k = local_numel(plan, (B, S, Hkv, dk), kv_heads)
+    v = local_numel(plan, (B, S, Hkv, dv), kv_heads)
+    out = local_numel(plan, (B, S, Hq, dv), heads)
+    lse = local_numel(plan, (B, Hq, S), ("batch", "q_heads", "seq"))
     if plan.mesh.cp > 1:  # parallel/cp_attention.py keeps q, k, v, output, lse and its orders
+        if dv != dk:  # values zero-padded to the keys' width; the padded output, and its cut copy
+            v, out = k, q + out
         if plan.cp_comm == "allgather":  # the gathered K/V (cp x the local shard) instead of k, v
-            return c * (q + 2 * kv * plan.mesh.cp + q) + FP32 * lse + INT64 * S
+            return c * (q + (k + v) * plan.mesh.cp + out) + FP32 * lse + INT64 * S
         if plan.cp_comm == "a2a":  # its output on the head split, besides the one wo keeps; two orders
-            return c * (q + 2 * kv + q + q) + FP32 * lse + 2 * INT64 * S
-        return c * (q + 2 * kv + q) + FP32 * lse
+            return c * (q + k + v + out + q) + FP32 * lse + 2 * INT64 * S
+        return c * (q + k + v + out) + FP32 * lse
     if kernel == "flash":
-        return c * (q + 2 * kv + q) + FP32 * lse
-    probs = local_numel(plan, (B, mb.Hq, S, S), ("batch", "q_heads", "seq", None))
-    return c * (4 * q + probs)  # q, k and v at Hq heads, output copy; probabilities
+        return c * (q + k + v + out) + FP32 * lse
+    probs = local_numel(plan, (B, Hq, S, S), ("batch", "q_heads", "seq", None))
+    # q; k and v expanded to the query heads; probabilities; a contiguous copy of the output
+    inner = FP32 if kernel == "math_fp32" else c
+    return inner * (q + q + out + probs) + c * out
 
 
 def mask_tensors(mb: MicroBatch, mask_keys: MaskKeys) -> tuple[int, int]:
     """Per layer, beside the masks: (eager tiles' outputs joined into one more tensor,
     compiled windows' keys and values padded in front of the row)."""
+    attend = mb.costs.attention.attend
     joined = pads = 0
     if mask_keys.tiled:
-        joined = mb.c * mb.local((mb.B, mb.S, mb.Hq, mb.hd), ("batch", "seq", "q_heads", None))
+        joined = mb.c * mb.local((mb.B, mb.S, attend.q[2], attend.v[3]), ("batch", "seq", "q_heads", None))
     if mask_keys.padded:
-        pads = 2 * mb.c * mb.local((mb.B, mask_keys.padded, mb.Hkv, mb.hd), ("batch", None, "kv_heads", None))
+        pads = mb.c * sum(mb.local((mb.B, mask_keys.padded, *t[2:]), ("batch", None, "kv_heads", None))
+                          for t in (attend.k, attend.v))
     return joined, pads
 
 
-def qk_norms_saved(mb: MicroBatch) -> int:
-    """Per-head norms (qk_norm) keep q and k before them and a rsqrt per head."""
-    if not getattr(mb.cfg, "qk_norm", False):
-        return 0
-    heads = mb.local((mb.B, mb.S, mb.Hq), ("batch", "seq", "q_heads")) \
-        + mb.local((mb.B, mb.S, mb.Hkv), ("batch", "seq", "kv_heads"))
-    return (mb.c * mb.hd + FP32 * mb.stats) * heads
-
-
 def attention_half(mb: MicroBatch, kernel: str, joined: int, pads: int) -> int:
-    """A block's attention half, nothing recomputed: its norm, the matmuls' input, the
-    kernel's tensors, qk norms and the document masks' per-layer tensors."""
-    return (norm_saved(mb) + mb.c * mb.x_res() + attention_saved(mb, kernel)
-            + qk_norms_saved(mb) + joined + pads)
+    """A block's attention half, nothing recomputed: what its recorded forward keeps
+    beside the kernel (the norm, the matmuls' input, MLA's latents and their norms, qk
+    norms), the kernel's tensors and the document masks' per-layer tensors."""
+    return kept_bytes(mb, mb.costs.attention.kept) + attention_saved(mb, kernel) + joined + pads
 
 
 def mlp_half(mb: MicroBatch) -> int:
@@ -211,19 +245,27 @@ def mlp_half(mb: MicroBatch) -> int:
     return norm_saved(mb) + mb.c * mb.x_res() + mb.costs.mlp_saved * mb.c * mb.mlp()
 
 
-def checkpointed_layer(mb: MicroBatch, none: int, checkpointing: str, joined: int, pads: int) -> int:
+def checkpointed_layer(mb: MicroBatch, none: int, checkpointing: str, kernel: str, joined: int, pads: int) -> int:
     """A dense layer's bytes under `checkpointing`, `none` being what it keeps without."""
     if checkpointing == "none":
         return none
     if checkpointing == "full":
         return mb.c * mb.x_res()
-    q = mb.local((mb.B, mb.S, mb.Hq, mb.hd), ("batch", "seq", "q_heads", None))
-    kv = mb.local((mb.B, mb.S, mb.Hkv, mb.hd), ("batch", "seq", "kv_heads", None))
-    lse = mb.local((mb.B, mb.Hq, mb.S), ("batch", "q_heads", "seq"))
-    # The layer input; q, k, v, the attention output; wo's and w_down's outputs as
-    # reduced over tp (a sequence shard under sp: ShardedContext's row-parallel
-    # matmuls are recomputed, their reductions kept); the MLP's up (and gate) outputs.
-    return mb.c * (3 * mb.x_res() + q + 2 * kv + q) + FP32 * lse + mb.costs.mlp_matmuls * mb.c * mb.mlp() \
+    terms = mb.costs.attention
+    attend = terms.attend
+    projections = sum(numel_on_rank((mb.B, *p.shape[1:]), mb.rules.layout(p.layout), mb.plan.mesh)
+                      for p in terms.projections)
+    out = mb.local((mb.B, mb.S, attend.q[2], attend.v[3]), ("batch", "seq", "q_heads", None))
+    if kernel == "flash":  # the fused kernel's output and log-sum-exp
+        attention = mb.c * out + FP32 * mb.local((mb.B, attend.q[2], mb.S), ("batch", "q_heads", "seq"))
+    else:  # the math kernel's two matmuls: the scores (S x S) and the output, in its dtype
+        scores = mb.local((mb.B, attend.q[2], mb.S, mb.S), ("batch", "q_heads", "seq", None))
+        attention = (FP32 if kernel == "math_fp32" else mb.c) * (scores + out)
+    # The layer input; the projections before the kernel (q, k, v before RoPE; MLA's
+    # latents and up-projections); the attention's; wo's and w_down's outputs as reduced
+    # over tp (a sequence shard under sp: ShardedContext's row-parallel matmuls are
+    # recomputed, their reductions kept); the MLP's up (and gate) outputs.
+    return mb.c * (3 * mb.x_res() + projections) + attention + mb.costs.mlp_matmuls * mb.c * mb.mlp() \
         + joined + pads
 
 

@@ -29,8 +29,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import torch
+
 from ..layout.plan import Plan
 from ..layout.traffic import Traffic
+from ..models.cost_terms import cost_terms
 from .activation_memory import (MicroBatch, attention_half, checkpointed_layer, loss_transient, mask_tensors,
                                 mlp_half, once_per_micro_batch)
 from .bucket_memory import largest_transients
@@ -64,7 +67,7 @@ def per_rank_memory(plan: Plan, model, *, micro_batch: int, seq_len: int, precis
     (layout/traffic.py) as the runtime takes it: reshard_after_forward, fsdp_accumulate,
     prefetch (the gathers issued ahead and the reductions left in flight) and
     keep_gathered (a pp rank under parallel.pp_keep_gathered; the module docstring)."""
-    attention = _checked(model, precision, activation_checkpointing, device, attention)
+    attention = _checked(model, seq_len, precision, activation_checkpointing, device, attention)
     mb = MicroBatch.of(plan, model, micro_batch, seq_len, _DTYPE_BYTES[precision])
     mask_keys = mask_keys or MaskKeys()
     names = set(plan.params if names is None else names)
@@ -102,9 +105,10 @@ def per_rank_memory(plan: Plan, model, *, micro_batch: int, seq_len: int, precis
     return out
 
 
-def _checked(model, precision: str, checkpointing: str, device: str, attention: str | None) -> str:
+def _checked(model, seq_len: int, precision: str, checkpointing: str, device: str, attention: str | None) -> str:
     """The attention kernel, after checking the step's settings: the math kernel where
-    CUDA has no fused one (fp32 with GQA) unless `attention` names one."""
+    torch has no fused one (CUDA: fp32 with GQA; CPU: values narrower than keys, as
+    MLA's) unless `attention` names one."""
     if precision not in _DTYPE_BYTES:
         raise ValueError(f"precision={precision!r}: choose fp32, bf16 or fp8")
     if checkpointing not in ("none", "full", "selective"):
@@ -112,11 +116,15 @@ def _checked(model, precision: str, checkpointing: str, device: str, attention: 
     if device not in ("cpu", "cuda"):
         raise ValueError(f"device={device!r}: choose cpu or cuda")
     gqa = model.family.kv_heads(model.cfg) != model.cfg.n_heads
+    terms = cost_terms(model, seq_len, torch.float32).attention
+    narrow = terms is not None and terms.attend.v[-1] != terms.attend.k[-1]
     if attention is None:
-        attention = "math" if device == "cuda" and precision == "fp32" and gqa else "flash"
+        fused = not (gqa and precision == "fp32") if device == "cuda" else not narrow
+        attention = "flash" if fused else "math"
     if attention not in ("flash", "math"):
         raise ValueError(f"attention={attention!r}: choose flash or math")
-    return attention
+    # The CPU's math kernel computes a bf16 attention in fp32 (its output cast back).
+    return "math_fp32" if attention == "math" and device == "cpu" and precision != "fp32" else attention
 
 
 @dataclass(frozen=True)
@@ -133,7 +141,7 @@ def _layer(mb: MicroBatch, kernel: str, checkpointing: str, mask_keys: MaskKeys)
     joined, pads = mask_tensors(mb, mask_keys)
     attention = attention_half(mb, kernel, joined, pads)
     none = attention + mlp_half(mb)
-    dense = checkpointed_layer(mb, none, checkpointing, joined, pads)
+    dense = checkpointed_layer(mb, none, checkpointing, kernel, joined, pads)
     recompute = 0 if checkpointing == "none" else max(0, none - dense)
     moe = None
     if _moe_ids(mb.cfg):  # an MoE block: the attention half as a dense block's, then the routed experts

@@ -16,18 +16,43 @@ forward (saved-tensor hooks on the meta device):
   per_sequence tables the forward builds and keeps once per micro-batch (RoPE's cos and
                sin, learned positions' ids): (shape, logical axes, bytes per element)
   weight_saved does an op keep this parameter for backward (a matmul or a norm scale
-               does; a lookup keeps its ids, a bias addition nothing)?"""
+               does; a lookup keeps its ids, a bias addition nothing)?
+  attention    a block's attention half (attention_terms): what it keeps beside the
+               kernel, the kernel's shapes, and the matmul outputs selective
+               checkpointing keeps"""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
 from .family import ModelDef
-from .recording import Attend, cached, record_block, record_ends
+from .recording import Attend, Product, Saved, cached, record_block, record_ends
 
 MLP = "mlp"
+
+
+@dataclass(frozen=True)
+class AttentionTerms:
+    """A block's attention half, from its recording at batch 1 (the estimators put their
+    batch in the first dim): `kept`, the tensors autograd keeps other than the kernel's
+    (the norm's input and statistics, the matmuls' inputs, MLA's latents and their norms,
+    qk norms); `attend`, the kernel's q, k, v shapes; `projections`, the ctx.linear
+    outputs before the kernel (selective checkpointing keeps them)."""
+
+    kept: tuple[Saved, ...]
+    attend: Attend
+    projections: tuple[Product, ...]
+
+    def unsharded_bytes(self, c: int) -> int:
+        """What the half keeps at batch 1 with a fused kernel, nothing split, the kernel's
+        tensors c bytes an element (the others in their recorded dtype)."""
+        q, k, v = (math.prod(s) for s in (self.attend.q, self.attend.k, self.attend.v))
+        out = q // self.attend.q[-1] * self.attend.v[-1]
+        lse = q // self.attend.q[-1]
+        return sum(s.dtype.itemsize * math.prod(s.shape) for s in self.kept) + c * (q + k + v + out) + 4 * lse
 
 
 @dataclass(frozen=True)
@@ -37,6 +62,7 @@ class CostTerms:
     norm_stats: int
     per_sequence: tuple
     saved_weights: frozenset
+    attention: AttentionTerms | None  # None: a model without blocks
 
     def weight_saved(self, name: str) -> bool:
         return name in self.saved_weights
@@ -68,7 +94,7 @@ def _terms(model: ModelDef, seq_len: int, dtype: torch.dtype) -> CostTerms:
     mlp_saved = mlp_matmuls = 0
     if dense is not None:
         mlp_saved = sum(1 for s in dense.saved if _onto_mlp(s.layout, specs))
-        mlp_matmuls = sum(1 for name in dense.linears if specs[name].axes[0] == MLP)
+        mlp_matmuls = sum(1 for lin in dense.linears if specs[lin.name].axes[0] == MLP)
     norm_stats = sum(1 for s in back.saved if s.dtype == torch.float32 and s.shape[-1:] == (1,) and len(s.shape) == 3)
     first = recorded[min(blocks.values())] if recorded else None
     tables = list(front.saved) + (list(first.saved) if first is not None else [])
@@ -81,7 +107,20 @@ def _terms(model: ModelDef, seq_len: int, dtype: torch.dtype) -> CostTerms:
             if (i in moe) == (layer in moe):
                 saved |= {f"layers.{i}." + n[len(prefix):] for n in kept if n.startswith(prefix)}
     saved |= {e.name for rec in (front, back) for e in rec.events if getattr(e, "saves", 0)}
-    return CostTerms(mlp_saved, mlp_matmuls, norm_stats, per_sequence, frozenset(saved))
+    attention = attention_terms(first) if first is not None else None
+    return CostTerms(mlp_saved, mlp_matmuls, norm_stats, per_sequence, frozenset(saved), attention)
+
+
+def attention_terms(block) -> AttentionTerms:
+    """The attention half of a recorded block: what it keeps up to the kernel's output
+    (kept by the output projection), the kernel's own tensors set apart."""
+    attends = [e for e in block.events if isinstance(e, Attend)]
+    if len(attends) != 1:
+        raise NotImplementedError(f"the estimators count one ctx.attention per block; this one makes {len(attends)}")
+    end = next(i for i, s in enumerate(block.saved) if s.kernel == "output")
+    kept = tuple(s for s in block.saved[:end] if s.kernel is None and s.const is None)
+    projections = tuple(lin for lin in block.linears if not lin.after_attention)
+    return AttentionTerms(kept, attends[0], projections)
 
 
 def attention_flops(model: ModelDef, seq_len: int) -> float:

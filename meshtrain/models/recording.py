@@ -97,19 +97,35 @@ class Experts:
 class Saved:
     """A tensor autograd keeps for backward (one per storage: views of it count once):
     its global shape, dtype and layout; `const`: the logical axes of a table the forward
-    builds itself and constrains (RoPE's, position ids: kept once per micro-batch)."""
+    builds itself and constrains (RoPE's, position ids: kept once per micro-batch);
+    `src`: a constrain's output, the layout it came from (kept as that shard where the
+    constrain gathers); `kernel`: "input" (q, k, v) or "output" of ctx.attention, whose
+    kept tensors the runtime's kernel decides."""
 
     shape: tuple
     dtype: torch.dtype
     layout: tuple | None
     const: tuple | None
+    src: tuple | None = None
+    kernel: str | None = None
+
+
+@dataclass(frozen=True)
+class Product:
+    """A ctx.linear call: its weight, its output's global shape and layout, and how many
+    ctx.attention calls came before it in the stretch recorded."""
+
+    name: str
+    shape: tuple
+    layout: tuple
+    after_attention: int
 
 
 @dataclass(frozen=True)
 class Recording:
     """One stretch of a forward: its events in order (Use, Constrain, Attend, Experts),
-    the layout of what it returned, what autograd keeps (`saved`) and the weights of its
-    ctx.linear calls in order (`linears`)."""
+    the layout of what it returned, what autograd keeps (`saved`) and its ctx.linear
+    calls in order (`linears`)."""
 
     events: tuple
     out: tuple | None
@@ -125,6 +141,7 @@ class _Info:
     base: torch.Tensor | None = None  # the tensor whose storage this views
     const: tuple | None = None  # axes of a constrained table the forward built
     given: bool = False  # the stage's input tokens: there before the forward
+    kernel: str | None = None  # ctx.attention's output, or a view of it: "output"
 
 
 def _on_meta(a):
@@ -165,7 +182,7 @@ class RecordingContext:
         self.specs = _specs(model)
         self.events: list = []
         self.saved: dict[int, tuple[torch.Tensor, Saved]] = {}
-        self.linears: list[str] = []
+        self.linears: list[Product] = []
         self._info: dict[int, tuple[torch.Tensor, _Info]] = {}
         self._first: dict[str, Use] = {}
 
@@ -201,7 +218,7 @@ class RecordingContext:
     def _owner(self, use: Use) -> Use:
         return self._first[use.name] if use.reuse else use
 
-    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+    def _pack(self, t: torch.Tensor, kernel: str | None = None) -> torch.Tensor:
         info = self.info(t)
         if info.use is not None:
             info.use.saves += 1
@@ -209,7 +226,9 @@ class RecordingContext:
             info.origin.packed = True
         if info.use is None and not info.given:
             base = info.base if info.base is not None else t
-            self.saved.setdefault(id(base), (base, Saved(tuple(base.shape), base.dtype, info.layout, info.const)))
+            src = info.origin.src if info.origin is not None else None
+            saved = Saved(tuple(base.shape), base.dtype, info.layout, info.const, src, kernel or info.kernel)
+            self.saved.setdefault(id(base), (base, saved))
         return t
 
     def _new(self, shape, layout, dtype=None, origin=None) -> torch.Tensor:
@@ -258,11 +277,12 @@ class RecordingContext:
     def linear(self, x, params, name, bias=None):
         w = params[name]
         info = self.info(x)
-        self.linears.append(name)
         if info.origin is not None:
             info.origin.consumers.append(name)
         out = F.linear(x, w, bias)
-        return self.mark(out, _Info(layout=("linear", info.layout, name)))
+        layout = ("linear", info.layout, name)
+        self.linears.append(Product(name, tuple(out.shape), layout, sum(isinstance(e, Attend) for e in self.events)))
+        return self.mark(out, _Info(layout=layout))
 
     def embedding(self, ids, table):
         out = F.embedding(ids, table)
@@ -276,11 +296,13 @@ class RecordingContext:
 
     def attention(self, q, k, v, segments=None, window=None):
         for t in (q, k, v):  # the kernel keeps its inputs (and its output and log-sum-exp)
-            self._pack(t)
+            self._pack(t, "input")
             if self.info(t).origin is not None:
                 self.info(t).origin.read = True
         self.events.append(Attend(tuple(q.shape), tuple(k.shape), tuple(v.shape)))
-        return self._new((*q.shape[:-1], v.shape[-1]), ("act", QUERY), q.dtype)
+        out = self._new((*q.shape[:-1], v.shape[-1]), ("act", QUERY), q.dtype)
+        self.info(out).kernel = "output"
+        return out
 
     def moe(self, h, cfg, router, bias, w_gate, w_up, w_down):
         # The runtime's router: fp32 logits of every token (the fp32 h itself is kept).

@@ -96,15 +96,14 @@ def costs(model, *, seq_len: int, micro_batch: int) -> tuple[list[float], float,
 def activation_bytes(model, *, seq_len: int, micro_batch: int) -> tuple[int, int, int]:
     """(per layer, embedding, head+loss) bytes kept for backward, fp32, unsharded."""
     cfg = model.cfg
-    T, D, F, V, hd, Hq = micro_batch * seq_len, cfg.dim, cfg.ffn_dim, cfg.vocab_size, cfg.head_dim, cfg.n_heads
-    Hkv = model.family.kv_heads(cfg)
+    T, D, F, V = micro_batch * seq_len, cfg.dim, cfg.ffn_dim, cfg.vocab_size
     c = FP32
     terms = cost_terms(model, seq_len, torch.float32)
     norm = c * D + 4 * terms.norm_stats
-    attn = norm + c * D + c * hd * (Hq + 2 * Hkv) + c * hd * Hq + 4 * Hq
+    attn = micro_batch * terms.attention.unsharded_bytes(c) if terms.attention is not None else 0
     mlp = norm + c * D + terms.mlp_saved * c * F
     head = norm + c * D + 2 * FP32 * V + 8 + 1 + 8 + 1
-    return T * (attn + mlp), 0, T * head
+    return attn + T * mlp, 0, T * head
 
 
 def _check_counts(n_layers: int, pp: int, virtual: int) -> int:
