@@ -314,9 +314,9 @@ MOE_CASES = [
 
 
 class _MoeRecorder(CollectiveRecorder):
-    """CollectiveRecorder, plus the tp all-reduces of CopyToTensorParallel (a plain c10d all_reduce)
-    and the expert mesh's groups; all-to-alls on the ep group are named "ep" (with ep =
-    fsdp its group is the fsdp group, under that name in `axis_of_group`)."""
+    """CollectiveRecorder, plus the expert mesh's groups: all-to-alls on the ep group are
+    named "ep" (with ep = fsdp its group is the fsdp group, under that name in
+    `axis_of_group`)."""
 
     def __init__(self, axis_of_group, ep_group):
         super().__init__(axis_of_group)
@@ -326,8 +326,6 @@ class _MoeRecorder(CollectiveRecorder):
         msg = super()._describe(ns, name, args)
         boxed = next((a for a in args if isinstance(a, torch.ScriptObject)), None)  # c10d ops: the group first
         group = dist.ProcessGroup.unbox(boxed).group_name if boxed is not None else args[-1]
-        if ns == "c10d" and name == "allreduce_":  # dist.all_reduce, default op sum
-            return Msg(msg.phase, "all_reduce_sum", self.axis_of_group.get(group, "?"), msg.nbytes)
         if msg.op == "all_to_all_single" and group == self.ep_group:
             return Msg(msg.phase, msg.op, "ep", msg.nbytes)
         return msg
@@ -475,16 +473,21 @@ DEEPSEEK_CASES = [
     ("cp2-a2a-bf16", dict(cp=2), False, "a2a", 2, 8, 2, "bf16"),
     ("ep2", dict(fsdp=2, ep=2), False, "allgather", 4, 8, 2, "fp32"),
     ("ep2xtp2-sp-bf16", dict(fsdp=2, tp=2, ep=2), True, "allgather", 4, 8, 4, "bf16"),
+    # with a multi-token prediction module after the head (its bucket, block, head and loss)
+    ("fsdp2-mtp", dict(fsdp=2), False, "allgather", 2, 8, 2, "fp32"),
+    ("tp2-sp-mtp", dict(tp=2), True, "allgather", 2, 8, 2, "fp32"),
+    ("cp2-ring-mtp-bf16", dict(cp=2), False, "ring", 2, 8, 2, "bf16"),
+    ("ep2-mtp", dict(fsdp=2, ep=2), False, "allgather", 4, 8, 2, "fp32"),
 ]
 
 
 @pytest.mark.parametrize("bucket", BUCKETS)
 @pytest.mark.parametrize("case", DEEPSEEK_CASES, ids=[c[0] for c in DEEPSEEK_CASES])
 def test_deepseek_estimate_equals_recorded_step(case, bucket, monkeypatch):
-    from support.deepseek import CFG as DEEPSEEK
+    from support.deepseek import CFG, MTP_CFG
 
-    _, layout, sp, comm, B, S, world, precision = case
-    model = build("deepseek_v3", DEEPSEEK)
+    name, layout, sp, comm, B, S, world, precision = case
+    model = build("deepseek_v3", MTP_CFG if name.endswith("mtp") or "-mtp-" in name else CFG)
     est = estimate(model, layout, bucket=bucket, sp=sp, batch=B, seq=S, world=world, precision=precision,
                    cp_comm=comm)
     if "ep" not in layout:

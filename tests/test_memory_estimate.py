@@ -326,3 +326,70 @@ def test_mla_layer_under_each_checkpointing_mode_matches_the_allocator():
                 assert planner[1] - planner[0] == measured, (tp, mode, precision, planner, measured)
     finally:
         del layer_memory.FAMILIES[family]
+
+
+# Multi-token prediction (DeepSeek-V3's module after the head: its lookup, norms, eh_proj,
+# block, head and loss): name -> (mesh sizes, sp, config, cp_comm), per world.
+MTP_CASES = {
+    1: {"single_mtp": ({}, False, dataclasses.replace(deepseek.MTP_CFG, moe=None), "allgather"),
+        "single_mtp_moe": ({}, False, deepseek.MTP_CFG, "allgather")},
+    2: {"tp2_sp_mtp": ({"tp": 2}, True, dataclasses.replace(deepseek.MTP_CFG, moe=None), "allgather"),
+        "fsdp2_mtp_moe": ({"fsdp": 2}, False, deepseek.MTP_CFG, "allgather"),
+        "cp2_ring_mtp": ({"cp": 2}, False, dataclasses.replace(deepseek.MTP_CFG, moe=None), "ring")},
+}
+
+
+def _mtp_plan(world, name):
+    sizes, sp, cfg, comm = MTP_CASES[world][name]
+    model = build("deepseek_v3", cfg)
+    return model, make_plan(model.specs, Rules.default(sp=sp), MeshSpec(**sizes), world=world, cp_comm=comm)
+
+
+def measure_mtp(world: int):
+    """On every rank, per case and precision: the bytes one forward with the module keeps
+    for backward (the head's loss and the module's, as the step takes them)."""
+    from meshtrain.models.mtp import mtp_rows
+    from meshtrain.parallel.context import ShardedContext
+
+    out = {}
+    for name in MTP_CASES[world]:
+        model, plan = _mtp_plan(world, name)
+        mesh = plan.mesh.build()
+        for precision, dtype in PRECISIONS.items():
+            params = init_params(plan, mesh, seed=0)
+            ctx = ShardedContext(plan, mesh, dtype)
+            g = torch.Generator().manual_seed(0)
+            batch = MICRO * plan.mesh.dp * plan.mesh.fsdp
+            tokens, targets = (torch.randint(0, model.cfg.vocab_size, (batch, SEQ), generator=g) for _ in range(2))
+            rows = mtp_rows(tokens, targets, 1)
+            before = {_storage(p).data_ptr() for p in params.values()}
+            before |= {t.untyped_storage().data_ptr() for t in (tokens, targets, *rows.values())}
+            kept = {}
+
+            def pack(t):
+                instead = kept_instead(ctx, t)
+                if instead and instead[0] == "shard":
+                    kept[_storage(instead[1]).data_ptr()] = (_storage(instead[1]).nbytes(), instead[1])
+                elif not instead and _storage(t).data_ptr() not in before:
+                    kept[_storage(t).data_ptr()] = (_storage(t).nbytes(), t)
+                return t
+
+            with ctx.regather_in_backward(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                logits, depths = model.family.forward_mtp(model.cfg, params, tokens, ctx, (0, model.cfg.n_layers),
+                                                          True, [rows["mtp_tokens_1"]])
+                loss = ctx.cross_entropy_sum(logits, targets) + ctx.cross_entropy_sum(depths[0], rows["mtp_targets_1"])
+            loss.backward()
+            out[(name, precision)] = sum(n for n, _ in kept.values())
+    return out
+
+
+def test_mtp_module_activation_bytes_match():
+    """The module's saved-for-backward bytes are in the estimate (`mtp_saved`), tolerance 0:
+    dense and MoE blocks, fp32 and bf16, one process, tp2 + sp, fsdp2, cp2 ring."""
+    for world in MTP_CASES:
+        ranks = run_ranks(measure_mtp, world, world)
+        for (name, precision) in ranks[0]:
+            model, plan = _mtp_plan(world, name)
+            est = per_rank_memory(plan, model, micro_batch=MICRO, seq_len=SEQ, precision=precision)
+            assert max(r[(name, precision)] for r in ranks) == est["activations"], (name, precision, est)
+            assert est["mtp_saved"] > 0

@@ -273,20 +273,40 @@ def once_per_micro_batch(mb: MicroBatch, mask_keys: MaskKeys, embedding: bool, h
     """(kept once per micro-batch, of it the documents' masks, the loss's): the family's
     per-sequence tensors (RoPE tables, position ids), the masks every layer shares, the
     embedding's ids, the final norm and the loss where the rank runs them."""
-    plan, c, tokens = mb.plan, mb.c, mb.tokens()
     queries = mb.local((mb.B, mb.S), ("batch", None))  # this rank's: every head shares a query's mask
     once = sum(nbytes * mb.local(shape, axes) for shape, axes, nbytes in mb.costs.per_sequence)
-    masks = int(c * mask_keys.keys * queries)
-    once += masks
-    if embedding and any(a for a in plan.params["tok_emb"].layout.dim_axes[0] if a not in GATHERED_AXES):
-        once += tokens * (INT64 + BOOL)  # vocab-parallel lookup: clamped ids, in-slice mask
-    elif embedding and plan.mesh.cp > 1:
-        once += tokens * INT64  # the lookup keeps its ids: under cp, this rank's zigzag copy
+    masks = int(mb.c * mask_keys.keys * queries)
+    once += masks + (lookup_ids(mb) if embedding else 0)
     loss = 0
     if head:
-        once += norm_saved(mb) + c * mb.x_res()
-        loss = c * mb.logits() + tokens * (FP32 + (INT64 if plan.mesh.cp > 1 else 0))
+        once += norm_saved(mb) + mb.c * mb.x_res()
+        loss = loss_saved(mb)
     return once, masks, loss
+
+
+def lookup_ids(mb: MicroBatch) -> int:
+    """What an embedding lookup keeps of its ids: the vocab-parallel lookup its clamped
+    ids and in-slice mask; under cp, the ids (this rank's zigzag copy)."""
+    if any(a for a in mb.plan.params["tok_emb"].layout.dim_axes[0] if a not in GATHERED_AXES):
+        return mb.tokens() * (INT64 + BOOL)
+    return mb.tokens() * INT64 if mb.plan.mesh.cp > 1 else 0
+
+
+def loss_saved(mb: MicroBatch) -> int:
+    """The loss (models.losses), which never gathers the vocab and makes no fp32 copy of
+    the logits: the local logits slice, the fp32 log-sum-exp per token, and under cp the
+    targets (int64; this rank's zigzag copy)."""
+    return mb.c * mb.logits() + mb.tokens() * (FP32 + (INT64 if mb.plan.mesh.cp > 1 else 0))
+
+
+def mtp_extras(mb: MicroBatch) -> int:
+    """A multi-token prediction module beside its block (models/mtp.py): the lookup's ids,
+    the embedding's norm, the hidden state's norm statistics (its input is the head
+    norm's), the concatenation eh_proj reads (2 x dim), its own final norm and head input,
+    and its loss."""
+    rows = FP32 * mb.stats * mb.local((mb.B, mb.S, 1), RESIDUAL)
+    return lookup_ids(mb) + norm_saved(mb) + rows + 2 * mb.c * mb.x_res() + norm_saved(mb) + mb.c * mb.x_res() \
+        + loss_saved(mb)
 
 
 def loss_transient(mb: MicroBatch) -> int:

@@ -78,6 +78,7 @@ collective copies locally): `expert_exchange` gives both per MoE layer per micro
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from dataclasses import replace
 
@@ -204,21 +205,25 @@ def _parameter_tallies(plan: Plan, walker, events, held: set[str], parameters: s
 
 def _once_per_step(plan: Plan, model: ModelDef, kinds: dict, rest: Walker, unit, loss_once: bool,
                    micro_steps: int) -> CollectiveTally:
-    """The loss's reduction (`rest`: the walker of the head) and the MoE load's."""
+    """The loss's reduction (`rest`: the walker of the head and the multi-token prediction
+    modules after it, whose per-depth losses are reduced once more, as one tensor) and the
+    MoE load's (the blocks' and the modules')."""
     once, n = CollectiveTally(plan.mesh), len(plan.mesh.axes)
     if rest.loss_dims:  # the loss, a partial sum over the token-splitting dims (fp32 scalar)
         dims = rest.loss_dims
         partial = tuple(P if i in dims else R for i in range(n))
-        if not loss_once:  # every micro-step: DTensor's all-reduce per dim
-            once.redistribute("fwd", (), partial, (R,) * n, FP32, n=micro_steps)
-        elif dims in group_dims(plan_buckets(plan, unit)[0], plan):  # once per step, one group
-            once.add_group("fwd", "all_reduce_sum", dims, FP32)
-        else:  # once per step, with no group over these dims: dim by dim
-            once.redistribute("fwd", (), partial, (R,) * n, FP32)
-    if kinds["moe"]:  # the per-expert load (MoE layers x E, fp32), summed over micro-steps, all-reduced
+        for shape in [()] + [(rest.losses - 1,)] * (rest.losses > 1):
+            if not loss_once:  # every micro-step: DTensor's all-reduce per dim
+                once.redistribute("fwd", shape, partial, (R,) * n, FP32, n=micro_steps)
+            elif dims in group_dims(plan_buckets(plan, unit)[0], plan):  # once per step, one group
+                once.add_group("fwd", "all_reduce_sum", dims, FP32 * math.prod(shape))
+            else:  # once per step, with no group over these dims: dim by dim
+                once.redistribute("fwd", shape, partial, (R,) * n, FP32)
+    moe_blocks = len(kinds["moe"]) + rest.moe_calls
+    if moe_blocks:  # the per-expert load (MoE blocks x E, fp32), summed over micro-steps, all-reduced
         # once per step, after the update (outside it: counted as forward, as recorded)
         tokens = rest.act(BLOCK_IN)
-        once.redistribute("fwd", (len(kinds["moe"]), model.cfg.moe.num_experts),
+        once.redistribute("fwd", (moe_blocks, model.cfg.moe.num_experts),
                           tuple(P if q[0] == "S" else R for q in tokens), (R,) * len(tokens), FP32)
     return once
 
@@ -258,12 +263,13 @@ def _play_model(model: ModelDef, kinds: dict, walker, embedding: bool, head: boo
             parts.append((block, len(kinds[kind])))
             first[kind] = (block, kinds[kind][0])
     rest = probe
-    front, back = record_ends(model, embedding, head, B, S, dtype)
+    front, back = record_ends(model, embedding, head, B, S, dtype, mtp=True)
     rest.play(front.events)
     split = len(rest.events)
     rest.play(back.events)
     if head:
-        rest.loss(rest.layout(back.out))
+        for logits in (back.out, *back.outs):
+            rest.loss(rest.layout(logits))
     parts.append((rest, 1))
     events = rest.events[:split]
     for i in sorted(i for ids in kinds.values() for i in ids):

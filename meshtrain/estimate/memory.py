@@ -35,7 +35,7 @@ from ..layout.plan import Plan
 from ..layout.traffic import Traffic
 from ..models.cost_terms import cost_terms
 from .activation_memory import (MicroBatch, attention_half, checkpointed_layer, loss_transient, mask_tensors,
-                                mlp_half, once_per_micro_batch)
+                                mlp_half, mtp_extras, once_per_micro_batch)
 from .bucket_memory import largest_transients
 from .compute import MaskKeys
 from .dtype_bytes import FP32
@@ -73,6 +73,7 @@ def per_rank_memory(plan: Plan, model, *, micro_batch: int, seq_len: int, precis
     names = set(plan.params if names is None else names)
     layer = _layer(mb, attention, activation_checkpointing, mask_keys)
     once, masks, loss = once_per_micro_batch(mb, mask_keys, embedding, head)
+    mtp = _mtp_modules(mb, layer) if head else 0
     layers_bytes, per_layer, ran = _layers(model.cfg, layers, layer)
     weights = weight_bytes(plan, model, names, mb.c, activation_checkpointing, traffic)
     state = _state(plan, names, traffic)
@@ -86,9 +87,9 @@ def per_rank_memory(plan: Plan, model, *, micro_batch: int, seq_len: int, precis
     freed = per_layer if in_flight and ran else 0
     out = {
         "params": state.params, "grads": state.grads, "optimizer": state.optimizer,
-        "activations": in_flight * (layers_bytes + once + loss) + weights.saved + weights.gathered,
+        "activations": in_flight * (layers_bytes + once + loss + mtp) + weights.saved + weights.gathered,
         "activations_per_layer": per_layer, "activations_layers": in_flight * layers_bytes,
-        "activations_once": once, "loss_saved": loss, "saved_weights": weights.saved,
+        "activations_once": once, "loss_saved": loss, "mtp_saved": mtp, "saved_weights": weights.saved,
         "gathered_weights": weights.gathered, "recompute": layer.recompute,
         "transient": max(weights.layer_copies, forward, loss_logits, backward - freed),
         "unsharded_grads": state.unsharded_grads, "kept_weights": state.kept_weights, "kept_grads": state.kept_grads,
@@ -148,6 +149,13 @@ def _layer(mb: MicroBatch, kernel: str, checkpointing: str, mask_keys: MaskKeys)
         moe, moe_recompute = moe_block(mb, attention, dense, checkpointing)
         recompute = max(recompute, moe_recompute)
     return _Layer(dense, moe, recompute, joined, pads)
+
+
+def _mtp_modules(mb: MicroBatch, layer: _Layer) -> int:
+    """What the multi-token prediction modules after the head keep: each its block (of
+    its kind, under the checkpointing) and the rest of the module (mtp_extras)."""
+    depth, moe = mb.costs.mtp_depth, mb.costs.mtp_moe
+    return depth * mtp_extras(mb) + moe * (layer.moe or 0) + (depth - moe) * layer.dense
 
 
 def _moe_ids(cfg) -> set[int]:

@@ -43,6 +43,8 @@ class Walker(PlacementRules):
         self.tally = CollectiveTally(plan.mesh)
         self.events: list[tuple] = []  # ("use" | "save", name, acts_on, saves, grad)
         self.loss_dims: tuple[int, ...] | None = None  # mesh dims the loss is a partial sum over
+        self.losses = 0  # cross-entropies taken (the head's, each multi-token prediction module's)
+        self.moe_calls = 0  # MoE blocks played
 
     def _numel(self, shape, pls) -> int:
         return numel_on_rank(shape, pls, self.mesh)
@@ -186,6 +188,7 @@ class Walker(PlacementRules):
         # The loss is a partial sum over the mesh dims that split the tokens: the step
         # reduces it (comms.step_collectives), once per step or once per micro-step.
         self.loss_dims = tuple(i for i, p in enumerate(logits) if p[0] == "S" and p[1] < 2)
+        self.losses += 1
 
     def expert_grad(self, name) -> tuple:
         """An expert weight's gradient: partial over the expert mesh's batch axes (ctx.moe
@@ -199,6 +202,7 @@ class Walker(PlacementRules):
         all-to-alls over ep at the uniform-routing expectation (comms.py's docstring);
         `expert` is the first expert weight's name."""
         B, S, tally = self.B, self.S, self.tally
+        self.moe_calls += 1
         token_dims = {i for i, q in enumerate(h) if q[0] == "S"}
         partial_tokens = tuple(P if i in token_dims else R for i in range(len(h)))
         if m.balance == "aux":  # per-sequence sums (prob, counts) added up over cp, then the scalar over the batch

@@ -19,7 +19,9 @@ forward (saved-tensor hooks on the meta device):
                does; a lookup keeps its ids, a bias addition nothing)?
   attention    a block's attention half (attention_terms): what it keeps beside the
                kernel, the kernel's shapes, and the matmul outputs selective
-               checkpointing keeps"""
+               checkpointing keeps
+  mtp_depth    multi-token prediction modules run after the head, `mtp_moe` of them
+               with an MoE block (the head's recording with the modules)"""
 
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from .family import ModelDef
-from .recording import Attend, Product, Saved, cached, record_block, record_ends
+from .recording import Attend, Experts, Product, Saved, cached, mtp_depth, record_block, record_ends
 
 MLP = "mlp"
 
@@ -63,6 +65,8 @@ class CostTerms:
     per_sequence: tuple
     saved_weights: frozenset
     attention: AttentionTerms | None  # None: a model without blocks
+    mtp_depth: int = 0  # multi-token prediction modules after the head
+    mtp_moe: int = 0  # of them, those whose block is an MoE block
 
     def weight_saved(self, name: str) -> bool:
         return name in self.saved_weights
@@ -106,9 +110,12 @@ def _terms(model: ModelDef, seq_len: int, dtype: torch.dtype) -> CostTerms:
         for i in range(cfg.n_layers):
             if (i in moe) == (layer in moe):
                 saved |= {f"layers.{i}." + n[len(prefix):] for n in kept if n.startswith(prefix)}
-    saved |= {e.name for rec in (front, back) for e in rec.events if getattr(e, "saves", 0)}
+    _, modules = record_ends(model, True, True, 1, seq_len, dtype, mtp=True)  # the head and MTP's modules
+    saved |= {e.name for rec in (front, back, modules) for e in rec.events if getattr(e, "saves", 0)}
     attention = attention_terms(first) if first is not None else None
-    return CostTerms(mlp_saved, mlp_matmuls, norm_stats, per_sequence, frozenset(saved), attention)
+    mtp_moe = sum(isinstance(e, Experts) for e in modules.events)
+    return CostTerms(mlp_saved, mlp_matmuls, norm_stats, per_sequence, frozenset(saved), attention,
+                     mtp_depth(model), mtp_moe)
 
 
 def attention_terms(block) -> AttentionTerms:

@@ -131,6 +131,7 @@ class Recording:
     out: tuple | None
     saved: tuple = ()
     linears: tuple = ()
+    outs: tuple = ()  # further outputs' layouts (the multi-token prediction modules' logits)
 
 
 @dataclass
@@ -359,19 +360,37 @@ def record_block(model: ModelDef, layer: int, batch: int, seq_len: int, dtype: t
 
 
 def record_ends(model: ModelDef, embedding: bool, head: bool, batch: int, seq_len: int,
-                dtype: torch.dtype) -> tuple[Recording, Recording]:
+                dtype: torch.dtype, mtp: bool = False) -> tuple[Recording, Recording]:
     """The embedding (tokens to the residual stream) and the head (the residual stream to
     the logits) of a rank that runs them, recorded together: a tied table looked up by
-    both is one parameter used twice. Either is empty where the rank does not run it."""
+    both is one parameter used twice. Either is empty where the rank does not run it.
+    `mtp`: the head with the model's multi-token prediction modules after it (their
+    logits in the head recording's `outs`)."""
     def make():
         ctx = RecordingContext(model, dtype)
         family, cfg = model.family, model.cfg
         if embedding:
-            tokens = ctx.mark(torch.empty((batch, seq_len), dtype=torch.int64, device="meta"), _Info(given=True))
-            x = ctx.run(family.forward_stage, cfg, {}, tokens, ctx, (0, 0), True, False)
+            x = ctx.run(family.forward_stage, cfg, {}, _ids(ctx, batch, seq_len), ctx, (0, 0), True, False)
         else:
             x = ctx._new((batch, seq_len, cfg.dim), ("act", RESIDUAL))
         front, split = ctx.recording(x), ctx.mark_point()
+        depth = mtp_depth(model) if mtp else 0
+        if head and depth:
+            ahead = [_ids(ctx, batch, seq_len) for _ in range(depth)]
+            layers = (cfg.n_layers, cfg.n_layers)
+            out, outs = ctx.run(family.forward_mtp, cfg, {}, x, ctx, layers, False, ahead)
+            return front, replace(ctx.recording(out, split), outs=tuple(ctx.info(o).layout for o in outs))
         out = ctx.run(family.head, cfg, ctx.bind({}), x, ctx) if head else x
         return front, ctx.recording(out, split)
-    return cached((model.family.name, model.cfg, "ends", embedding, head, batch, seq_len, dtype), make)
+    return cached((model.family.name, model.cfg, "ends", embedding, head, batch, seq_len, dtype, mtp), make)
+
+
+def mtp_depth(model: ModelDef) -> int:
+    """How many multi-token prediction modules the model runs after its head."""
+    mtp = getattr(model.cfg, "mtp", None)
+    return mtp.depth if mtp is not None and model.family.forward_mtp is not None else 0
+
+
+def _ids(ctx: RecordingContext, batch: int, seq_len: int) -> torch.Tensor:
+    """Token ids given to the forward (there before it: not kept, not placed)."""
+    return ctx.mark(torch.empty((batch, seq_len), dtype=torch.int64, device="meta"), _Info(given=True))

@@ -70,10 +70,12 @@ def _in_optimizer() -> bool:
     return False
 
 
-# c10d ops that parallel/cp_collectives.py calls: name, and the argument whose bytes count
-# (the gathered output; the input of a reduce-scatter or all-to-all; the tensor sent).
+# c10d ops that parallel/cp_collectives.py calls (and the MoE's tp copy, an all-reduce in
+# backward): name, and the argument whose bytes count (the gathered output; the input of a
+# reduce-scatter, all-reduce or all-to-all; the tensor sent).
 _C10D = {"_allgather_base_": ("all_gather", 0), "_reduce_scatter_base_": ("reduce_scatter_sum", 1),
-         "alltoall_base_": ("all_to_all_single", 1), "send": ("send", 0), "recv_": ("recv", 0)}
+         "alltoall_base_": ("all_to_all_single", 1), "send": ("send", 0), "recv_": ("recv", 0),
+         "allreduce_": ("all_reduce_sum", 0)}
 
 
 class CollectiveRecorder(TorchDispatchMode):
