@@ -4,8 +4,8 @@ and a Linear for the module, fed as DeepSeek-V3's paper and Megatron-Core's MTP 
 loss, mtp_loss and gradient norm per step equal (rtol 1e-5) training both the same way
 from the same weights, read from a directory in the release's naming (the module as layer
 n_layers, with copies of the embedding and the head). Export writes that naming and
-imports back; a directory without the module's tensors starts it from the seed. The
-depths' inputs and targets on their own."""
+imports back; a directory without the module's tensors starts it from the seed. One
+process (eager and compiled) and pp 2. The depths' inputs and targets on their own."""
 
 from __future__ import annotations
 
@@ -139,6 +139,40 @@ def test_mtp_training_equals_the_reference(release, compile):
     bias = mtp.layer.mlp.gate.e_score_correction_bias
     torch.testing.assert_close(final["mtp.0.moe.expert_bias"], bias, rtol=0, atol=1e-7)
     assert not torch.equal(bias, params["mtp.0.moe.expert_bias"])  # the module's bias moves too
+
+
+def _pipeline_from(directory):
+    """On each of 2 ranks: pp 2 with 1F1B over 4 micro-batches, the module on the last
+    stage, from the release's weights; (loss, mtp_loss, grad_norm) per step."""
+    from meshtrain import MeshSpec, Rules, TrainState, build, make_plan
+    from meshtrain.pipeline.partition import partition
+    from meshtrain.pipeline.schedule import build_pipeline_schedule
+    from meshtrain.train.pipeline_step import local_stage_layout, make_pipeline_step
+    from support.deepseek import BATCH, SEQ, optimizer_args
+
+    torch.set_num_threads(1)
+    model = build("deepseek_v3", MTP_CFG)
+    plan = make_plan(model.specs, Rules.default(), MeshSpec(pp=2), world=2)
+    mesh = plan.mesh.build()
+    stages = partition(model, 2, seq_len=SEQ, micro_batch=BATCH // 4)
+    mine, _, _ = local_stage_layout(plan, mesh, stages)
+    full = load_hf_params(directory, "deepseek_v3", MTP_CFG)
+    params = {n: full[n].clone().requires_grad_(model.specs[n].trainable) for n in mine}
+    step = make_pipeline_step(model, stages, build_pipeline_schedule("1f1b", 2, 4), plan, mesh, **optimizer_args())
+    state = TrainState.create(params)
+    return [(m["loss"], m["mtp_loss"], m["grad_norm"]) for m in (step(state, b) for b in batches(4))]
+
+
+def test_mtp_on_a_pipeline_equals_the_reference(release):
+    """pp 2 (the module on the last stage, its embedding and head copies the stages'
+    tied weights) trains as the reference does."""
+    from meshtrain.testing import run_ranks
+
+    directory, _, _ = release
+    model, mtp = _reference()
+    expected = torch.tensor(_train_reference(model, mtp))
+    for got in run_ranks(_pipeline_from, 2, directory):
+        torch.testing.assert_close(torch.tensor(got), expected, rtol=1e-5, atol=0)
 
 
 def test_the_mtp_loss_changes_the_training():
