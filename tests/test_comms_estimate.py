@@ -446,6 +446,11 @@ CHECKPOINT_CASES = [
     ("cp2-ring", "llama", dict(cp=2), False, "ring", 2, 8, 2),
     ("cp2-allgather", "llama", dict(cp=2), False, "allgather", 2, 8, 2),
     ("gpt2-tp2-sp", "gpt2", dict(tp=2), True, "allgather", 2, 8, 2),
+    # DeepSeek-V3 with a multi-token prediction module: its block recomputed too (a region
+    # of its own after the head), its bucket apart from its norms and projection
+    ("deepseek-mtp-tp2-sp", "deepseek_v3", dict(tp=2), True, "allgather", 2, 8, 2),
+    ("deepseek-mtp-cp2-allgather", "deepseek_v3", dict(cp=2), False, "allgather", 2, 8, 2),
+    ("deepseek-mtp-fsdp2", "deepseek_v3", dict(fsdp=2), False, "allgather", 2, 8, 2),
 ]
 
 
@@ -453,8 +458,10 @@ CHECKPOINT_CASES = [
 @pytest.mark.parametrize("bucket", BUCKETS)
 @pytest.mark.parametrize("case", CHECKPOINT_CASES, ids=[c[0] for c in CHECKPOINT_CASES])
 def test_checkpointed_estimate_equals_recorded_step(case, bucket, mode):
+    from support.deepseek import MTP_CFG
+
     _, family, layout, sp, comm, B, S, world = case
-    model = llama(False) if family == "llama" else build("gpt2", GPT2_CFG)
+    model = llama(False) if family == "llama" else build(family, {"gpt2": GPT2_CFG, "deepseek_v3": MTP_CFG}[family])
     rec = totals(run_model_step(model, layout, bucket=bucket, sp=sp, batch=B, seq=S, world=world, cp_comm=comm,
                                 activation_checkpointing=mode))
     assert_same(estimate(model, layout, bucket=bucket, sp=sp, batch=B, seq=S, world=world, cp_comm=comm,

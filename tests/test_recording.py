@@ -23,7 +23,8 @@ from meshtrain.models.family import BLOCK_IN, RESIDUAL, TOKENS
 from meshtrain.models.gpt2.config import GPT2Config
 from meshtrain.models.llama.config import LlamaConfig
 from meshtrain.models.moe import MoeConfig
-from meshtrain.models.recording import Attend, Constrain, Experts, Use, record_block, record_ends
+from meshtrain.models.recorded import record_block, record_ends
+from meshtrain.models.recording import Attend, Constrain, Experts, Use
 
 LLAMA = LlamaConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128, ffn_dim=96, max_seq_len=64)
 GPT2 = GPT2Config(dim=64, n_layers=2, n_heads=4, vocab_size=128, max_seq_len=64)

@@ -88,7 +88,7 @@ from ..errors import ConfigError
 from ..models import ModelDef
 from ..models.family import BLOCK_IN
 from ..models.policy import Policy
-from ..models.recording import record_block, record_ends
+from ..models.recorded import record_block, record_ends
 from ..layout.buckets import group_dims, plan_buckets
 from ..layout.traffic import Traffic, check_bucket
 from ..layout.plan import Plan
@@ -248,21 +248,20 @@ def _play_model(model: ModelDef, kinds: dict, walker, embedding: bool, head: boo
     """The recorded forward (models/recording.py) played on walkers: ([(walker, times per
     micro-step)], the walker of the embedding and head, every parameter lookup in order).
     Dense and MoE blocks are each recorded once (their first layer); the lookups of the
-    others are that recording's, renamed. `recompute`: blocks recomputed whole in
-    backward (full checkpointing)."""
+    others are that recording's, renamed. `recompute`: the ctx.remat regions (blocks, an
+    MTP module's too) recomputed whole in backward (full checkpointing)."""
     probe = walker()
     B, S, dtype = probe.B, probe.S, torch.float32 if probe.c is None else torch.bfloat16
     parts, first = [], {}  # (walker, times per micro-step); kind -> (walker, the layer it played)
     for kind in ("dense", "moe"):
         if kinds[kind]:
             block = walker()
-            block.recompute_block = recompute
+            block.full_checkpointing = recompute
             block.play(record_block(model, kinds[kind][0], B, S, dtype).events)
-            block.end_recomputed_block()
-            block.recompute_block = False
             parts.append((block, len(kinds[kind])))
             first[kind] = (block, kinds[kind][0])
     rest = probe
+    rest.full_checkpointing = recompute  # the multi-token prediction modules' blocks
     front, back = record_ends(model, embedding, head, B, S, dtype, mtp=True)
     rest.play(front.events)
     split = len(rest.events)

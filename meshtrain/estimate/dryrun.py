@@ -167,12 +167,6 @@ def dry_run(cfg: RunConfig, world: int | None = None, gpu: str | None = None, *,
                  total_params=total, active_params=active, buckets=bucket_summary(plan, p.bucket),
                  compute=step_compute(cfg, model, world))
     run.warnings += [note.removeprefix("note: ") for note in cfg.notes(plan.mesh)]  # what does nothing here
-    mtp = cfg.model.mtp
-    if mtp is not None and mtp.depth and t.activation_checkpointing != "none":  # said, not left out silently
-        run.warnings.append(f"model.mtp.depth={mtp.depth} with train.activation_checkpointing="
-                            f"{t.activation_checkpointing}: what the modules' recompute issues again in backward "
-                            "(their bucket's gather, their block's sp and cp exchanges) is not in the collectives "
-                            "(docs/deepseek.md)")
     if cfg.data.mean_doc_len and not cfg.data.document_mask:
         run.warnings.append(f"data.mean_doc_len={cfg.data.mean_doc_len} counts for nothing without "
                             "data.document_mask: attention spans the whole row; turn data.document_mask on")

@@ -12,7 +12,7 @@ import contextlib
 from ..models.experts import expert_capacity
 from ..models.family import TOKENS
 from ..models.policy import keeps_fp32
-from ..models.recording import Attend, Constrain, Experts, Use
+from ..models.recording import Attend, Constrain, Experts, Remat, Use
 from ..layout.plan import Plan
 from .collective_tally import CollectiveTally
 from .dtype_bytes import FP32, INT64
@@ -37,9 +37,10 @@ class Walker(PlacementRules):
         super().__init__(plan)
         self.B, self.S, self.c, self.eager, self.defer = B, S, c, eager, defer
         self.recompute, self.keep_shards = recompute, keep_shards
-        # Full activation checkpointing, set while a block is walked: its recompute in
-        # backward issues the block's activation collectives again (`_recomputed`).
-        self.recompute_block = False
+        # Full activation checkpointing: each ctx.remat region (a block) is recomputed in
+        # backward, issuing its activation collectives again (`_recomputed`) but the last.
+        self.full_checkpointing = False
+        self.recompute_block = False  # inside such a region
         self.tally = CollectiveTally(plan.mesh)
         self.events: list[tuple] = []  # ("use" | "save", name, acts_on, saves, grad)
         self.loss_dims: tuple[int, ...] | None = None  # mesh dims the loss is a partial sum over
@@ -63,6 +64,8 @@ class Walker(PlacementRules):
                 self.attention(e.q, e.k, e.v)
             elif isinstance(e, Experts):
                 self.moe(e.moe, self.layout(e.h), e.dim, e.expert)
+            elif isinstance(e, Remat):
+                self.remat(e.begin)
             else:
                 raise TypeError(f"not a recorded event: {e!r}")
 
@@ -144,10 +147,15 @@ class Walker(PlacementRules):
         with self.tally.replayed_in_backward():
             yield
 
-    def end_recomputed_block(self):
-        """A recompute stops once backward has what it needs: the block's last
-        collective (its output's reduction) is not issued again."""
-        self.tally.drop_last_replay()
+    def remat(self, begin: bool):
+        """A ctx.remat region begins or ends. Under full checkpointing backward recomputes
+        it, but stops once it has what it needs: the region's last collective (its
+        output's reduction) is not issued again."""
+        if not self.full_checkpointing:
+            return
+        if not begin:
+            self.tally.drop_last_replay()
+        self.recompute_block = begin
 
     def attention(self, q: tuple, k: tuple, v: tuple):
         """ctx.attention on q, k, v of these global shapes over a sequence split on cp

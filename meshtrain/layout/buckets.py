@@ -91,13 +91,23 @@ def _member(p: ParamPlan) -> Member | None:
     return Member(p.name, gather, dim, tuple(shape))
 
 
-def _unit(name: str, seen_block: bool) -> str:
-    """Block mode: the bucket a parameter belongs to ('layers.3'; a multi-token prediction
-    module, 'mtp.0', run after the head; or the groups before and after the blocks:
-    embeddings, final norm and head)."""
-    parts = name.split(".")
-    if parts[0] in ("layers", "mtp") and len(parts) > 1:
+def _unit(name: str, seen_block: bool, block_names: set[str], modules_in_block: set[str]) -> str:
+    """Block mode: the bucket a parameter belongs to ('layers.3'; the groups before and
+    after the blocks: embeddings, final norm and head; a multi-token prediction module's
+    block, 'mtp.0', run after the head, and its other parameters before ('mtp.0.in') and
+    after it ('mtp.0.out'): a checkpointed block recomputes with all of its bucket, and
+    the module's norms and projection keep theirs outside it). `block_names`: a block's
+    parameter names after 'layers.N.'; `modules_in_block`: the modules whose block
+    parameters came already."""
+    parts = name.split(".", 2)
+    if parts[0] == "layers" and len(parts) > 1:
         return ".".join(parts[:2])
+    if parts[0] == "mtp" and len(parts) > 2:
+        module = ".".join(parts[:2])
+        if parts[2] in block_names:
+            modules_in_block.add(module)
+            return module
+        return module + (".out" if module in modules_in_block else ".in")
     return "after" if seen_block else "before"
 
 
@@ -110,6 +120,8 @@ def plan_buckets(plan: Plan, unit: str | float = "block", names=None) -> tuple[l
     names = list(plan.params) if names is None else list(names)
     alone, groups, keys, meshes = set(), [], [], []
     seen_block, size = False, 0.0
+    block_names = {n.split(".", 2)[2] for n in plan.params if n.startswith("layers.") and n.count(".") >= 2}
+    modules_in_block: set[str] = set()
     for name in names:
         p = plan.params[name]
         member = None if unit == "param" else _member(p)
@@ -118,7 +130,7 @@ def plan_buckets(plan: Plan, unit: str | float = "block", names=None) -> tuple[l
             continue
         nbytes = _member_bytes(member, plan)
         if unit == "block":
-            key = (_unit(name, seen_block), p.mesh)
+            key = (_unit(name, seen_block, block_names, modules_in_block), p.mesh)
             seen_block = seen_block or key[0].startswith("layers.")
             new = not keys or keys[-1] != key
         else:

@@ -31,7 +31,8 @@ from dataclasses import dataclass
 import torch
 
 from .family import ModelDef
-from .recording import Attend, Experts, Product, Saved, cached, mtp_depth, record_block, record_ends
+from .recorded import mtp_depth, record_block, record_ends
+from .recording import Attend, Experts, Product, Saved, cached
 
 MLP = "mlp"
 

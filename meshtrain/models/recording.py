@@ -83,6 +83,14 @@ class Attend:
 
 
 @dataclass(frozen=True)
+class Remat:
+    """ctx.remat's region (a block) begins (`begin`) or ends: what activation
+    checkpointing recomputes in backward."""
+
+    begin: bool
+
+
+@dataclass(frozen=True)
 class Experts:
     """ctx.moe of the MoE config `moe` on block input layout `h` (width `dim`), whose
     expert weights start with `expert` (its w_gate)."""
@@ -123,7 +131,7 @@ class Product:
 
 @dataclass(frozen=True)
 class Recording:
-    """One stretch of a forward: its events in order (Use, Constrain, Attend, Experts),
+    """One stretch of a forward: its events in order (Use, Constrain, Attend, Experts, Remat),
     the layout of what it returned, what autograd keeps (`saved`) and its ctx.linear
     calls in order (`linears`)."""
 
@@ -236,6 +244,14 @@ class RecordingContext:
         t = torch.empty(shape, dtype=dtype or self.dtype, device="meta", requires_grad=True)
         return self.mark(t, _Info(layout=layout, origin=origin, base=t))
 
+    def ids(self, batch: int, seq_len: int) -> torch.Tensor:
+        """Token ids given to the forward (there before it: not kept, not placed)."""
+        return self.mark(torch.empty((batch, seq_len), dtype=torch.int64, device="meta"), _Info(given=True))
+
+    def residual(self, batch: int, seq_len: int) -> torch.Tensor:
+        """The residual stream (batch, seq_len, dim) arriving from an earlier stretch."""
+        return self._new((batch, seq_len, self.model.cfg.dim), ("act", RESIDUAL))
+
     def run(self, fn, *args):
         """fn(*args) recorded: every op followed, every saved tensor seen."""
         with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t), _Provenance(self):
@@ -290,7 +306,10 @@ class RecordingContext:
         return self.mark(out, _Info(layout=("lookup", self.info(ids).layout, self.info(table).use.name)))
 
     def remat(self, fn, *args):
-        return fn(*args)
+        self.events.append(Remat(True))
+        out = fn(*args)
+        self.events.append(Remat(False))
+        return out
 
     def cached_latents(self, latent, rope_key):
         return latent, rope_key
@@ -347,50 +366,3 @@ def cached(key, make):
 
 def _specs(model: ModelDef) -> dict:
     return cached((model.family.name, model.cfg, "specs"), lambda: model.specs)
-
-
-def record_block(model: ModelDef, layer: int, batch: int, seq_len: int, dtype: torch.dtype) -> Recording:
-    """Block `layer` of the model on a residual stream (batch, seq_len, dim) in `dtype`."""
-    def make():
-        ctx = RecordingContext(model, dtype)
-        x = ctx._new((batch, seq_len, model.cfg.dim), ("act", RESIDUAL))
-        out = ctx.run(model.family.forward_stage, model.cfg, {}, x, ctx, (layer, layer + 1), False, False)
-        return ctx.recording(out)
-    return cached((model.family.name, model.cfg, "block", layer, batch, seq_len, dtype), make)
-
-
-def record_ends(model: ModelDef, embedding: bool, head: bool, batch: int, seq_len: int,
-                dtype: torch.dtype, mtp: bool = False) -> tuple[Recording, Recording]:
-    """The embedding (tokens to the residual stream) and the head (the residual stream to
-    the logits) of a rank that runs them, recorded together: a tied table looked up by
-    both is one parameter used twice. Either is empty where the rank does not run it.
-    `mtp`: the head with the model's multi-token prediction modules after it (their
-    logits in the head recording's `outs`)."""
-    def make():
-        ctx = RecordingContext(model, dtype)
-        family, cfg = model.family, model.cfg
-        if embedding:
-            x = ctx.run(family.forward_stage, cfg, {}, _ids(ctx, batch, seq_len), ctx, (0, 0), True, False)
-        else:
-            x = ctx._new((batch, seq_len, cfg.dim), ("act", RESIDUAL))
-        front, split = ctx.recording(x), ctx.mark_point()
-        depth = mtp_depth(model) if mtp else 0
-        if head and depth:
-            ahead = [_ids(ctx, batch, seq_len) for _ in range(depth)]
-            layers = (cfg.n_layers, cfg.n_layers)
-            out, outs = ctx.run(family.forward_mtp, cfg, {}, x, ctx, layers, False, ahead)
-            return front, replace(ctx.recording(out, split), outs=tuple(ctx.info(o).layout for o in outs))
-        out = ctx.run(family.head, cfg, ctx.bind({}), x, ctx) if head else x
-        return front, ctx.recording(out, split)
-    return cached((model.family.name, model.cfg, "ends", embedding, head, batch, seq_len, dtype, mtp), make)
-
-
-def mtp_depth(model: ModelDef) -> int:
-    """How many multi-token prediction modules the model runs after its head."""
-    mtp = getattr(model.cfg, "mtp", None)
-    return mtp.depth if mtp is not None and model.family.forward_mtp is not None else 0
-
-
-def _ids(ctx: RecordingContext, batch: int, seq_len: int) -> torch.Tensor:
-    """Token ids given to the forward (there before it: not kept, not placed)."""
-    return ctx.mark(torch.empty((batch, seq_len), dtype=torch.int64, device="meta"), _Info(given=True))

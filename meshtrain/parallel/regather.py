@@ -137,7 +137,9 @@ class RegatherHooks:
 
     def _regather_bucket(self, b: int, saved: _Kept) -> list[torch.Tensor]:
         """Backward (eager): bucket b's gathered weights again, once for all of its saved
-        uses; the bucket before it (next in backward) is issued ahead."""
+        uses; the highest bucket backward has not gathered yet is issued ahead: the one
+        before b, or, from a head that modules after it (multi-token prediction) also
+        read, the last of theirs."""
         if b not in self._regathered:
             run, shards = self._runs[b], saved[b]
             locals_ = [s._local_tensor for s in shards]
@@ -149,10 +151,10 @@ class RegatherHooks:
                     out.update(run.unpack(s, gathered))
             self._regathered = {b: [out[j] for j in range(len(shards))]}
             saved.done.add(b)
-            before = b - 1  # (a tied table's bucket is needed first, by the head, and not again)
-            if self.prefetch and before in saved and before not in saved.done and before not in self._pending_bwd:
-                self._pending_bwd = {before: self._issue_bucket(before, dict(zip(self._runs[before].bucket.names,
-                                                                                  saved[before])))}
+            ahead = max((i for i in saved if i not in saved.done), default=None)
+            if self.prefetch and ahead is not None and ahead not in self._pending_bwd:
+                self._pending_bwd = {ahead: self._issue_bucket(ahead, dict(zip(self._runs[ahead].bucket.names,
+                                                                                saved[ahead])))}
         return self._regathered[b]
 
     def _keep_shard(self, shard: DTensor, gathered: DTensor, placements) -> None:

@@ -213,9 +213,9 @@ MUTANTS = [
 
     # --- buckets, prefetch, reshard_after_forward, fsdp_accumulate (parallel/bucket_run.py, regather.py, bound_params.py, context.py) ---
     Mutant("regather_ahead_wrong_shards",
-           "backward's gather issued ahead for the bucket before, made from this bucket's shards",
+           "backward's gather issued ahead for the next bucket backward needs, made from this bucket's shards",
            "meshtrain/parallel/regather.py",
-           "saved[before])))}",
+           "saved[ahead])))}",
            "saved[b])))}", (TRAFFIC + "[fsdp2_prefetch3]",)),
     Mutant("prefetch_one_short", "forward issues parallel.prefetch - 1 buckets ahead (none at the default 1)",
            "meshtrain/parallel/bound_params.py",
