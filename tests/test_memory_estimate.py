@@ -39,26 +39,32 @@ GPT2_CFG = gpt2.GPT2Config(dim=64, n_layers=2, n_heads=4, ffn_dim=128, vocab_siz
 # kernel on CPU, fp32 inside under bf16), YaRN's tables; dense blocks (MoE: below).
 MLA_CFG = dataclasses.replace(deepseek.CFG, moe=None)
 MLA_NO_Q_CFG = dataclasses.replace(MLA_CFG, mla=dataclasses.replace(MLA_CFG.mla, q_lora_rank=None))
+# A multi-token prediction module after the head (its lookup, norms, eh_proj, block, head
+# and loss), with a dense block and with an MoE block (the blocks' own experts and groups).
+MTP_CFG = dataclasses.replace(deepseek.MTP_CFG, moe=None)
+MTP_MOE_CFG = deepseek.MTP_CFG
 MICRO, SEQ = 2, 24  # sequences per data-parallel rank; seq != head_dim keeps shapes apart
 
 # name: (mesh sizes, sequence parallel, rule overrides, config)
 LAYOUTS = {
     1: {"single": ({}, False, None, CFG), "single_qk_norm": ({}, False, None, QK_CFG),
         "single_gpt2": ({}, False, None, GPT2_CFG), "single_mla": ({}, False, None, MLA_CFG),
-        "single_mla_no_q_latent": ({}, False, None, MLA_NO_Q_CFG)},
+        "single_mla_no_q_latent": ({}, False, None, MLA_NO_Q_CFG), "single_mtp": ({}, False, None, MTP_CFG),
+        "single_mtp_moe": ({}, False, None, MTP_MOE_CFG)},
     2: {"fsdp2": ({"fsdp": 2}, False, None, CFG), "tp2": ({"tp": 2}, False, None, CFG),  # sp: fsdp2_tp2_sp
         "tp2_sp_qk_norm": ({"tp": 2}, True, None, QK_CFG), "tp2_sp_gpt2": ({"tp": 2}, True, None, GPT2_CFG),
         "cp2_allgather": ({"cp": 2}, False, None, CFG), "cp2_ring": ({"cp": 2}, False, None, CFG),
         "cp2_a2a": ({"cp": 2}, False, None, CFG), "tp2_sp_mla": ({"tp": 2}, True, None, MLA_CFG),
         "cp2_allgather_mla": ({"cp": 2}, False, None, MLA_CFG), "cp2_ring_mla": ({"cp": 2}, False, None, MLA_CFG),
-        "cp2_a2a_mla": ({"cp": 2}, False, None, MLA_CFG)},
+        "cp2_a2a_mla": ({"cp": 2}, False, None, MLA_CFG), "tp2_sp_mtp": ({"tp": 2}, True, None, MTP_CFG),
+        "fsdp2_mtp_moe": ({"fsdp": 2}, False, None, MTP_MOE_CFG), "cp2_ring_mtp": ({"cp": 2}, False, None, MTP_CFG)},
     4: {"fsdp2_tp2_sp": ({"fsdp": 2, "tp": 2}, True, None, CFG), "dp2_fsdp2": ({"dp": 2, "fsdp": 2}, False, None, CFG),
         "fsdp4_uneven": ({"fsdp": 4}, False, UNEVEN, UNEVEN_CFG),
         "cp2_tp2_sp_allgather": ({"cp": 2, "tp": 2}, True, None, CFG),
         "fsdp2_tp2_sp_mla": ({"fsdp": 2, "tp": 2}, True, None, MLA_CFG)},
 }
 CP_COMM = {"cp2_allgather": "allgather", "cp2_ring": "ring", "cp2_a2a": "a2a", "cp2_tp2_sp_allgather": "allgather",
-           "cp2_allgather_mla": "allgather", "cp2_ring_mla": "ring", "cp2_a2a_mla": "a2a"}
+           "cp2_allgather_mla": "allgather", "cp2_ring_mla": "ring", "cp2_a2a_mla": "a2a", "cp2_ring_mtp": "ring"}
 FAMILIES = {gpt2.GPT2Config: "gpt2", llama.LlamaConfig: "llama", DeepseekV3Config: "deepseek_v3"}
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16}
 
@@ -77,8 +83,21 @@ def _storage(t):
     return t.untyped_storage()
 
 
+def _loss(model, params, tokens, targets, rows, ctx):
+    """The step's cross-entropy sums: the head's, and with multi-token prediction each
+    module's on the tokens ahead (models/mtp.py's rows)."""
+    if not rows:
+        return ctx.cross_entropy_sum(model.forward(params, tokens, ctx), targets)
+    depth = len(rows) // 2
+    logits, depths = model.family.forward_mtp(model.cfg, params, tokens, ctx, (0, model.cfg.n_layers), True,
+                                              [rows[f"mtp_tokens_{k}"] for k in range(1, depth + 1)])
+    return ctx.cross_entropy_sum(logits, targets) + sum(
+        ctx.cross_entropy_sum(out, rows[f"mtp_targets_{k}"]) for k, out in enumerate(depths, 1))
+
+
 def measure(world: int):
     """On every rank: each layout x precision, one forward + backward of one micro-batch."""
+    from meshtrain.models.mtp import mtp_rows
     from meshtrain.parallel.context import ShardedContext
     from meshtrain.layout.placements import local_tensor
     from meshtrain.train.optim import init_state
@@ -94,8 +113,9 @@ def measure(world: int):
             batch = MICRO * plan.mesh.dp * plan.mesh.fsdp
             tokens = torch.randint(0, model.cfg.vocab_size, (batch, SEQ), generator=g)
             targets = torch.randint(0, model.cfg.vocab_size, (batch, SEQ), generator=g)
+            rows = mtp_rows(tokens, targets, model.cfg.mtp.depth) if getattr(model.cfg, "mtp", None) else {}
             before = {_storage(p).data_ptr() for p in params.values()}
-            before |= {tokens.untyped_storage().data_ptr(), targets.untyped_storage().data_ptr()}
+            before |= {t.untyped_storage().data_ptr() for t in (tokens, targets, *rows.values())}
             kept, regathered = {}, {}
 
             def pack(t):
@@ -111,12 +131,12 @@ def measure(world: int):
                 return t
 
             with ctx.regather_in_backward(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                loss = ctx.cross_entropy_sum(model.forward(params, tokens, ctx), targets)
+                loss = _loss(model, params, tokens, targets, rows, ctx)
             loss.backward()
             state = init_state(params)
             out[(name, precision)] = {
                 "params": sum(local_tensor(p).nbytes for p in params.values()),
-                "grads": sum(local_tensor(p.grad).nbytes for p in params.values()),
+                "grads": sum(local_tensor(p.grad).nbytes for p in params.values() if p.grad is not None),
                 "optimizer": sum(local_tensor(t).nbytes for group in state.values() for t in group.values()),
                 "activations": sum(n for n, _ in kept.values()),
                 "regathered": sum(regathered.values()),
@@ -326,70 +346,3 @@ def test_mla_layer_under_each_checkpointing_mode_matches_the_allocator():
                 assert planner[1] - planner[0] == measured, (tp, mode, precision, planner, measured)
     finally:
         del layer_memory.FAMILIES[family]
-
-
-# Multi-token prediction (DeepSeek-V3's module after the head: its lookup, norms, eh_proj,
-# block, head and loss): name -> (mesh sizes, sp, config, cp_comm), per world.
-MTP_CASES = {
-    1: {"single_mtp": ({}, False, dataclasses.replace(deepseek.MTP_CFG, moe=None), "allgather"),
-        "single_mtp_moe": ({}, False, deepseek.MTP_CFG, "allgather")},
-    2: {"tp2_sp_mtp": ({"tp": 2}, True, dataclasses.replace(deepseek.MTP_CFG, moe=None), "allgather"),
-        "fsdp2_mtp_moe": ({"fsdp": 2}, False, deepseek.MTP_CFG, "allgather"),
-        "cp2_ring_mtp": ({"cp": 2}, False, dataclasses.replace(deepseek.MTP_CFG, moe=None), "ring")},
-}
-
-
-def _mtp_plan(world, name):
-    sizes, sp, cfg, comm = MTP_CASES[world][name]
-    model = build("deepseek_v3", cfg)
-    return model, make_plan(model.specs, Rules.default(sp=sp), MeshSpec(**sizes), world=world, cp_comm=comm)
-
-
-def measure_mtp(world: int):
-    """On every rank, per case and precision: the bytes one forward with the module keeps
-    for backward (the head's loss and the module's, as the step takes them)."""
-    from meshtrain.models.mtp import mtp_rows
-    from meshtrain.parallel.context import ShardedContext
-
-    out = {}
-    for name in MTP_CASES[world]:
-        model, plan = _mtp_plan(world, name)
-        mesh = plan.mesh.build()
-        for precision, dtype in PRECISIONS.items():
-            params = init_params(plan, mesh, seed=0)
-            ctx = ShardedContext(plan, mesh, dtype)
-            g = torch.Generator().manual_seed(0)
-            batch = MICRO * plan.mesh.dp * plan.mesh.fsdp
-            tokens, targets = (torch.randint(0, model.cfg.vocab_size, (batch, SEQ), generator=g) for _ in range(2))
-            rows = mtp_rows(tokens, targets, 1)
-            before = {_storage(p).data_ptr() for p in params.values()}
-            before |= {t.untyped_storage().data_ptr() for t in (tokens, targets, *rows.values())}
-            kept = {}
-
-            def pack(t):
-                instead = kept_instead(ctx, t)
-                if instead and instead[0] == "shard":
-                    kept[_storage(instead[1]).data_ptr()] = (_storage(instead[1]).nbytes(), instead[1])
-                elif not instead and _storage(t).data_ptr() not in before:
-                    kept[_storage(t).data_ptr()] = (_storage(t).nbytes(), t)
-                return t
-
-            with ctx.regather_in_backward(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                logits, depths = model.family.forward_mtp(model.cfg, params, tokens, ctx, (0, model.cfg.n_layers),
-                                                          True, [rows["mtp_tokens_1"]])
-                loss = ctx.cross_entropy_sum(logits, targets) + ctx.cross_entropy_sum(depths[0], rows["mtp_targets_1"])
-            loss.backward()
-            out[(name, precision)] = sum(n for n, _ in kept.values())
-    return out
-
-
-def test_mtp_module_activation_bytes_match():
-    """The module's saved-for-backward bytes are in the estimate (`mtp_saved`), tolerance 0:
-    dense and MoE blocks, fp32 and bf16, one process, tp2 + sp, fsdp2, cp2 ring."""
-    for world in MTP_CASES:
-        ranks = run_ranks(measure_mtp, world, world)
-        for (name, precision) in ranks[0]:
-            model, plan = _mtp_plan(world, name)
-            est = per_rank_memory(plan, model, micro_batch=MICRO, seq_len=SEQ, precision=precision)
-            assert max(r[(name, precision)] for r in ranks) == est["activations"], (name, precision, est)
-            assert est["mtp_saved"] > 0

@@ -193,16 +193,19 @@ class _State:
 
 
 def _state(plan: Plan, names: set[str], traffic: Traffic) -> _State:
-    """Parameters, gradients and AdamW's moments of `names`; and the gathered parameters
-    whole, fp32: under parallel.fsdp_accumulate unsharded (with micro-steps) their
+    """Parameters, gradients (the trainable ones') and AdamW's moments of `names`; and the
+    gathered parameters whole, fp32: under parallel.fsdp_accumulate unsharded (with micro-steps) their
     gradients, held from the first micro-step to the reduce-scatter; under
     parallel.pp_keep_gathered the weights held for the step, and their gradients summed
     over its micro-batches beside them."""
     params = sum(p.bytes_per_rank for n, p in plan.params.items() if n in names)
-    grads = sum(math.prod(p.local_shape) * FP32 for n, p in plan.params.items() if n in names)
+    # State the step updates itself (the aux-free expert bias) has no gradient; AdamW's
+    # state keeps (zero) moments for every parameter (train/optim.py init_state).
+    moments = sum(math.prod(p.local_shape) * FP32 for n, p in plan.params.items() if n in names)
+    grads = sum(math.prod(p.local_shape) * FP32 for n, p in plan.params.items() if n in names and p.spec.trainable)
     whole = sum(compute_numel(plan, n) * FP32 for n in plan.params if n in names and is_gathered(plan, n))
     kept = whole if traffic.keep_gathered else 0
-    return _State(params, grads, 2 * grads, whole if traffic.fsdp_accumulate == "unsharded" else 0, kept, kept)
+    return _State(params, grads, 2 * moments, whole if traffic.fsdp_accumulate == "unsharded" else 0, kept, kept)
 
 
 def total_peak(m: dict, device: str) -> tuple[int, int]:
