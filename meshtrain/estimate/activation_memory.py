@@ -108,7 +108,7 @@ from ..models.family import RESIDUAL, TOKENS
 from ..models.losses import CHUNK_ROWS
 from .compute import MaskKeys
 from .dtype_bytes import BOOL, FP32, INT64
-from .placement_rules import R, PlacementRules, numel_on_rank
+from .placement_rules import PlacementRules, gathers, numel_on_rank
 
 
 def local_numel(plan: Plan, shape: Sequence[int], axes: Sequence[str | None]) -> int:
@@ -183,11 +183,6 @@ def kept_bytes(mb: MicroBatch, saved) -> int:
             layout = src
         total += s.dtype.itemsize * numel_on_rank((mb.B, *s.shape[1:]), layout, mb.plan.mesh)
     return total
-
-
-def gathers(src: tuple, dst: tuple) -> bool:
-    """Does redistributing `src` to `dst` only gather (no reduction, no new split)?"""
-    return src != dst and all(s == d or (s[0] == "S" and d == R) for s, d in zip(src, dst))
 
 
 def attention_saved(mb: MicroBatch, kernel: str) -> int:

@@ -34,6 +34,12 @@ def numel_on_rank(shape, pls, mesh, pad=None) -> int:
     return math.prod(size)
 
 
+def gathers(src: tuple, dst: tuple) -> bool:
+    """Does redistributing placements `src` to `dst` only gather (no reduction, no new
+    split)?"""
+    return src != dst and all(s == d or (s[0] == "S" and d == R) for s, d in zip(src, dst))
+
+
 class PlacementRules:
     """The plan's placements of activations (by logical axes) and parameters, and those
     of the results of linear, addition and their gradients."""

@@ -16,7 +16,7 @@ from ..models.recording import Attend, Constrain, Experts, Remat, Use
 from ..layout.plan import Plan
 from .collective_tally import CollectiveTally
 from .dtype_bytes import FP32, INT64
-from .placement_rules import P, R, PlacementRules, numel_on_rank
+from .placement_rules import P, R, PlacementRules, gathers, numel_on_rank
 
 
 class Walker(PlacementRules):
@@ -133,8 +133,7 @@ class Walker(PlacementRules):
         with self._recomputed():
             self.tally.redistribute("fwd", shape, src, dst, self.c or 4)
         self.tally.redistribute("bwd", shape, grad, tuple(R if p == P else p for p in src), self.c or 4)
-        gathers = src != dst and all(s == d or (s[0] == "S" and d == R) for s, d in zip(src, dst))
-        if saved and self.keep_shards and gathers and not self.recompute_block:
+        if saved and self.keep_shards and gathers(src, dst) and not self.recompute_block:
             self.tally.redistribute("bwd", shape, src, dst, self.c or 4)
 
     @contextlib.contextmanager
