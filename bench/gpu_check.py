@@ -19,6 +19,13 @@
                 holds) in bf16 and fp32, uneven rows per expert and one expert without any:
                 y, dx, dw against a per-expert loop in fp32 written here; counts the
                 _grouped_mm calls (3: forward and both backward products).
+  mla_<dt>      what one DeepSeek-V3 block (multi-head latent attention: values narrower
+                than keys, which CUDA's fused kernels take and the CPU's flash kernel does
+                not) keeps for backward, bf16 and fp32: the bytes a forward of the model
+                at 3 layers holds beyond one at 2 (CUDA: torch.cuda.memory_allocated; CPU:
+                the allocator's events), against `meshtrain plan`'s per-layer figure for
+                the device. Within 1% on CUDA (the caching allocator rounds each block),
+                to the byte on the CPU.
 
 Errors are max |got - reference| over max |reference|. One line per check (PASS/FAIL, its
 numbers), and one JSON (`--json`, default $OUT/gpu_check.json or ./gpu_check.json) with the
@@ -56,6 +63,19 @@ from meshtrain.train.step import TrainState  # noqa: E402
 # element); the bound against the unquantised matmul (e4m3 forward, e5m2 gradients).
 FP8_TOL, FP8_BOUND = 1e-2, {"y": 0.1, "grad_x": 0.25, "grad_w": 0.25}
 GROUPED_TOL = {torch.bfloat16: 1e-2, torch.float32: 1e-5}
+
+
+def _mla_config():
+    """A dense DeepSeek-V3 (MLA with both latents, values narrower than keys; no YaRN,
+    whose query gain is a float64 scalar autograd keeps beside the tensors)."""
+    from meshtrain.models.deepseek_v3 import DeepseekV3Config
+    from meshtrain.models.mla import MlaConfig
+
+    mla = MlaConfig(q_lora_rank=192, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32)
+    return DeepseekV3Config(dim=256, n_layers=2, n_heads=8, ffn_dim=512, vocab_size=512, max_seq_len=4096, mla=mla)
+
+
+_MLA = _mla_config()
 
 
 def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -237,6 +257,57 @@ def check_grouped(device, dtype, rows: int, d_in: int, d_out: int, e: int) -> di
 
 # ---------------------------------------------------------------- main
 
+def _mla_held(device, n: int, precision: str, batch: int, seq: int) -> int:
+    """Bytes one forward of an n-layer dense MLA model holds when it returns (what autograd
+    keeps, and the loss), parameters made before."""
+    import dataclasses
+
+    from meshtrain import build
+    from meshtrain.models.context import LocalContext
+    from meshtrain.models.policy import Policy
+    from meshtrain.models.spec import init_slice
+    from meshtrain.train.peak_memory import held_cpu_bytes
+
+    model = build("deepseek_v3", dataclasses.replace(_MLA, n_layers=n))
+    params = {k: init_slice(s, k, seed=0).to(device).requires_grad_(s.trainable) for k, s in model.specs.items()}
+    tokens = torch.randint(0, model.cfg.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
+    tokens = tokens.to(device)
+    ctx = LocalContext(Policy.of(precision))
+
+    def forward():
+        return ctx.cross_entropy_sum(model.forward(params, tokens, ctx), tokens)
+
+    if device.type == "cpu":
+        loss, held = held_cpu_bytes(forward)
+    else:
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        loss = forward()
+        torch.cuda.synchronize()
+        held = torch.cuda.memory_allocated() - before
+    loss.backward()  # what was kept is used
+    return held
+
+
+def check_mla_memory(device, precision: str, batch: int, seq: int) -> dict:
+    import dataclasses
+
+    from meshtrain import MeshSpec, Rules, build, make_plan
+    from meshtrain.estimate.memory import per_rank_memory
+
+    measured = _mla_held(device, 3, precision, batch, seq) - _mla_held(device, 2, precision, batch, seq)
+    planned = []
+    for n in (2, 3):
+        model = build("deepseek_v3", dataclasses.replace(_MLA, n_layers=n))
+        plan = make_plan(model.specs, Rules.default(), MeshSpec(), world=1)
+        planned.append(per_rank_memory(plan, model, micro_batch=batch, seq_len=seq, precision=precision,
+                                       device=device.type)["activations"])
+    planner = planned[1] - planned[0]
+    tol = 0.01 if device.type == "cuda" else 0.0
+    return {"measured": measured, "planner": planner, "ratio": round(planner / measured, 4),
+            "pass": abs(planner - measured) <= tol * measured}
+
+
 def _line(name: str, r: dict) -> str:
     verdict = "PASS" if r.get("pass") else "FAIL"
     if r.get("skipped"):
@@ -289,6 +360,9 @@ def main(argv=None) -> int:
         name = f"grouped_{str(dtype).split('.')[-1]}"
         run(name, lambda dt=dtype, nm=name: {nm: check_grouped(device, dt, *((8192, 1024, 2048, 8) if big
                                                                           else (96, 32, 48, 4)))})
+    for precision in ("bf16", "fp32"):
+        name = f"mla_{precision}"
+        run(name, lambda pr=precision, nm=name: {nm: check_mla_memory(device, pr, *((4, 2048) if big else (2, 64)))})
     checks = results["checks"].values()
     results["passed"] = all(r.get("pass") or r.get("skipped") for r in checks)
     results["seconds"] = round(time.monotonic() - start, 1)

@@ -56,14 +56,15 @@ def test_the_gpu_check_runs_each_branch_on_the_cpu_through_the_kit(tmp_path):
     assert results["summary"]["gpu_check_passed"] is True
     checks = check["checks"]
     assert list(checks) == ["async_save", "pinned", "fp8_tensorwise", "fp8_rowwise", "grouped_bfloat16",
-                            "grouped_float32"], checks
+                            "grouped_float32", "mla_bf16", "mla_fp32"], checks
     assert all(c["pass"] for c in checks.values()) and check["smoke"] and check["device"] == "cpu"
     assert checks["async_save"]["differing"] == [] and checks["async_save"]["tensors"] == 12
     assert checks["pinned"]["buffers"] == 12 and checks["pinned"]["pinned"] == 0  # CPU tensors: not pinned
     assert all(checks[f"fp8_{r}"]["scaled_mm_calls"] == 3 for r in ("tensorwise", "rowwise"))
     assert all(checks[f"grouped_{d}"]["grouped_mm_calls"] == 3 for d in ("bfloat16", "float32"))
+    assert all(checks[f"mla_{p}"]["measured"] == checks[f"mla_{p}"]["planner"] > 0 for p in ("bf16", "fp32"))
     log = (out / "logs" / "gpu_check.log").read_text()
-    assert sum(line.startswith("PASS ") for line in log.splitlines()) == 6, log
+    assert sum(line.startswith("PASS ") for line in log.splitlines()) == 8, log
 
 
 def test_the_gpu_check_without_a_gpu_says_it_needs_one(tmp_path):
