@@ -13,11 +13,10 @@ import torch
 import torch.nn.functional as F
 import yaml
 
-from meshtrain import LRSchedule
 from meshtrain.cli import main
 from meshtrain.data import build_data
 from support.cli import read_metrics, run_cli
-from support.deepseek import MOE, hf_model
+from support.deepseek import hf_model, moe_gates, train_reference
 
 transformers = pytest.importorskip("transformers")
 STEPS = 3
@@ -48,32 +47,15 @@ def _reference(release, run_dir):
     data = build_data(d["paths"], d["tokenizer"], t["seq_len"], cfg["seed"], cfg["model"]["vocab_size"],
                       d["valid_fraction"])
     model = transformers.AutoModelForCausalLM.from_pretrained(release, dtype=torch.float32)
-    schedule = LRSchedule(lr=t["lr"], min_lr=t["min_lr"], warmup_steps=t["warmup_steps"], total_steps=t["steps"])
-    params = list(model.parameters())
-    opt = torch.optim.AdamW([{"params": [p for p in params if p.ndim >= 2], "weight_decay": t["weight_decay"]},
-                             {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}],
-                            lr=t["lr"], betas=(0.9, 0.95), eps=1e-8)
-    gates = [layer.mlp.gate for layer in model.model.layers if hasattr(layer.mlp, "gate")]
-    loads = {}
-    for gate in gates:
-        gate.register_forward_hook(lambda m, _, out: loads.__setitem__(m, torch.bincount(
-            out[2].flatten(), minlength=MOE.num_experts).float()))
-    rate = cfg["model"]["moe"]["bias_update_rate"]
-    out = []
-    for step in range(t["steps"]):
+
+    def objective(step):
         window = data.train.batch(step * t["global_batch"], t["global_batch"])
         loss = F.cross_entropy(model(window[:, :-1]).logits.flatten(0, 1), window[:, 1:].flatten())
-        opt.zero_grad()
-        loss.backward()
-        norm = float(torch.nn.utils.clip_grad_norm_(params, t["grad_clip"]))
-        for group in opt.param_groups:
-            group["lr"] = schedule(step)
-        opt.step()
-        with torch.no_grad():
-            for gate in gates:
-                gate.e_score_correction_bias.add_(rate * torch.sign(loads[gate].mean() - loads[gate]))
-        out.append((loss.item(), norm))
-    return out
+        return loss, (loss.item(),)
+
+    return train_reference(list(model.parameters()), moe_gates(model.model.layers), t["steps"], objective,
+                           lr=t["lr"], min_lr=t["min_lr"], warmup=t["warmup_steps"], clip=t["grad_clip"],
+                           weight_decay=t["weight_decay"], rate=cfg["model"]["moe"]["bias_update_rate"])
 
 
 def _check(run_dir, expected):

@@ -18,8 +18,8 @@ from safetensors.torch import load_file, save_file
 
 from meshtrain.interop.hf import load_hf_params, read_hf_config, save_hf
 from meshtrain.models.mtp import MtpConfig, mtp_rows
-from support.deepseek import CFG, CLIP, LR, MIN_LR, MOE, MTP_CFG, STEPS, WARMUP, batches, hf_model, initial_params, \
-    single_process
+from support.deepseek import CFG, CLIP, MOE, MTP_CFG, STEPS, batches, hf_model, initial_params, moe_gates, \
+    single_process, train_reference
 
 transformers = pytest.importorskip("transformers")
 modeling = pytest.importorskip("transformers.models.deepseek_v3.modeling_deepseek_v3")
@@ -88,32 +88,16 @@ def _save_release(model, mtp, directory):
 
 
 def _train_reference(model, mtp):
-    from meshtrain import LRSchedule
+    """(main loss, MTP loss, grad norm) per step of the reference trained as our step trains
+    (support/deepseek.py train_reference), the module's gate included."""
+    steps = list(batches())
 
-    schedule = LRSchedule(lr=LR, min_lr=MIN_LR, warmup_steps=WARMUP, total_steps=STEPS)
-    params = list(model.parameters()) + list(mtp.parameters())
-    opt = torch.optim.AdamW([{"params": [p for p in params if p.ndim >= 2], "weight_decay": 0.1},
-                             {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}],
-                            lr=LR, betas=(0.9, 0.95), eps=1e-8)
-    gates = [layer.mlp.gate for layer in [*model.model.layers, mtp.layer] if hasattr(layer.mlp, "gate")]
-    loads = {}
-    for gate in gates:
-        gate.register_forward_hook(lambda m, _, out: loads.__setitem__(m, torch.bincount(
-            out[2].flatten(), minlength=MOE.num_experts).float()))
-    out = []
-    for t, batch in enumerate(batches()):
-        main, extra = _losses(model, mtp, batch["tokens"][0], batch["targets"][0])
-        opt.zero_grad()
-        (main + MTP_CFG.mtp.loss_coef * extra).backward()
-        norm = float(torch.nn.utils.clip_grad_norm_(params, CLIP))
-        for group in opt.param_groups:
-            group["lr"] = schedule(t)
-        opt.step()
-        with torch.no_grad():
-            for gate in gates:
-                gate.e_score_correction_bias.add_(MOE.bias_update_rate * torch.sign(loads[gate].mean() - loads[gate]))
-        out.append((main.item(), extra.item(), norm))
-    return out
+    def objective(t):
+        main, extra = _losses(model, mtp, steps[t]["tokens"][0], steps[t]["targets"][0])
+        return main + MTP_CFG.mtp.loss_coef * extra, (main.item(), extra.item())
+
+    return train_reference(list(model.parameters()) + list(mtp.parameters()),
+                           moe_gates([*model.model.layers, mtp.layer]), STEPS, objective)
 
 
 @pytest.fixture(scope="module")

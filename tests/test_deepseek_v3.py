@@ -22,8 +22,8 @@ from meshtrain.interop.hf import load_hf_params, read_hf_config, save_hf
 from meshtrain.models import LocalContext, build
 from meshtrain.models.moe import route
 from meshtrain.models.mtp import MtpConfig
-from support.deepseek import CFG, CLIP, LR, MIN_LR, MOE, STEPS, WARMUP, batches, hf_model, initial_params, \
-    single_process
+from support.deepseek import CFG, CLIP, MOE, STEPS, batches, hf_model, initial_params, moe_gates, single_process, \
+    train_reference
 
 transformers = pytest.importorskip("transformers")
 ATOL = 1e-5
@@ -135,38 +135,17 @@ def test_router_equals_transformers():
 
 
 def _train_transformers(model):
-    """transformers' model trained as our step trains: mean cross-entropy, clip_grad_norm_,
-    AdamW (decay on >= 2-D), the schedule's lr, then each MoE block's aux-free bias moved
-    by rate x sign(mean load - load) over the step's tokens."""
-    from meshtrain import LRSchedule
-
-    schedule = LRSchedule(lr=LR, min_lr=MIN_LR, warmup_steps=WARMUP, total_steps=STEPS)
-    params = list(model.parameters())
-    opt = torch.optim.AdamW([{"params": [p for p in params if p.ndim >= 2], "weight_decay": 0.1},
-                             {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}],
-                            lr=LR, betas=(0.9, 0.95), eps=1e-8)
-    loads = {}
-    gates = [layer.mlp.gate for layer in model.model.layers if hasattr(layer.mlp, "gate")]
-    for gate in gates:
-        gate.register_forward_hook(lambda m, _, out: loads.__setitem__(m, torch.bincount(
-            out[2].flatten(), minlength=MOE.num_experts).float()))
-    losses, norms = [], []
+    """transformers' model trained as our step trains (support/deepseek.py
+    train_reference) on the test's batches: (losses, grad norms)."""
     model.train()
-    for t, batch in enumerate(batches()):
-        logits = model(batch["tokens"][0]).logits
-        loss = F.cross_entropy(logits.flatten(0, 1), batch["targets"][0].flatten())
-        opt.zero_grad()
-        loss.backward()
-        norms.append(float(torch.nn.utils.clip_grad_norm_(params, CLIP)))
-        for group in opt.param_groups:
-            group["lr"] = schedule(t)
-        opt.step()
-        with torch.no_grad():
-            for gate in gates:
-                load = loads[gate]
-                gate.e_score_correction_bias.add_(MOE.bias_update_rate * torch.sign(load.mean() - load))
-        losses.append(loss.item())
-    return losses, norms
+    steps = list(batches())
+
+    def objective(t):
+        loss = F.cross_entropy(model(steps[t]["tokens"][0]).logits.flatten(0, 1), steps[t]["targets"][0].flatten())
+        return loss, (loss.item(),)
+
+    out = train_reference(list(model.parameters()), moe_gates(model.model.layers), STEPS, objective)
+    return [loss for loss, _ in out], [norm for _, norm in out]
 
 
 @pytest.mark.parametrize("compile", [False, "aot_eager"], ids=["eager", "compiled"])

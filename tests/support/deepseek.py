@@ -52,6 +52,42 @@ def batches(micro_steps: int = 1, documents: bool = False):
                "positions": document_positions(tokens, EOD), "segments": document_segments(tokens, EOD)}
 
 
+def train_reference(params: list, gates: list, steps: int, objective, *, lr=LR, min_lr=MIN_LR, warmup=WARMUP,
+                    clip=CLIP, weight_decay=0.1, rate=MOE.bias_update_rate) -> list[tuple]:
+    """transformers' modules trained as meshtrain's step trains: per step t,
+    `objective(t)` gives (the loss to differentiate, the numbers to report); then
+    clip_grad_norm_, torch.optim.AdamW (decay on >= 2-D) at the schedule's lr, and each
+    gate's aux-free bias moved by rate x sign(mean load - load) over the step's tokens.
+    Returns (*numbers, grad norm) per step."""
+    schedule = LRSchedule(lr=lr, min_lr=min_lr, warmup_steps=warmup, total_steps=steps)
+    opt = torch.optim.AdamW([{"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
+                             {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}],
+                            lr=lr, betas=(0.9, 0.95), eps=1e-8)
+    loads = {}
+    for gate in gates:
+        gate.register_forward_hook(lambda m, _, out: loads.__setitem__(m, torch.bincount(
+            out[2].flatten(), minlength=MOE.num_experts).float()))
+    out = []
+    for t in range(steps):
+        loss, numbers = objective(t)
+        opt.zero_grad()
+        loss.backward()
+        norm = float(torch.nn.utils.clip_grad_norm_(params, clip))
+        for group in opt.param_groups:
+            group["lr"] = schedule(t)
+        opt.step()
+        with torch.no_grad():
+            for gate in gates:
+                gate.e_score_correction_bias.add_(rate * torch.sign(loads[gate].mean() - loads[gate]))
+        out.append((*numbers, norm))
+    return out
+
+
+def moe_gates(layers) -> list:
+    """The MoE gates of transformers' decoder layers (the dense ones have none)."""
+    return [layer.mlp.gate for layer in layers if hasattr(layer.mlp, "gate")]
+
+
 def optimizer_args() -> dict:
     return dict(optimizer=AdamW(lr=LR, weight_decay=0.1),
                 lr_schedule=LRSchedule(lr=LR, min_lr=MIN_LR, warmup_steps=WARMUP, total_steps=STEPS), grad_clip=CLIP)
