@@ -212,7 +212,8 @@ def _once_per_step(plan: Plan, model: ModelDef, kinds: dict, rest: Walker, unit,
     if rest.loss_dims:  # the loss, a partial sum over the token-splitting dims (fp32 scalar)
         dims = rest.loss_dims
         partial = tuple(P if i in dims else R for i in range(n))
-        for shape in [()] + [(rest.losses - 1,)] * (rest.losses > 1):
+        depths = rest.losses - 1  # the multi-token prediction modules' losses, reduced as one tensor
+        for shape in [()] + ([(depths,)] if depths else []):
             if not loss_once:  # every micro-step: DTensor's all-reduce per dim
                 once.redistribute("fwd", shape, partial, (R,) * n, FP32, n=micro_steps)
             elif dims in group_dims(plan_buckets(plan, unit)[0], plan):  # once per step, one group

@@ -192,6 +192,7 @@ class RecordingContext:
         self.events: list = []
         self.saved: dict[int, tuple[torch.Tensor, Saved]] = {}
         self.linears: list[Product] = []
+        self._attends = 0  # ctx.attention calls so far
         self._info: dict[int, tuple[torch.Tensor, _Info]] = {}
         self._first: dict[str, Use] = {}
 
@@ -298,7 +299,7 @@ class RecordingContext:
             info.origin.consumers.append(name)
         out = F.linear(x, w, bias)
         layout = ("linear", info.layout, name)
-        self.linears.append(Product(name, tuple(out.shape), layout, sum(isinstance(e, Attend) for e in self.events)))
+        self.linears.append(Product(name, tuple(out.shape), layout, self._attends))
         return self.mark(out, _Info(layout=layout))
 
     def embedding(self, ids, table):
@@ -320,6 +321,7 @@ class RecordingContext:
             if self.info(t).origin is not None:
                 self.info(t).origin.read = True
         self.events.append(Attend(tuple(q.shape), tuple(k.shape), tuple(v.shape)))
+        self._attends += 1
         out = self._new((*q.shape[:-1], v.shape[-1]), ("act", QUERY), q.dtype)
         self.info(out).kernel = "output"
         return out
