@@ -95,6 +95,8 @@ def _validate_across(cfg: RunConfig) -> None:
         _validate_unsharded_accumulation(cfg)
     if p.pp_keep_gathered:
         _validate_keep_gathered(cfg)
+    if p.zero != 3:
+        _validate_zero(cfg)
     if cfg.checkpoint.export:  # what Hugging Face cannot express fails now, not after training
         try:
             to_hf_config(m.arch, cfg.family_config())
@@ -158,6 +160,21 @@ def _validate_keep_gathered(cfg: RunConfig) -> None:
         raise ConfigError("parallel.pp_keep_gathered=true keeps a pipeline stage's sharded weights gathered over its "
                           "micro-batches, but parallel.fsdp=1 and parallel.cp=1 shard none: set parallel.fsdp > 1 "
                           "(or -1, the remaining ranks), or parallel.pp_keep_gathered false")
+
+
+def _validate_zero(cfg: RunConfig) -> None:
+    p = cfg.parallel
+    if p.bucket == "param":
+        raise ConfigError(f"parallel.zero={p.zero} gathers and reduces the weights by bucket: set parallel.bucket "
+                          "block (or a size in MB), or parallel.zero 3")
+    if p.fsdp_accumulate == "unsharded":
+        raise ConfigError(f"parallel.fsdp_accumulate=unsharded is ZeRO-3's way to reduce once per step; "
+                          f"parallel.zero={p.zero} reduces the kept weights' gradients itself: set "
+                          "parallel.fsdp_accumulate sharded")
+    if p.fsdp == 1 and p.cp == 1:  # -1 may take 1 rank too: a note then (RunConfig.notes), at that world
+        raise ConfigError(f"parallel.zero={p.zero} shards the optimizer state over fsdp x cp, but parallel.fsdp=1 and "
+                          "parallel.cp=1 shard nothing: set parallel.fsdp > 1 (or -1, the remaining ranks), or "
+                          "parallel.zero 3")
 
 
 def _validate_context_parallel(cfg: RunConfig) -> None:

@@ -85,6 +85,9 @@ class RunConfig:
         if p.pp == 1 and p.pp_schedule != default:
             out.append(f"note: parallel.pp_schedule={p.pp_schedule} does nothing with parallel.pp=1 (no pipeline "
                        "to schedule); set parallel.pp > 1 to run it")
+        if p.zero != 3 and mesh.fsdp * mesh.cp == 1:
+            out.append(f"note: parallel.zero={p.zero} does nothing at world size {mesh.world}: parallel.fsdp=-1 takes "
+                       f"{mesh.fsdp} rank (parallel.cp={mesh.cp}), so no optimizer state is sharded")
         if p.pp_keep_gathered and p.pp > 1 and mesh.fsdp * mesh.cp == 1:
             out.append(f"note: parallel.pp_keep_gathered=true does nothing at world size {mesh.world}: "
                        f"parallel.fsdp=-1 takes {mesh.fsdp} rank (parallel.cp={mesh.cp}), so no stage weights are "

@@ -121,15 +121,15 @@ def _block_kinds(model: ModelDef, layers) -> dict[str, list[int]]:
 def step_collectives(plan: Plan, model: ModelDef, *, micro_batch_rows: int, seq_len: int, micro_steps: int,
                      precision: str = "fp32", compiled: bool = False, layers=None,
                      embedding: bool = True, head: bool = True, traffic: Traffic = Traffic(), names=None,
-                     loss_once: bool = True, activation_checkpointing: str = "none", parameters: str = "each",
+                     loss_once: bool = True, activation_checkpointing: str = "none", parameters: str | None = None,
                      activations: bool = True) -> list[dict]:
     """The collectives of one optimizer step: dicts {axis, op, phase, count, bytes}, one per
     (axis, op, phase); bytes are the total per rank over the step. `micro_batch_rows` is
     the sequences of one micro-step over all data-parallel ranks (micro_batch x dp x fsdp).
     `traffic`: the step's parameter traffic, as make_train_step takes it (bucket "param":
     one collective per parameter; fsdp_accumulate "unsharded": a plain bucketed step
-    reduce-scatters once per step); its keep_gathered is not read here (`parameters`
-    "kept" below is). A pipeline rank (plan: the stage plan without pp) runs `layers`
+    reduce-scatters once per step; keep_gathered, parallel.zero 1 and 2: `parameters` "kept"
+    unless `parameters` says otherwise). A pipeline rank (plan: the stage plan without pp) runs `layers`
     layers (a count, or their indices) and the embedding and head only where it holds
     them, and holds `names` (default: those); its point-to-point traffic is counted by
     meshtrain/estimate/pipeline.py, and its loss is reduced in every micro-step
@@ -142,14 +142,17 @@ def step_collectives(plan: Plan, model: ModelDef, *, micro_batch_rows: int, seq_
     "selective" changes no count (the sp gathers it recomputes replace the re-gathers of
     kept shards; reductions and attention are kept).
 
-    `parameters`: the parameters' traffic "each" micro-step, as above; "kept", as a pp
-    rank under parallel.pp_keep_gathered issues it, once per step: each bucket gathered
-    once before the first micro-batch, in the parameters' dtype (fp32: gather sets by
-    it, whatever the compute dtype), nothing gathered again in backward, and after the
-    last backward the gradients reduced once (per bucket one reduce-scatter per gather
-    set, then one all-reduce per set of dims still partial); a parameter in no bucket
-    redistributed there and back once, fp32; "none": left out. `activations` False
+    `parameters`: the parameters' traffic "each" micro-step, as above; "kept", as a step
+    under parallel.zero 1 (or a pp rank under parallel.pp_keep_gathered) issues it, once
+    per step: each bucket gathered once before the first micro-batch, in the parameters'
+    dtype (fp32: gather sets by it, whatever the compute dtype), nothing gathered again
+    in backward, and after the last backward the gradients reduced once (per bucket one
+    reduce-scatter per gather set, then one all-reduce per set of dims still partial); a
+    parameter in no bucket redistributed there and back once, fp32; under zero 2 the
+    reductions after every micro-batch's backward; "none": left out; None: "kept" when
+    `traffic` keeps the weights gathered, else "each". `activations` False
     leaves out everything else (activations, loss, MoE load, grad norm)."""
+    parameters = parameters or ("kept" if traffic.keep_gathered else "each")
     _check_step(precision, parameters)
     unit = check_bucket(traffic.bucket)
     c = _check_batch(plan, micro_batch_rows, precision)
@@ -191,7 +194,13 @@ def _parameter_tallies(plan: Plan, walker, events, held: set[str], parameters: s
         params = walker(c=None, eager=False, recompute=False)
         # Each bucket gathered once, before the first micro-batch: counted in lookup order.
         bucket_traffic(params, events, held, Policy.of("fp32"), replace(traffic, prefetch=0), keep=True)
-        return [(params.tally, 1)]
+        if traffic.zero != 2:
+            return [(params.tally, 1)]
+        # ZeRO-2: the reductions after every micro-batch's backward.
+        gathers, reductions = CollectiveTally(plan.mesh), CollectiveTally(plan.mesh)
+        for key, entry in params.tally.out.items():
+            (reductions if key[0] == "bwd" else gathers).out[key] = list(entry)
+        return [(gathers, 1), (reductions, micro_steps)]
     if parameters != "each":
         return []
     # A plain step (eager or compiled) reduces what is left partial after the

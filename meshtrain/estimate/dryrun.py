@@ -13,6 +13,7 @@ lays them out and as torchrun places consecutive ranks on one node.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import math
 from dataclasses import dataclass, field
@@ -47,6 +48,7 @@ class DryRun:
     pipeline: object | None = None  # PipelineEstimate when parallel.pp > 1: memory and collectives are its most loaded rank's
     expert_exchange: dict | None = None  # comms.expert_exchange: MoE blocks with ep > 1, per layer per micro-step
     keep_gathered: dict | None = None  # keep_gathered_sides: parallel.pp_keep_gathered off and on
+    zero_stages: dict | None = None  # zero_sides: parallel.zero 1, 2 and 3 (without pp)
     model: str = ""  # the model in a few words: family, layers, dim, experts
     setup: str = ""  # what sets the activations: micro-batch, sequence, precision, checkpointing, compile
     total_params: int = 0
@@ -93,6 +95,7 @@ class DryRun:
             "pipeline": {**self.pipeline.to_dict(), "keep_gathered": self.keep_gathered}
             if self.pipeline is not None else None,
             **({"expert_all_to_all": self.expert_exchange} if self.expert_exchange is not None else {}),
+            **({"zero_stages": self.zero_stages} if self.zero_stages is not None else {}),
             **(self._search_dict() if self.lowest is not None else {}),
         }
 
@@ -150,7 +153,7 @@ def dry_run(cfg: RunConfig, world: int | None = None, gpu: str | None = None, *,
     dp_size = plan.mesh.dp * plan.mesh.fsdp
     micro_steps = cfg.accumulation_steps(dp_size)
     memory, pipeline = step_memory(cfg, plan, model)
-    keep_gathered = None
+    keep_gathered = zero = None
     if pipeline is not None:
         collectives, experts = pipeline.busiest["collectives"], None
         keep_gathered = keep_gathered_sides(cfg, plan, model, pipeline)
@@ -160,10 +163,12 @@ def dry_run(cfg: RunConfig, world: int | None = None, gpu: str | None = None, *,
                                        traffic=p.traffic(), activation_checkpointing=t.activation_checkpointing)
         experts = expert_exchange(plan, model, micro_batch_rows=t.micro_batch * dp_size, seq_len=t.seq_len,
                                   precision=t.precision)
+        zero = zero_sides(cfg, plan, model, memory, collectives)
     axis_nodes = {a: _nodes_spanned(plan.mesh, a, gpus_per_node) for a in plan.mesh.axes}
     total, active = _param_counts(model)
     run = DryRun(world, gpus_per_node, plan, memory, collectives, axis_nodes, gpu, pipeline=pipeline,
-                 expert_exchange=experts, keep_gathered=keep_gathered, model=_describe(cfg.model), setup=_setup(t),
+                 expert_exchange=experts, keep_gathered=keep_gathered, zero_stages=zero, model=_describe(cfg.model),
+                 setup=_setup(t),
                  total_params=total, active_params=active, buckets=bucket_summary(plan, p.bucket),
                  compute=step_compute(cfg, model, world))
     run.warnings += [note.removeprefix("note: ") for note in cfg.notes(plan.mesh)]  # what does nothing here
@@ -196,6 +201,31 @@ def keep_gathered_sides(cfg: RunConfig, plan: Plan, model, pipeline) -> dict | N
     on = cfg.parallel.pp_keep_gathered
     sides = {on: pipeline, not on: step_memory(cfg, plan, model, keep_gathered=not on)[1]}
     return {"off": _side(sides[False]), "on": _side(sides[True]), "configured": "on" if on else "off"}
+
+
+def zero_sides(cfg: RunConfig, plan: Plan, model, memory: dict, collectives: list[dict]) -> dict | None:
+    """parallel.zero 1, 2 and 3 for a layout without pp whose fsdp x cp shards parameters
+    in buckets (`memory`, `collectives`: the configured stage's): per stage the peak and
+    the bytes of every collective of a step, and which stage the config sets. Under pp,
+    keep_gathered_sides weighs zero 1 (pp_keep_gathered) against 3. None otherwise."""
+    p, mesh = cfg.parallel, plan.mesh
+    if mesh.pp > 1 or mesh.fsdp * mesh.cp == 1 or check_bucket(p.bucket) == "param":
+        return None
+    t = cfg.train
+    out: dict = {"configured": p.zero}
+    for zero in (1, 2, 3):
+        peak, moved = memory["peak"], collectives
+        if zero != p.zero:
+            accumulate = "sharded" if zero < 3 else p.fsdp_accumulate
+            other = dataclasses.replace(cfg, parallel=dataclasses.replace(p, zero=zero, fsdp_accumulate=accumulate))
+            peak = step_memory(other, plan, model)[0]["peak"]
+            moved = step_collectives(plan, model, micro_batch_rows=t.micro_batch * mesh.dp * mesh.fsdp,
+                                           seq_len=t.seq_len, micro_steps=cfg.accumulation_steps(mesh.dp * mesh.fsdp),
+                                           precision=t.precision, compiled=bool(t.compile),
+                                           traffic=other.parallel.traffic(),
+                                           activation_checkpointing=t.activation_checkpointing)
+        out[str(zero)] = {"peak_bytes": int(peak), "collective_bytes": sum(e["bytes"] for e in moved)}
+    return out
 
 
 def _side(pipeline) -> dict:

@@ -22,6 +22,8 @@ def renderables(run) -> list:
         out += _pipeline_renderables(run.pipeline)
     if run.keep_gathered is not None:
         out.append(_keep_gathered_line(run.keep_gathered))
+    if run.zero_stages is not None:
+        out.append(_zero_line(run.zero_stages))
     out += [_memory_table(run), _collectives_table(run)]
     if run.buckets is not None:
         out.append(_buckets_line(run.buckets))
@@ -123,8 +125,8 @@ def _memory_table(run) -> Table:
     memory.add_column("")
     memory.add_column("bytes", justify="right")
     for key in MEMORY_KEYS:
-        if key == "peak":  # parallel.pp_keep_gathered's share of it, where it is on
-            for kept in ("kept_weights", "kept_grads"):
+        if key == "peak":  # kept weights' share of it (parallel.zero 1/2, pp_keep_gathered), where they are
+            for kept in ("kept_weights", "kept_grads", "micro_grads"):
                 if run.memory.get(kept):
                     memory.add_row(kept, human_bytes(run.memory[kept]))
         memory.add_row(key, human_bytes(run.memory[key]))
@@ -185,6 +187,18 @@ def _keep_gathered_line(sides: dict) -> str:
         label = f"{name} (set)" if name == sides["configured"] else name
         lines.append(f"  {label:<9}  peak {human_bytes(s['peak_bytes'])} (pp rank {s['pp_rank']}), "
                      f"parameter traffic {human_bytes(s['param_bytes'])}/step")
+    return "\n".join(lines)
+
+
+def _zero_line(stages: dict) -> str:
+    """parallel.zero 1, 2 and 3 (dryrun.zero_sides): each stage's peak and collective bytes
+    per step; the configured one marked."""
+    lines = ["parallel.zero, each stage on this layout:"]
+    for zero in ("1", "2", "3"):
+        s = stages[zero]
+        label = f"{zero} (set)" if int(zero) == stages["configured"] else zero
+        lines.append(f"  {label:<7}  peak {human_bytes(s['peak_bytes'])}, collectives "
+                     f"{human_bytes(s['collective_bytes'])}/step")
     return "\n".join(lines)
 
 

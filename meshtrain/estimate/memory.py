@@ -93,10 +93,11 @@ def per_rank_memory(plan: Plan, model, *, micro_batch: int, seq_len: int, precis
         "gathered_weights": weights.gathered, "recompute": layer.recompute,
         "transient": max(weights.layer_copies, forward, loss_logits, backward - freed),
         "unsharded_grads": state.unsharded_grads, "kept_weights": state.kept_weights, "kept_grads": state.kept_grads,
+        "micro_grads": state.micro_grads,
         "transient_forward": forward, "transient_backward": backward, "comm_buffers": comm_buffers,
         # Kept gathered: the step's end, beside the kept weights and gradients: the shards'
         # gradients as they are reduced into and the reductions' buffers.
-        "release": state.grads + comm_buffers if traffic.keep_gathered else 0,
+        "release": state.grads + state.micro_grads + comm_buffers if traffic.keep_gathered else 0,
         "transient_layer_weights": weights.layer_copies, "logits": loss_logits,
         "attention_kernel": attention, "document_masks": masks, "tiles_joined_per_layer": layer.joined,
         "window_pads_per_layer": layer.pads,
@@ -190,14 +191,16 @@ class _State:
     unsharded_grads: int
     kept_weights: int
     kept_grads: int
+    micro_grads: int
 
 
 def _state(plan: Plan, names: set[str], traffic: Traffic) -> _State:
     """Parameters, gradients (the trainable ones') and AdamW's moments of `names`; and the
     gathered parameters whole, fp32: under parallel.fsdp_accumulate unsharded (with micro-steps) their
-    gradients, held from the first micro-step to the reduce-scatter; under
-    parallel.pp_keep_gathered the weights held for the step, and their gradients summed
-    over its micro-batches beside them."""
+    gradients, held from the first micro-step to the reduce-scatter; kept gathered
+    (parallel.zero 1, parallel.pp_keep_gathered) the weights held for the step, and their
+    gradients summed over its micro-batches beside them; under parallel.zero 2 the
+    weights, and one micro-batch's whole gradients (`micro_grads`) until its reduction."""
     params = sum(p.bytes_per_rank for n, p in plan.params.items() if n in names)
     # State the step updates itself (the aux-free expert bias) has no gradient; AdamW's
     # state keeps (zero) moments for every parameter (train/optim.py init_state).
@@ -205,7 +208,9 @@ def _state(plan: Plan, names: set[str], traffic: Traffic) -> _State:
     grads = sum(math.prod(p.local_shape) * FP32 for n, p in plan.params.items() if n in names and p.spec.trainable)
     whole = sum(compute_numel(plan, n) * FP32 for n in plan.params if n in names and is_gathered(plan, n))
     kept = whole if traffic.keep_gathered else 0
-    return _State(params, grads, 2 * moments, whole if traffic.fsdp_accumulate == "unsharded" else 0, kept, kept)
+    per_micro = traffic.zero == 2
+    return _State(params, grads, 2 * moments, whole if traffic.fsdp_accumulate == "unsharded" else 0, kept,
+                  0 if per_micro else kept, kept if per_micro else 0)
 
 
 def total_peak(m: dict, device: str) -> tuple[int, int]:
@@ -213,9 +218,13 @@ def total_peak(m: dict, device: str) -> tuple[int, int]:
     its micro-batches in flight added): the state, then the step's working set: the
     gradients, activations, recompute and the largest transient together; kept gathered
     (m["release"] > 0), the larger of the micro-batches' working set (the shards'
-    gradients do not exist yet) and the step end's."""
+    gradients do not exist yet) and the step end's; under ZeRO-2 (m["micro_grads"] > 0) the
+    shards' gradients exist from the first micro-batch's reduction on, beside either.
+    """
     base = m["params"] + m["optimizer"] + m["unsharded_grads"] + m["kept_weights"] + m["kept_grads"]
     working = m["activations"] + m["recompute"] + m["transient"]
+    if m.get("micro_grads"):
+        working += m["grads"]
     peak = base + (max(working, m["release"]) if m["release"] else m["grads"] + working)
     # The caching allocator's rounding and fragmentation on a GPU, stated (ALLOCATOR_SLACK).
     slack = int(ALLOCATOR_SLACK * peak) if device == "cuda" else 0

@@ -29,8 +29,8 @@ def step_memory(cfg: RunConfig, plan, model, keep_gathered: bool | None = None,
     t, p, traffic = cfg.train, cfg.parallel, cfg.parallel.traffic()
     micro_steps = cfg.accumulation_steps(plan.mesh.dp * plan.mesh.fsdp)
     if plan.mesh.pp > 1:  # ranks differ by stage: report the most loaded
-        if keep_gathered is not None:
-            traffic = replace(traffic, keep_gathered=keep_gathered)
+        if keep_gathered is not None:  # off: ZeRO-3 (parallel.zero 1 under pp is keep_gathered)
+            traffic = replace(traffic, keep_gathered=keep_gathered, zero=traffic.zero if keep_gathered else 3)
         pipeline = pipeline_estimate(plan, model, pp_schedule=p.pp_schedule, virtual=p.pp_virtual, layout=p.pp_layout,
                                      micro_batch=t.micro_batch, seq_len=t.seq_len, micro_steps=micro_steps,
                                      precision=t.precision, compiled=bool(t.compile),

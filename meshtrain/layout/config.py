@@ -50,6 +50,8 @@ class ParallelConfig:
     """How fsdp gradients add up over a step's micro-steps. sharded: each micro-step's are reduce-scattered (FSDP2's default; only shards are held). unsharded: each block's full fp32 gradients accumulate locally and are reduce-scattered once, on the last micro-step: one reduce-scatter per bucket per step instead of per micro-step, for the memory of the whole model's unsharded gradients between micro-steps. Needs buckets (not parallel.bucket param) and no pipeline (parallel.pp 1); eager and compiled."""
     pp_keep_gathered: bool = Traffic.keep_gathered
     """Under a pipeline with fsdp: gather each pp rank's stage weights once per step (fp32, before the first micro-batch) and keep them over the step's micro-batches; their gradients add up unsharded (fp32) and are reduce-scattered once, after the last backward (TorchTitan's unsharded pipeline stages). Saves per micro-batch one all-gather (two with reshard_after_forward) and one reduce-scatter per bucket, for the memory of the stage's whole fp32 weights and gradients; `meshtrain plan` shows both sides. Needs parallel.pp > 1 and buckets (not parallel.bucket param)."""
+    zero: int = 3
+    """ZeRO stage of the fsdp (x cp) sharding. 3: parameters, gradients and optimizer state sharded, weights gathered per micro-batch (FSDP; the other traffic keys shape it). 1: Megatron's distributed optimizer (--use-distributed-optimizer): each bucket's weights gathered once per step (fp32, before the first micro-batch) and kept over the micro-batches, no gathers in forward or backward, the fp32 shards and optimizer state sharded, the gradients summed whole over the micro-batches and reduce-scattered once per step. 2: the same, the gradients reduce-scattered every micro-batch (sharded between them). Checkpoints are layout-free: a run resumes at another stage. Under a pipeline, 1 is parallel.pp_keep_gathered. Needs buckets (not parallel.bucket param)."""
     collective_timeout_s: float = 900.0
     """Seconds a collective may wait for its peers before it fails (the process group's timeout; at most 1e8)."""
     watchdog_s: float = 600.0
@@ -57,8 +59,9 @@ class ParallelConfig:
 
     def traffic(self) -> Traffic:
         """The traffic switches as the runtime and the estimators take them."""
+        kept = self.pp_keep_gathered or (self.zero in (1, 2))
         return Traffic(bucket=self.bucket, prefetch=self.prefetch, reshard_after_forward=self.reshard_after_forward,
-                       fsdp_accumulate=self.fsdp_accumulate, keep_gathered=self.pp_keep_gathered)
+                       fsdp_accumulate=self.fsdp_accumulate, keep_gathered=kept, zero=self.zero)
 
     def check(self) -> "ParallelConfig":
         """Raise ConfigError naming the parallel.* key and the fix for a value that cannot work."""

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from ..errors import ConfigError, check_bool, check_int
 
 BUCKET_UNITS = ("block", "param")
+ZERO_STAGES = (1, 2, 3)  # parallel.zero
 ACCUMULATE = ("sharded", "unsharded")
 MAX_PREFETCH = 64  # buckets in flight: each holds a block's gathered weights, so a typo, not a layout
 
@@ -38,14 +39,18 @@ class Traffic:
     reductions left in flight). reshard_after_forward: drop gathered weights after a
     block's forward and gather them again in backward. fsdp_accumulate: sharded (reduce-
     scatter every micro-step) or unsharded (accumulate whole gradients, reduce-scatter once
-    per step). keep_gathered: a pipeline rank keeps its stage's weights gathered over the
-    step's micro-batches (parallel.pp_keep_gathered)."""
+    per step). keep_gathered: the rank keeps its weights gathered over the step's
+    micro-batches (parallel.pp_keep_gathered, and parallel.zero 1 and 2, which set it:
+    ParallelConfig.traffic). zero: the ZeRO stage; 2 reduces the kept weights' gradients
+    every micro-batch (sharded between them), 1 once per step; 3 is the sharded runtime
+    the other switches shape."""
 
     bucket: str | float = "block"
     prefetch: int = 1
     reshard_after_forward: bool = True
     fsdp_accumulate: str = "sharded"
     keep_gathered: bool = False
+    zero: int = 3
 
     @property
     def buckets(self) -> bool:
@@ -60,6 +65,13 @@ class Traffic:
         check_int(self.prefetch, "parallel.prefetch", 0, MAX_PREFETCH)
         check_bool(self.reshard_after_forward, "parallel.reshard_after_forward")
         check_bool(self.keep_gathered, "parallel.pp_keep_gathered")
+        if isinstance(self.zero, bool) or self.zero not in ZERO_STAGES:
+            raise ConfigError(f"parallel.zero={self.zero!r}: choose 1 (parameters replicated, optimizer state sharded: "
+                              "Megatron's distributed optimizer), 2 (gradients sharded too) or 3 (parameters too: "
+                              "FSDP)")
+        if self.zero < 3 and not self.keep_gathered:
+            raise ConfigError(f"parallel.zero={self.zero} keeps the weights gathered over the step: build the "
+                              "traffic with keep_gathered true (ParallelConfig.traffic does)")
         if self.fsdp_accumulate not in ACCUMULATE:
             raise ConfigError(f"parallel.fsdp_accumulate={self.fsdp_accumulate!r}: choose sharded (reduce-scatter "
                               "every micro-step) or unsharded (accumulate locally, reduce-scatter once per step)")

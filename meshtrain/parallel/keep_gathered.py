@@ -1,16 +1,20 @@
-"""parallel.pp_keep_gathered: a pipeline rank's stage weights gathered once per step.
+"""Weights gathered once per step and kept over its micro-batches: parallel.zero 1 and 2
+(the whole model's; Megatron's distributed optimizer) and parallel.pp_keep_gathered (a
+pipeline rank's stage weights, the same thing as zero 1 there).
 
-Under pp x fsdp every micro-batch gathers a stage's weights (again in backward, with
+Under ZeRO-3 every micro-batch gathers the weights (again in backward, with
 reshard_after_forward) and reduce-scatters their gradients. Here the rank gathers its
-weights once, in their own dtype (fp32), before the first micro-batch (`KeptStage.gather`);
+weights once, in their own dtype (fp32), before the first micro-batch (`KeptWeights.gather`);
 the micro-batches run on them through a `held` ShardedContext on the `gathered` plan,
 which casts per use and leaves every gradient as this rank's partial sum, added up by
-autograd over the micro-batches; `KeptStage.release` then sends that sum back through
-the gathers' own backward once: per bucket one reduce-scatter per gather set and one
+autograd over the micro-batches; `KeptWeights.release` then sends that sum back through
+the gathers' own backward: per bucket one reduce-scatter per gather set and one
 all-reduce of what is still partial (dp; tp for sequence-parallel norms), into the
-shards' .grad. The gathers and reductions are the eager bucket path's
-(parallel/bucket_gather.py) in eager and compiled steps alike: they run outside the compiled
-stage graphs, which see the gathered weights as inputs.
+shards' .grad. Zero 1 releases once, after the last backward; zero 2 after every
+micro-batch's (the gradients sharded between micro-batches, the shards' .grad adding
+them up). The gathers and reductions are the eager bucket path's
+(parallel/bucket_gather.py) in eager and compiled steps alike: they run outside the
+compiled graphs, which see the gathered weights as inputs.
 """
 
 from __future__ import annotations
@@ -28,9 +32,10 @@ from ..layout.plan import Plan, gathered
 from ..layout.traffic import Traffic
 
 
-class KeptStage:
-    """The weights `names` of one pp rank on its sub-mesh (`plan` without pp): `context`
-    runs the stages on what `gather` returns; `release` reduces their gradients."""
+class KeptWeights:
+    """The weights `names` on `plan`'s mesh (a pp rank's: its sub-mesh, the plan without
+    pp): `context` runs the model (or the stages) on what `gather` returns; `release`
+    reduces their gradients."""
 
     def __init__(self, plan: Plan, device_mesh, names, policy: Policy, traffic: Traffic = Traffic()):
         self.names = list(names)
@@ -46,8 +51,8 @@ class KeptStage:
         self._layouts = self.context.gradient_layouts()
         loose = [n for n in self.names if plan.params[n].spec.trainable and n not in self._layouts]
         if loose:
-            raise ConfigError(f"parallel.pp_keep_gathered: {', '.join(loose)} would be reduced every micro-batch "
-                              "(no bucket holds them): use parallel.bucket block or a size in MB")
+            raise ConfigError(f"parallel.zero {traffic.zero} / pp_keep_gathered: {', '.join(loose)} would be reduced "
+                              "every micro-batch (no bucket holds them): use parallel.bucket block or a size in MB")
         self._gathers: dict[str, DTensor] = {}
 
     def gather(self, params: Mapping[str, DTensor]) -> dict[str, DTensor]:
@@ -58,9 +63,11 @@ class KeptStage:
             self._gathers = {n: view[n] for n in self.names}
         return {n: g.detach().requires_grad_(params[n].requires_grad) for n, g in self._gathers.items()}
 
-    def release(self, kept: Mapping[str, DTensor]) -> None:
-        """The step's summed gradients of `kept` (gather's leaves) reduced once into the
-        shards' .grad, through the gathers' backward."""
+    def release(self, kept: Mapping[str, DTensor], retain: bool = False) -> None:
+        """The gradients `kept` (gather's leaves) hold reduced into the shards' .grad (added
+        to what they hold), through the gathers' backward, and dropped from the leaves.
+        `retain`: more releases follow this step (zero 2: one per micro-batch), so the
+        gathers' graph stays."""
         outs, grads = [], []
         for n, leaf in kept.items():
             if leaf.grad is None:
@@ -70,6 +77,7 @@ class KeptStage:
             grads.append(DTensor.from_local(local, leaf.device_mesh, self._layouts[n], run_check=False,
                                             shape=leaf.shape, stride=leaf.stride()))
             leaf.grad = None
-        self._gathers = {}
+        if not retain:
+            self._gathers = {}
         if outs:
-            torch.autograd.backward(outs, grads)
+            torch.autograd.backward(outs, grads, retain_graph=retain)

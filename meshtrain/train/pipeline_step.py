@@ -47,7 +47,7 @@ from ..models.context import LocalContext
 from ..models.family import RESIDUAL
 from ..models.policy import Policy
 from ..parallel.context import ShardedContext
-from ..parallel.keep_gathered import KeptStage
+from ..parallel.keep_gathered import KeptWeights
 from ..layout.mesh import sub_mesh
 from ..layout.placements import local_tensor
 from ..layout.traffic import Traffic
@@ -103,12 +103,12 @@ class _Pipe:
         if self.mesh is None:
             self.ctx = LocalContext(policy)
         elif traffic.keep_gathered:
-            self.kept = KeptStage(self.plan, self.mesh, names, policy, traffic)
+            self.kept = KeptWeights(self.plan, self.mesh, names, policy, traffic)
             self.ctx = self.kept.context
         else:
             self.ctx = ShardedContext(self.plan, self.mesh, policy, traffic)
         self.dtype = policy.dtype or torch.float32
-        # Traced gathers leave partial sums for reduce_held (kept weights: for KeptStage.release).
+        # Traced gathers leave partial sums for reduce_held (kept weights: for KeptWeights.release).
         self.holds_partials = bool(compile) and self.mesh is not None and self.kept is None
         # One function per stage: compiled, each is traced once (micro-batches and steps
         # share its graphs); the last stage's takes the loss in its graph too.
@@ -191,13 +191,14 @@ def _backward_roots(out: torch.Tensor, grad, extra, seed: float | None = None):
 
 def _run(pipe: _Pipe, actions, params: dict, tokens, targets, n_tokens: int, *, train: bool,
          timings: list | None = None, moe: MoeTerms | None = None, docs=None, mtp: MtpTerms | None = None,
-         seed: float | None = None) -> torch.Tensor:
+         seed: float | None = None, weights_done: Callable[[], None] | None = None) -> torch.Tensor:
     """Walk this rank's actions; returns the loss (this rank's share: zero off the last stage).
     `timings`: append (kind, stage, seconds) for every compute action (host time: exact on
     CPU, launch time only on an asynchronous device). `moe` collects MoE blocks' terms,
     `mtp` multi-token prediction's (the last stage adds them to its objective). `seed`:
     fp16's loss scale, which the backward starts from (the gradients that cross stages
-    carry it)."""
+    carry it). `weights_done`: called after every action that completes a micro-batch's
+    weight gradients of a stage (B, BW; ZeRO-2 reduces them there)."""
     stages, last = pipe.stages, len(pipe.stages) - 1
     rows, seq = tokens[0].shape
     local_shape, spec = pipe.boundary(rows, seq)
@@ -270,6 +271,8 @@ def _run(pipe: _Pipe, actions, params: dict, tokens, targets, n_tokens: int, *, 
                     torch.autograd.backward(*split.pop(key), inputs=weights(stages[s]))
             else:
                 stage_backward_weight(iter(weights(stages[s])), split.pop(key))
+        if weights_done is not None and a.kind in (B, BW):
+            weights_done()
         if a.kind == SEND_F and not train:
             outputs.pop(key)
         if timings is not None and a.kind in (F, B, BI, BW):
@@ -323,6 +326,7 @@ def make_pipeline_step(model: ModelDef, stages: list[Stage], pipeline_schedule: 
     apply_update = make_update(optimizer, lr_schedule or LRSchedule(lr=optimizer.lr, kind="constant"), grad_clip,
                                inspect_grads=inspect_grads, loss_scale=scaling)
     actions = pipeline_schedule.ranks[pipe.rank]
+    per_micro_batch = pipe.kept is not None and traffic.zero == 2  # ZeRO-2: each micro-batch's gradients reduced
     data_ranks = pipe.plan.mesh.dp * pipe.plan.mesh.fsdp if pipe.plan is not None else 1
     tied = [n for st in stages if st.rank == pipe.rank for n in st.shared]  # held here, owned on rank 0
     tied_peer = pipe.peer(stages[-1].rank if pipe.rank == 0 else 0)
@@ -342,9 +346,10 @@ def make_pipeline_step(model: ModelDef, stages: list[Stage], pipeline_schedule: 
         ahead = MtpTerms(batch, depth, model.cfg.mtp.loss_coef, count_targets) if depth else None
         params = state.params if pipe.kept is None else pipe.kept.gather(state.params)
         loss = _run(pipe, actions, params, tokens, targets, n_tokens, train=True, timings=timings, moe=moe,
-                    docs=documents(batch), mtp=ahead, seed=loss_seed(state, scaling))
+                    docs=documents(batch), mtp=ahead, seed=loss_seed(state, scaling),
+                    weights_done=(lambda: pipe.kept.release(params, retain=True)) if per_micro_batch else None)
         update_start = time.perf_counter()
-        if pipe.kept is not None:  # the step's summed gradients, reduced once
+        if pipe.kept is not None:  # the step's summed gradients, reduced once (ZeRO-2: done; the gathers dropped)
             pipe.kept.release(params)
             del params
         if pipe.holds_partials:  # what the graphs left partial (dp replicas, sp norms), reduced once

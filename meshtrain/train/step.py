@@ -17,6 +17,8 @@ from ..models.context import Documents, LocalContext
 from ..models.moe import expert_bias_step, imbalance
 from ..models.policy import Policy
 from ..parallel.context import ShardedContext
+from ..parallel.gradient_schedule import GradientSchedule
+from ..parallel.keep_gathered import KeptWeights
 from ..parallel.overlap import aot_eager_overlapped, inductor_pass
 from ..layout.placements import local_tensor
 from ..layout.traffic import Traffic
@@ -85,20 +87,18 @@ def make_train_step(model: ModelDef, plan=None, device_mesh=None, *, optimizer: 
     parallel.bucket_run.
     `fsdp_accumulate` "unsharded" (with buckets) adds each micro-step's full
     gradients up locally and reduce-scatters once per step instead of every micro-step.
-    `traffic` (layout/traffic.py), when given, replaces those four.
+    `traffic` (layout/traffic.py), when given, replaces those four; its keep_gathered
+    (parallel.zero 1 and 2) gathers the weights once per step and keeps them over the
+    micro-batches, their gradients reduced once per step (zero 1) or per micro-batch (2).
     The loss is reduced once per step.
     """
     policy = policy or Policy.of(precision, fp8_recipe, activation_checkpointing)
     if compile:
         check_compile(policy.checkpointing, sharded=plan is not None)
     traffic = (traffic or Traffic(bucket, prefetch, reshard_after_forward, fsdp_accumulate)).check()
-    ctx = _context(plan, device_mesh, policy, traffic)
-    if schedule is not None:  # the name before 2026-11: "schedule" now means the pipeline's only
-        warnings.warn("make_train_step(schedule=...) is now lr_schedule=...", FutureWarning, stacklevel=2)
-        lr_schedule = lr_schedule or schedule
-    lr_schedule = lr_schedule or LRSchedule(lr=optimizer.lr, kind="constant")
+    ctx, reductions = _step_context(plan, device_mesh, policy, traffic, bool(compile))
+    lr_schedule = _lr_schedule(lr_schedule, schedule, optimizer)
     scope = getattr(ctx, "regather_in_backward", contextlib.nullcontext)
-    hold = getattr(ctx, "hold_reductions", lambda _: None)
     data_ranks = plan.mesh.dp * plan.mesh.fsdp if plan is not None else 1
 
     loss_sum = _loss_sum(model, ctx)
@@ -120,20 +120,21 @@ def make_train_step(model: ModelDef, plan=None, device_mesh=None, *, optimizer: 
         terms = MoeTerms.of(tokens)
         ahead = MtpTerms(batch, depth, mtp.loss_coef, count_targets) if depth else None
         seed = loss_seed(state, scaling)
-        total = None
+        weights, total, last = reductions.weights(state.params), None, len(tokens) - 1
         for micro in range(len(tokens)):
             with scope():
-                lm, aux, sums = loss_sum(state.params, tokens[micro], targets[micro], docs[micro],
+                lm, aux, sums = loss_sum(weights, tokens[micro], targets[micro], docs[micro],
                                          *((ahead.inputs[micro], ahead.targets[micro]) if ahead else ()))
                 loss = lm / n_tokens
                 extra = [e for e in (terms.add(aux), ahead.add(sums) if ahead else None) if e is not None]
             # The loss is this rank's partial sum: its gradient is the step's gradient of
             # the tokens this rank holds (no all-reduce before backward).
-            hold(micro < len(tokens) - 1)
+            reductions.before_backward(micro, last)
             torch.autograd.backward([seeded(_local(loss), seed)] + [seeded(_local(e), seed) for e in extra])
             total = _add(total, loss.detach())
-        if compile and plan is not None:  # what the graphs left partial, reduced once
-            ctx.reduce_held(state.params)
+            reductions.after_backward(weights, micro, last)
+        reductions.after_last(weights, state.params)
+        del weights
         loss = float(ctx.reduce_sum(total))
         with torch.profiler.record_function("optimizer"):  # a named region in profiles
             norm, lr, updated = apply_update(state, loss=loss)
@@ -294,6 +295,23 @@ def make_eval_step(model: ModelDef, plan=None, device_mesh=None, *, precision: s
         return float(ctx.reduce_sum(total)) / (batch.get("num_targets") or count_targets(targets))
 
     return evaluate
+
+
+def _step_context(plan, device_mesh, policy: Policy, traffic: Traffic, compiled: bool):
+    """The train step's context and when it reduces gradients: under parallel.zero 1 and 2
+    on weights gathered once per step and kept (parallel/keep_gathered.py)."""
+    if plan is None or not traffic.keep_gathered:
+        ctx = _context(plan, device_mesh, policy, traffic)
+        return ctx, GradientSchedule(ctx if plan is not None else None, traffic, None, compiled)
+    kept = KeptWeights(plan, device_mesh, list(plan.params), policy, traffic)
+    return kept.context, GradientSchedule(kept.context, traffic, kept, compiled)
+
+
+def _lr_schedule(lr_schedule: LRSchedule | None, schedule: LRSchedule | None, optimizer) -> LRSchedule:
+    if schedule is not None:  # the name before 2026-11: "schedule" now means the pipeline's only
+        warnings.warn("make_train_step(schedule=...) is now lr_schedule=...", FutureWarning, stacklevel=3)
+        lr_schedule = lr_schedule or schedule
+    return lr_schedule or LRSchedule(lr=optimizer.lr, kind="constant")
 
 
 def _context(plan, device_mesh, policy: Policy, traffic: Traffic = Traffic()):
