@@ -1,0 +1,204 @@
+"""Muon for the blocks' weight matrices, AdamW for the rest, over sharded parameters.
+
+Computed as torch.optim.Muon computes it (torch 2.13, torch/optim/_muon.py), per matrix in
+torch's (out_features, in_features) layout: the momentum buffer lerps toward the
+(clipped) gradient, Nesterov's update lerps the gradient toward the buffer, Newton-Schulz
+orthogonalises that update in bf16, and the weight decays by lr x weight_decay before it
+moves by -adjusted_lr x the orthogonal update. A 3-D expert tensor (E, out, in) is E
+matrices, each orthogonalised and its lr adjusted on its own (out, in).
+
+Which parameters: every >= 2-D trainable tensor of the blocks (`layers.*`) and of the
+multi-token prediction modules (`mtp.*`) but the MoE routers; the embeddings, the output
+head, norms, biases and routers stay on AdamW with its rules (train/optim.py). The state
+keeps Muon's buffer in its own group, "momentum", and AdamW's moments only for the rest.
+
+Sharded: Newton-Schulz needs the whole matrix. The update's local shards are gathered
+(`full_tensor`, over the parameter's own mesh: fsdp, tp, ep as laid out), orthogonalised,
+and this rank's slice taken back (the slicing `distribute_tensor` does without
+communication). This part runs eager, also under train.compile: the gathers are
+collectives on DTensors, and eager bf16 matmuls are the reference's own rounding.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from ..errors import ConfigError
+from ..layout.placements import local_tensor
+from .optim import AdamW, adamw_update, init_state
+
+# torch.optim.Muon's (Keller Jordan's) quintic Newton-Schulz coefficients and epsilon.
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+NS_EPS = 1e-7
+MUON_PREFIXES = ("layers.", "mtp.")  # the blocks and the multi-token prediction modules
+ADAMW_SUFFIXES = (".router", ".expert_bias")  # MoE routers and the aux-free bias: AdamW's (or none)
+
+
+@dataclass(frozen=True)
+class Muon:
+    """Muon for the blocks' matrices (see the module docstring), `adamw` for the rest.
+
+    `lr` is the run's (AdamW's) peak lr, which the LR schedule scales; Muon's lr at step t
+    is the schedule's lr x matrix_lr / lr (matrix_lr None: the schedule's lr itself).
+    `weight_decay` None: AdamW's. `adjust_lr`: torch.optim.Muon's adjust_lr_fn."""
+
+    adamw: AdamW = AdamW()
+    matrix_lr: float | None = None
+    momentum: float = 0.95
+    nesterov: bool = True
+    ns_steps: int = 5
+    adjust_lr: str = "original"
+    weight_decay: float | None = None
+
+    @property
+    def lr(self) -> float:
+        return self.adamw.lr
+
+    def lr_at(self, lr: float) -> float:
+        """Muon's lr when the schedule gives AdamW `lr`."""
+        return lr if self.matrix_lr is None else lr * (self.matrix_lr / self.adamw.lr)
+
+    def decay(self) -> float:
+        return self.adamw.weight_decay if self.weight_decay is None else self.weight_decay
+
+    def init_state(self, params: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
+        """AdamW's moments for the parameters Muon leaves, Muon's buffer for its own."""
+        rest = {n: p for n, p in params.items() if not is_muon(n, p)}
+        state = init_state(rest)
+        state["momentum"] = {n: torch.zeros_like(p, requires_grad=False) for n, p in params.items() if is_muon(n, p)}
+        return state
+
+    def updater(self, grad_clip: float | None, wrap=None):
+        """`update(state, names, grads, lr, norm)` as AdamW.updater's: clip, AdamW for the
+        rest and Muon's buffers (`wrap`ped: torch.compile), then Muon's orthogonal steps."""
+        arithmetic = clipped_momentum(self)
+        if wrap is not None:
+            arithmetic = wrap(arithmetic)
+
+        def update(state, names: list[str], grads: list[torch.Tensor], lr: float, norm: torch.Tensor) -> None:
+            held = muon_state(self, state)
+            rest = [i for i, n in enumerate(names) if n not in held]
+            mine = [i for i, n in enumerate(names) if n in held]
+            params = [local_tensor(state.params[names[i]]).data for i in rest]
+            exp_avg = [local_tensor(state.optimizer["exp_avg"][names[i]]) for i in rest]
+            exp_avg_sq = [local_tensor(state.optimizer["exp_avg_sq"][names[i]]) for i in rest]
+            decay = [self.adamw.decays(names[i], state.params[names[i]].ndim) for i in rest]
+            bufs = [local_tensor(held[names[i]]) for i in mine]
+            updates = arithmetic(params, [grads[i] for i in rest], exp_avg, exp_avg_sq, decay,
+                                 torch.tensor(lr, dtype=torch.float32), torch.tensor(float(state.step)), norm,
+                                 grad_clip, [grads[i] for i in mine], bufs)
+            orthogonal_steps(self, state.params, [names[i] for i in mine], updates or bufs, self.lr_at(lr))
+
+        return update
+
+
+def is_muon(name: str, p: torch.Tensor) -> bool:
+    """Whether Muon updates the parameter `name` (see the module docstring)."""
+    return name.startswith(MUON_PREFIXES) and p.ndim >= 2 and p.is_floating_point() and \
+        not name.endswith(ADAMW_SUFFIXES)
+
+
+def muon_state(opt: Muon, state) -> dict[str, torch.Tensor]:
+    """state.optimizer's Muon buffers. A state made for AdamW (TrainState.create without
+    the optimizer) is made over for Muon before its first update; one that AdamW has
+    already updated is refused: its moments are not Muon's."""
+    if "momentum" not in state.optimizer:
+        if state.step > 1:
+            raise ConfigError("train.optimizer=muon: this state holds AdamW's moments after "
+                              f"{state.step - 1} steps (a run or checkpoint of train.optimizer adamw), not Muon's "
+                              "momentum: resume it with train.optimizer adamw, or start a fresh run")
+        state.optimizer = opt.init_state(state.params)
+    return state.optimizer["momentum"]
+
+
+def clipped_momentum(opt: Muon):
+    """The clip, AdamW on the rest and Muon's buffer update on local tensors, as one
+    function to compile: returns the Nesterov updates (None without Nesterov: the
+    buffers are the updates)."""
+    beta = opt.momentum
+
+    def update(params, grads, exp_avg, exp_avg_sq, decay, lr, step, norm, clip, muon_grads, bufs):
+        if clip is not None:
+            torch._foreach_mul_(grads + muon_grads, torch.clamp(clip / (norm + 1e-6), max=1.0))
+        if params:
+            a = opt.adamw
+            adamw_update(params, grads, exp_avg, exp_avg_sq, decay, lr, step, a.betas, a.eps, a.weight_decay)
+        if not bufs:
+            return None
+        torch._foreach_lerp_(bufs, muon_grads, 1 - beta)
+        return torch._foreach_lerp(muon_grads, bufs, beta) if opt.nesterov else None
+
+    return update
+
+
+def orthogonal_steps(opt: Muon, params: dict, names: list[str], updates: list[torch.Tensor], lr: float) -> None:
+    """Each matrix's decoupled decay and its step along its orthogonalised update, on this
+    rank's shard (eager; the gathers are collectives in `names`' order, the same on
+    every rank holding the parameters)."""
+    decay = 1 - lr * opt.decay()
+    for name, update in zip(names, updates):
+        p = params[name]
+        ortho = local_slice(p, orthogonalise(whole(p, update), opt.ns_steps))
+        local = local_tensor(p).data
+        local.mul_(decay)
+        local.add_(ortho, alpha=-adjusted_lr(lr, opt.adjust_lr, tuple(p.shape[-2:])))
+
+
+def whole(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of which `local` is this rank's shard, laid out as `p`."""
+    if not isinstance(p, DTensor):
+        return local
+    return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                              stride=p.stride()).full_tensor()
+
+
+def local_slice(p: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of `full`, laid out as `p` (no communication)."""
+    if not isinstance(p, DTensor):
+        return full
+    return distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None).to_local()
+
+
+def orthogonalise(update: torch.Tensor, steps: int) -> torch.Tensor:
+    """Newton-Schulz of each matrix of `update` (its last two dims), bf16."""
+    if update.ndim == 2:
+        return zeropower_via_newtonschulz(update, steps)
+    mats = update.reshape(-1, *update.shape[-2:])
+    return torch.stack([zeropower_via_newtonschulz(m, steps) for m in mats]).reshape(update.shape)
+
+
+def zeropower_via_newtonschulz(grad: torch.Tensor, steps: int, coefficients=NS_COEFFICIENTS,
+                               eps: float = NS_EPS) -> torch.Tensor:
+    """torch.optim._muon._zeropower_via_newtonschulz, the same operations in the same order."""
+    a, b, c = coefficients
+    ortho = grad.bfloat16()
+    tall = grad.size(0) > grad.size(1)
+    if tall:
+        ortho = ortho.T
+    ortho.div_(ortho.norm().clamp(min=eps))
+    for _ in range(steps):
+        gram = ortho @ ortho.T
+        gram_update = torch.addmm(gram, gram, gram, beta=b, alpha=c)
+        ortho = torch.addmm(ortho, gram_update, ortho, beta=a)
+    return ortho.T if tall else ortho
+
+
+def adjusted_lr(lr: float, adjust: str, shape: tuple[int, int]) -> float:
+    """torch.optim._muon._adjust_lr for a matrix of `shape` (A, B)."""
+    rows, cols = shape
+    if adjust == "match_rms_adamw":
+        return lr * (0.2 * math.sqrt(max(rows, cols)))
+    return lr * math.sqrt(max(1, rows / cols))
+
+
+def optimizer_of(t) -> AdamW | Muon:
+    """The optimizer of a run's train.* section (train/config.py TrainConfig)."""
+    adamw = AdamW(lr=t.lr, weight_decay=t.weight_decay)
+    if t.optimizer != "muon":
+        return adamw
+    m = t.muon
+    return Muon(adamw, m.lr, m.momentum, m.nesterov, m.ns_steps, m.adjust_lr, m.weight_decay)
