@@ -53,6 +53,9 @@ class Muon:
     ns_steps: int = 5
     adjust_lr: str = "original"
     weight_decay: float | None = None
+    # Newton-Schulz's dtype: torch.optim.Muon's bf16; float32 (the API only) takes the
+    # bf16 rounding out, which tests use to compare layouts' parameters closely.
+    ns_dtype: torch.dtype = torch.bfloat16
 
     @property
     def lr(self) -> float:
@@ -142,7 +145,7 @@ def orthogonal_steps(opt: Muon, params: dict, names: list[str], updates: list[to
     decay = 1 - lr * opt.decay()
     for name, update in zip(names, updates):
         p = params[name]
-        ortho = local_slice(p, orthogonalise(whole(p, update), opt.ns_steps))
+        ortho = local_slice(p, orthogonalise(whole(p, update), opt.ns_steps, opt.ns_dtype))
         local = local_tensor(p).data
         local.mul_(decay)
         local.add_(ortho, alpha=-adjusted_lr(lr, opt.adjust_lr, tuple(p.shape[-2:])))
@@ -163,19 +166,20 @@ def local_slice(p: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
     return distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None).to_local()
 
 
-def orthogonalise(update: torch.Tensor, steps: int) -> torch.Tensor:
-    """Newton-Schulz of each matrix of `update` (its last two dims), bf16."""
+def orthogonalise(update: torch.Tensor, steps: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Newton-Schulz of each matrix of `update` (its last two dims), in `dtype`."""
     if update.ndim == 2:
-        return zeropower_via_newtonschulz(update, steps)
+        return zeropower_via_newtonschulz(update, steps, dtype)
     mats = update.reshape(-1, *update.shape[-2:])
-    return torch.stack([zeropower_via_newtonschulz(m, steps) for m in mats]).reshape(update.shape)
+    return torch.stack([zeropower_via_newtonschulz(m, steps, dtype) for m in mats]).reshape(update.shape)
 
 
-def zeropower_via_newtonschulz(grad: torch.Tensor, steps: int, coefficients=NS_COEFFICIENTS,
-                               eps: float = NS_EPS) -> torch.Tensor:
-    """torch.optim._muon._zeropower_via_newtonschulz, the same operations in the same order."""
+def zeropower_via_newtonschulz(grad: torch.Tensor, steps: int, dtype: torch.dtype = torch.bfloat16,
+                               coefficients=NS_COEFFICIENTS, eps: float = NS_EPS) -> torch.Tensor:
+    """torch.optim._muon._zeropower_via_newtonschulz (in bf16), the same operations in the
+    same order."""
     a, b, c = coefficients
-    ortho = grad.bfloat16()
+    ortho = grad.to(dtype, copy=True)
     tall = grad.size(0) > grad.size(1)
     if tall:
         ortho = ortho.T
