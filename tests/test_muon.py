@@ -292,3 +292,41 @@ def test_layouts_equal_transformers_and_one_process(hf_dir, references):
                 for n, p in params.items():
                     torch.testing.assert_close(p, want_params[n], rtol=0, atol=1e-5, msg=lambda m: f"{name} {n}: {m}")
     assert {n for n in results[0] if not isinstance(n, str)} == {(n, d) for n in DEEPSEEK for d in NS_DTYPES}
+
+
+# --------------------------------------------------------------------------- the planner
+
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_planned_optimizer_bytes_equal_the_state(optimizer):
+    """The planner's optimizer state (estimate/memory.py) is the state TrainState keeps:
+    Muon one fp32 buffer per matrix, AdamW two per other parameter."""
+    from meshtrain.estimate.memory import per_rank_memory
+    from meshtrain.train.config import TrainConfig
+    from meshtrain.train.muon import optimizer_of
+
+    cfg = deepseek.MTP_CFG
+    model = build("deepseek_v3", cfg)
+    plan = make_plan(model.specs, Rules.default(), MeshSpec(), world=1)
+    planned = per_rank_memory(plan, model, micro_batch=2, seq_len=16, optimizer=optimizer)["optimizer"]
+    state = TrainState.create({n: torch.empty(s.shape) for n, s in model.specs.items()},
+                              optimizer_of(TrainConfig(optimizer=optimizer)))
+    assert planned == sum(t.numel() * t.element_size() for g in state.optimizer.values() for t in g.values())
+
+
+def test_plan_counts_muon():
+    """`meshtrain plan` with train.optimizer muon: less optimizer memory, and the gathers."""
+    from meshtrain.config import RunConfig
+    from meshtrain.estimate.dryrun import dry_run
+
+    def run(optimizer):
+        cfg = RunConfig.from_dict({"model": {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2,
+                                             "ffn_dim": 128, "vocab_size": 264, "max_seq_len": 64},
+                                   "parallel": {"fsdp": 2, "tp": 2, "sp": True},
+                                   "train": {"seq_len": 64, "global_batch": 8, "micro_batch": 2,
+                                             "optimizer": optimizer}})
+        return dry_run(cfg.validate(), world=4)
+
+    adamw, muon = run("adamw"), run("muon")
+    assert muon.memory["optimizer"] < adamw.memory["optimizer"]
+    gathers = [e for e in muon.collectives if e["phase"] == "optimizer" and e["op"] == "all_gather"]
+    assert gathers and not [e for e in adamw.collectives if e["phase"] == "optimizer" and e["op"] == "all_gather"]

@@ -92,10 +92,11 @@ from ..models.recorded import record_block, record_ends
 from ..layout.buckets import group_dims, plan_buckets
 from ..layout.traffic import Traffic, check_bucket
 from ..layout.plan import Plan
+from ..train.muon import muon_name
 from .bucket_replay import bucket_traffic
 from .collective_tally import CollectiveTally
 from .dtype_bytes import FP32, INT64
-from .placement_rules import P, R
+from .placement_rules import P, PlacementRules, R
 from .walker import Walker, routed_rows
 
 PHASES = {"fwd": "forward", "bwd": "backward", "opt": "optimizer"}
@@ -122,7 +123,7 @@ def step_collectives(plan: Plan, model: ModelDef, *, micro_batch_rows: int, seq_
                      precision: str = "fp32", compiled: bool = False, layers=None,
                      embedding: bool = True, head: bool = True, traffic: Traffic = Traffic(), names=None,
                      loss_once: bool = True, activation_checkpointing: str = "none", parameters: str = "each",
-                     activations: bool = True) -> list[dict]:
+                     activations: bool = True, optimizer: str = "adamw") -> list[dict]:
     """The collectives of one optimizer step: dicts {axis, op, phase, count, bytes}, one per
     (axis, op, phase); bytes are the total per rank over the step. `micro_batch_rows` is
     the sequences of one micro-step over all data-parallel ranks (micro_batch x dp x fsdp).
@@ -149,7 +150,9 @@ def step_collectives(plan: Plan, model: ModelDef, *, micro_batch_rows: int, seq_
     last backward the gradients reduced once (per bucket one reduce-scatter per gather
     set, then one all-reduce per set of dims still partial); a parameter in no bucket
     redistributed there and back once, fp32; "none": left out. `activations` False
-    leaves out everything else (activations, loss, MoE load, grad norm)."""
+    leaves out everything else (activations, loss, MoE load, grad norm, Muon's gathers).
+    `optimizer` muon: each Muon matrix's fp32 update gathered whole once per step
+    (train/muon.py), DTensor's all-gathers over its sharded mesh dims."""
     _check_step(precision, parameters)
     unit = check_bucket(traffic.bucket)
     c = _check_batch(plan, micro_batch_rows, precision)
@@ -167,11 +170,25 @@ def step_collectives(plan: Plan, model: ModelDef, *, micro_batch_rows: int, seq_
     if activations:
         tallies += [(part.tally, times * micro_steps) for part, times in parts]
         tallies.append((_once_per_step(plan, model, kinds, rest, unit, loss_once, micro_steps), 1))
+        if optimizer == "muon":
+            tallies.append((_muon_gathers(plan, held), 1))
     total = _summed(tallies)
     if activations and plan.mesh.world > 1:  # the squared grad norm, fp32, over the world
         axis = plan.mesh.axes[0] if len(plan.mesh.axes) == 1 else "world"
         total[("opt", "all_reduce_sum", axis)] = [1, 4]
     return _entries(total)
+
+
+def _muon_gathers(plan: Plan, held: set[str]) -> CollectiveTally:
+    """Muon's whole matrices: each held Muon parameter's update (fp32) gathered from its
+    stored placements (DTensor.full_tensor), on its own mesh (the expert mesh for experts)."""
+    tally, rules = CollectiveTally(plan.mesh), PlacementRules(plan)
+    for name in sorted(held):
+        spec = plan.params[name].spec
+        if spec.trainable and muon_name(name, len(spec.shape)):
+            stored = rules.stored(name)
+            tally.redistribute("opt", spec.shape, stored, (R,) * len(stored), FP32, mesh=rules.param_mesh(name))
+    return tally
 
 
 def _check_step(precision: str, parameters: str):

@@ -157,7 +157,8 @@ def dry_run(cfg: RunConfig, world: int | None = None, gpu: str | None = None, *,
     else:
         collectives = step_collectives(plan, model, micro_batch_rows=t.micro_batch * dp_size, seq_len=t.seq_len,
                                        micro_steps=micro_steps, precision=t.precision, compiled=bool(t.compile),
-                                       traffic=p.traffic(), activation_checkpointing=t.activation_checkpointing)
+                                       traffic=p.traffic(), activation_checkpointing=t.activation_checkpointing,
+                                       optimizer=t.optimizer)
         experts = expert_exchange(plan, model, micro_batch_rows=t.micro_batch * dp_size, seq_len=t.seq_len,
                                   precision=t.precision)
     axis_nodes = {a: _nodes_spanned(plan.mesh, a, gpus_per_node) for a in plan.mesh.axes}

@@ -101,8 +101,13 @@ class Muon:
 
 def is_muon(name: str, p: torch.Tensor) -> bool:
     """Whether Muon updates the parameter `name` (see the module docstring)."""
-    return name.startswith(MUON_PREFIXES) and p.ndim >= 2 and p.is_floating_point() and \
-        not name.endswith(ADAMW_SUFFIXES)
+    return p.is_floating_point() and muon_name(name, p.ndim)
+
+
+def muon_name(name: str, ndim: int) -> bool:
+    """Whether Muon updates a floating-point parameter `name` of `ndim` dims (the planner's
+    question, from shapes alone)."""
+    return name.startswith(MUON_PREFIXES) and ndim >= 2 and not name.endswith(ADAMW_SUFFIXES)
 
 
 def muon_state(opt: Muon, state) -> dict[str, torch.Tensor]:
