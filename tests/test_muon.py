@@ -36,7 +36,7 @@ from meshtrain.train.muon import is_muon
 from meshtrain.train.pipeline_step import local_stage_layout, make_pipeline_step
 from meshtrain.train.step import make_update
 from support import deepseek
-from support.equivalence import BATCH, CFG, GRAD_CLIP, SEQ, STEPS, batches
+from support.equivalence import CFG, GRAD_CLIP, STEPS, batches
 
 transformers = pytest.importorskip("transformers")
 
