@@ -45,8 +45,9 @@ ADJUST = ("original", "match_rms_adamw")
 
 
 def muon_args(adjust: str, lr: float = LR, steps: int = STEPS, warmup: int = 3, clip: float = GRAD_CLIP,
-              ns_dtype=torch.bfloat16) -> dict:
-    return dict(optimizer=Muon(AdamW(lr=lr, weight_decay=WEIGHT_DECAY), adjust_lr=adjust, ns_dtype=ns_dtype),
+              ns_dtype=torch.bfloat16, assemble="owner") -> dict:
+    return dict(optimizer=Muon(AdamW(lr=lr, weight_decay=WEIGHT_DECAY), adjust_lr=adjust, ns_dtype=ns_dtype,
+                               assemble=assemble),
                 lr_schedule=LRSchedule(lr=lr, min_lr=lr / 10, warmup_steps=warmup, total_steps=steps), grad_clip=clip)
 
 
@@ -177,7 +178,7 @@ def _whole(params: dict) -> dict:
     return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for n, p in params.items()}
 
 
-def llama_run(hf_dir, adjust: str, compile=False, sizes=None, sp=False):
+def llama_run(hf_dir, adjust: str, compile=False, sizes=None, sp=False, assemble="owner"):
     """Our llama from `hf_dir` trained with Muon: one process (sizes None) or a layout."""
     model = build("llama", CFG)
     if sizes is None:
@@ -187,7 +188,7 @@ def llama_run(hf_dir, adjust: str, compile=False, sizes=None, sp=False):
         plan = make_plan(model.specs, Rules.default(sp=sp), MeshSpec(**sizes), world=dist.get_world_size())
         mesh = plan.mesh.build()
         params = {n: p.requires_grad_() for n, p in load_hf_params(hf_dir, "llama", CFG, plan, mesh).items()}
-        step = make_train_step(model, plan, mesh, compile=compile, **muon_args(adjust))
+        step = make_train_step(model, plan, mesh, compile=compile, **muon_args(adjust, assemble=assemble))
     state = TrainState.create(params, muon_args(adjust)["optimizer"])
     return _numbers([step(state, b) for b in batches(micro_steps=2 if sizes else 1)]), _whole(params)
 
@@ -199,11 +200,11 @@ DEEPSEEK_ADJUST = "match_rms_adamw"
 NS_DTYPES = (torch.bfloat16, torch.float32)
 
 
-def deepseek_args(ns_dtype) -> dict:
-    return muon_args(DEEPSEEK_ADJUST, deepseek.LR, deepseek.STEPS, deepseek.WARMUP, deepseek.CLIP, ns_dtype)
+def deepseek_args(ns_dtype, assemble="owner") -> dict:
+    return muon_args(DEEPSEEK_ADJUST, deepseek.LR, deepseek.STEPS, deepseek.WARMUP, deepseek.CLIP, ns_dtype, assemble)
 
 
-def deepseek_run(sizes=None, sp=False, schedule=None, variant="plain", ns_dtype=torch.bfloat16):
+def deepseek_run(sizes=None, sp=False, schedule=None, variant="plain", ns_dtype=torch.bfloat16, assemble="owner"):
     """Our DeepSeek-V3 trained with Muon from seed 0: one process (sizes None) or a layout."""
     cfg = deepseek.MTP_CFG if variant == "mtp" else deepseek.CFG
     model = build("deepseek_v3", cfg)
@@ -216,14 +217,14 @@ def deepseek_run(sizes=None, sp=False, schedule=None, variant="plain", ns_dtype=
         mesh = plan.mesh.build()
         if schedule is None:
             micro, params = 2, init_params(plan, mesh, seed=0)
-            step = make_train_step(model, plan, mesh, **deepseek_args(ns_dtype))
+            step = make_train_step(model, plan, mesh, **deepseek_args(ns_dtype, assemble))
         else:
             micro = 4
             stages = partition(model, sizes["pp"], seq_len=deepseek.SEQ, micro_batch=deepseek.BATCH // micro)
             mine, sub_plan, sub_mesh = local_stage_layout(plan, mesh, stages)
             params = init_params(sub_plan, sub_mesh, seed=0, names=mine)
             step = make_pipeline_step(model, stages, build_pipeline_schedule(schedule, sizes["pp"], micro), plan,
-                                      mesh, **deepseek_args(ns_dtype))
+                                      mesh, **deepseek_args(ns_dtype, assemble))
     state = TrainState.create(params, deepseek_args(ns_dtype)["optimizer"])
     metrics = [step(state, b) for b in deepseek.batches(micro)]
     numbers = [(m["loss"], m["grad_norm"], *([m["mtp_loss"]] if "mtp_loss" in m else [])) for m in metrics]
@@ -242,7 +243,10 @@ def _ranks(hf_dir):
     for name, case in DEEPSEEK.items():
         for dtype in NS_DTYPES:
             out[name, dtype] = deepseek_run(*case, ns_dtype=dtype)
-    return out
+    # Muon(assemble="gather"): every matrix gathered whole on every rank, bit for bit the same
+    gather = {"fsdp2_tp2_sp": llama_run(hf_dir, "original", False, {"fsdp": 2, "tp": 2}, True, "gather")}
+    gather.update({name: deepseek_run(*case, assemble="gather") for name, case in DEEPSEEK.items()})
+    return out, gather
 
 
 @pytest.fixture(scope="module")
@@ -279,8 +283,14 @@ def test_layouts_equal_transformers_and_one_process(hf_dir, references):
     losses and norms stay within 8.3e-7)."""
     one = {(v, dtype): deepseek_run(variant=v, ns_dtype=dtype) for v in {c[-1] for c in DEEPSEEK.values()}
            for dtype in NS_DTYPES}
-    results = run_ranks(_ranks, 4, str(hf_dir))
-    for rank_out in results:
+    results, gathers = zip(*run_ranks(_ranks, 4, str(hf_dir)))
+    for rank_out, gather in zip(results, gathers):
+        for name, (numbers, params) in gather.items():  # as the owners' runs, bit for bit
+            numbers_, params_ = rank_out["fsdp2_tp2_sp_original_eager" if name == "fsdp2_tp2_sp" else
+                                         (name, torch.bfloat16)]
+            assert numbers == numbers_, name
+            for n, p in params.items():
+                assert torch.equal(p, params_[n]), (name, n)
         for name, (numbers, params) in rank_out.items():
             if isinstance(name, str):
                 adjust = next(a for a in ADJUST if a in name)
@@ -314,7 +324,8 @@ def test_planned_optimizer_bytes_equal_the_state(optimizer):
 
 
 def test_plan_counts_muon():
-    """`meshtrain plan` with train.optimizer muon: less optimizer memory, and the gathers."""
+    """`meshtrain plan` with train.optimizer muon: less optimizer memory, and the exchange
+    of whole matrices (all-to-alls, assemble "owner")."""
     from meshtrain.config import RunConfig
     from meshtrain.estimate.dryrun import dry_run
 
@@ -328,5 +339,6 @@ def test_plan_counts_muon():
 
     adamw, muon = run("adamw"), run("muon")
     assert muon.memory["optimizer"] < adamw.memory["optimizer"]
-    gathers = [e for e in muon.collectives if e["phase"] == "optimizer" and e["op"] == "all_gather"]
-    assert gathers and not [e for e in adamw.collectives if e["phase"] == "optimizer" and e["op"] == "all_gather"]
+    exchanges = [e for e in muon.collectives if e["phase"] == "optimizer" and e["op"] == "all_to_all_single"]
+    assert {e["axis"] for e in exchanges} == {"fsdp", "tp"}
+    assert not [e for e in adamw.collectives if e["phase"] == "optimizer" and e["op"] != "all_reduce_sum"]

@@ -83,6 +83,7 @@ from collections import defaultdict
 from dataclasses import replace
 
 import torch
+from torch.distributed.tensor import Replicate, Shard
 
 from ..errors import ConfigError
 from ..models import ModelDef
@@ -95,7 +96,7 @@ from ..layout.plan import Plan
 from ..train.muon import muon_name
 from .bucket_replay import bucket_traffic
 from .collective_tally import CollectiveTally
-from .dtype_bytes import FP32, INT64
+from .dtype_bytes import BF16, FP32, INT64
 from .placement_rules import P, PlacementRules, R
 from .walker import Walker, routed_rows
 
@@ -171,7 +172,7 @@ def step_collectives(plan: Plan, model: ModelDef, *, micro_batch_rows: int, seq_
         tallies += [(part.tally, times * micro_steps) for part, times in parts]
         tallies.append((_once_per_step(plan, model, kinds, rest, unit, loss_once, micro_steps), 1))
         if optimizer == "muon":
-            tallies.append((_muon_gathers(plan, held), 1))
+            tallies.append((_muon_traffic(plan, held), 1))
     total = _summed(tallies)
     if activations and plan.mesh.world > 1:  # the squared grad norm, fp32, over the world
         axis = plan.mesh.axes[0] if len(plan.mesh.axes) == 1 else "world"
@@ -179,15 +180,33 @@ def step_collectives(plan: Plan, model: ModelDef, *, micro_batch_rows: int, seq_
     return _entries(total)
 
 
-def _muon_gathers(plan: Plan, held: set[str]) -> CollectiveTally:
-    """Muon's whole matrices: each held Muon parameter's update (fp32) gathered from its
-    stored placements (DTensor.full_tensor), on its own mesh (the expert mesh for experts)."""
-    tally, rules = CollectiveTally(plan.mesh), PlacementRules(plan)
+def _muon_traffic(plan: Plan, held: set[str]) -> CollectiveTally:
+    """Muon's whole matrices (train/muon.py, assemble "owner"), on each parameter's own
+    mesh (the expert mesh for experts): the held Muon matrices of one shape and layout
+    stacked, their fp32 updates redistributed so that each rank holds whole ones, the
+    bf16 results back; a strided parameter's update gathered whole (full_tensor)."""
+    tally, rules, groups = CollectiveTally(plan.mesh), PlacementRules(plan), {}
     for name in sorted(held):
-        spec = plan.params[name].spec
-        if spec.trainable and muon_name(name, len(spec.shape)):
-            stored = rules.stored(name)
-            tally.redistribute("opt", spec.shape, stored, (R,) * len(stored), FP32, mesh=rules.param_mesh(name))
+        p = plan.params[name]
+        if not (p.spec.trainable and muon_name(name, len(p.spec.shape))):
+            continue
+        stored = rules.stored(name)
+        if any(type(x) not in (Shard, Replicate) for x in p.placements):
+            tally.redistribute("opt", p.spec.shape, stored, (R,) * len(stored), FP32, mesh=p.mesh)
+        elif any(x != R for x in stored):
+            groups.setdefault((tuple(p.spec.shape), stored, p.mesh), []).append(name)
+    for (shape, stored, mesh), names in groups.items():
+        stacked = (len(names),) + shape
+        source = tuple(("S", x[1] + 1) if x != R else x for x in stored)
+        owned = tuple(("S", 0) if x != R else x for x in stored)
+        for order, start, end, itemsize in ((range(len(stored)), source, owned, FP32),
+                                            (reversed(range(len(stored))), owned, source, BF16)):
+            cur = list(start)  # one mesh dim at a time, as train/muon.py's stepwise
+            for i in order:
+                if cur[i] != end[i]:
+                    step = cur[:i] + [end[i]] + cur[i + 1:]
+                    tally.redistribute("opt", stacked, tuple(cur), tuple(step), itemsize, mesh=mesh)
+                    cur = step
     return tally
 
 
