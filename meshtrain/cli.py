@@ -4,7 +4,7 @@
     meshtrain fit --config configs/tiny.yaml --print_config
     meshtrain preprocess --input docs.jsonl --output_prefix data/docs --tokenizer bytes --append_eod
     meshtrain plan --config configs/llama3-405b.yaml --world 16384 --gpu h100 --json plan.json
-    meshtrain export --checkpoint runs/tiny --out runs/tiny/hf [--dtype bf16|fp32]
+    meshtrain export --checkpoint runs/tiny --out runs/tiny/hf [--dtype bf16|fp16|fp32]
     meshtrain generate --checkpoint runs/tiny --prompt "Four score" --max_new_tokens 40 --temperature 0
     meshtrain plot runs/tiny [runs/other ...] --out tiny.png
 
@@ -83,9 +83,9 @@ def build_parser():
     export.add_argument("--checkpoint", required=True,
                         help="A checkpoint directory (<run_dir>/checkpoints/step_N) or a run directory (its latest).")
     export.add_argument("--out", required=True, help="The output directory (must not exist or be empty).")
-    export.add_argument("--dtype", default=None, choices=["bf16", "fp32"],
+    export.add_argument("--dtype", default=None, choices=["bf16", "fp16", "fp32"],
                         help="Weight dtype of the export (default: the run's, as checkpoint.export writes: fp32 "
-                             "for train.precision fp32, else bf16).")
+                             "for train.precision fp32, fp16 for fp16, else bf16).")
     export.add_argument("--max_shard_gb", "--max-shard-gb",
                         type=float, default=2.0, help="Split the weights into files this large.")
     generate = ArgumentParser(**_STRICT, description="Continue a prompt with a trained model (one process, KV cache).")

@@ -96,11 +96,11 @@ def test_a_config_file_without_config_gets_the_flag(capsys, command):
 @pytest.mark.parametrize("argv, expected", [
     (["plan", "--config", str(TINY), "--gpu", "h1000"], "--gpu 'h1000': choose from h100, h200, a100 (did you mean "
                                                         "h100?)"),
-    (["export", "--checkpoint", "x", "--out", "y", "--dtype", "fp16"],
-     "--dtype 'fp16': choose from bf16, fp32 (did you mean bf16?)"),
+    (["export", "--checkpoint", "x", "--out", "y", "--dtype", "bf61"],
+     "--dtype 'bf61': choose from bf16, fp16, fp32 (did you mean bf16?)"),
     (["generate", "--checkpoint", "x", "--output-format", "xml"], "--output_format 'xml': choose from text, json"),
     (["fit", "--config", str(TINY), "--train.precision", "fp9"],
-     "train.precision='fp9': choose one of fp32, bf16, fp8 (did you mean fp8?)"),
+     "train.precision='fp9': choose one of fp32, bf16, fp16, fp8 (did you mean fp8?)"),
     (["fit", "--config", str(TINY), "--parallel.pp_schedule", "xyz"],
      "parallel.pp_schedule='xyz': choose one of gpipe, 1f1b, interleaved, zb"),
     (["plan", "--config", str(TINY), "--train.activation_checkpointing", "ful"],

@@ -38,6 +38,7 @@ from meshtrain.models.mla import MlaConfig
 from meshtrain.models.moe import MoeConfig
 from meshtrain.models.mtp import MtpConfig
 from meshtrain.train.config import MuonConfig
+from meshtrain.train.loss_scale import LossScaleConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 BASES = ("tiny", "tiny-4proc", "tiny-moe", "tiny-pp2", "tiny-cp2")
@@ -93,13 +94,13 @@ def _case(category, base, key, text, *more_flags, via_yaml=False, values=None) -
 
 def schema_fields() -> list[tuple[str, str]]:
     """(dotted key, annotation) of every leaf field: the top level, each section, model.moe,
-    model.mla, model.mtp."""
+    model.mla, model.mtp, train.loss_scale."""
     out = [(f.name, f.type) for f in dataclasses.fields(RunConfig) if f.name not in schema.SECTIONS]
     for section, cls in schema.SECTIONS.items():
         out += [(f"{section}.{f.name}", f.type) for f in dataclasses.fields(cls)]
-    for name, cls in (("moe", MoeConfig), ("mla", MlaConfig), ("mtp", MtpConfig)):
-        out += [(f"model.{name}.{f.name}", f.type) for f in dataclasses.fields(cls)]
-    out += [(f"train.muon.{f.name}", f.type) for f in dataclasses.fields(MuonConfig)]
+    for name, cls in (("model.moe", MoeConfig), ("model.mla", MlaConfig), ("model.mtp", MtpConfig),
+                      ("train.loss_scale", LossScaleConfig), ("train.muon", MuonConfig)):
+        out += [(f"{name}.{f.name}", f.type) for f in dataclasses.fields(cls)]
     return out
 
 
@@ -108,7 +109,8 @@ INT_MIN = {"seed": 0, "model.head_dim": 2, "train.warmup_steps": 0, "train.eval_
            "data.mean_doc_len": 0, "model.mla.qk_rope_head_dim": 2, "model.mtp.depth": 0}
 FILL_AXES = ("parallel.dp", "parallel.fsdp", "parallel.tp")  # may be -1
 HUGE_IS_VALID = {"seed", "train.steps", "train.global_batch", "train.log_every", "train.eval_every",
-                 "train.eval_batches", "train.max_skipped", "train.stop_at", "checkpoint.every", "checkpoint.keep_last"}
+                 "train.eval_batches", "train.max_skipped", "train.stop_at", "checkpoint.every", "checkpoint.keep_last",
+                 "train.loss_scale.growth_interval"}  # huge: the scale never grows
 # Numbers outside each float's interval (NaN and infinities are added for all).
 FLOAT_BAD = {
     "model.rope_theta": ["0", "-10000"], "model.norm_eps": ["0", "-1e-05"],
@@ -118,6 +120,8 @@ FLOAT_BAD = {
     "model.moe.aux_coef": ["-0.01"], "model.moe.z_loss_coef": ["-1"], "model.moe.capacity_factor": ["0", "-1.25"],
     "model.moe.route_scale": ["0", "-2.5"], "model.moe.bias_update_rate": ["-0.001"],
     "model.mtp.loss_coef": ["-0.3"],
+    "train.loss_scale.init_scale": ["0", "-65536"], "train.loss_scale.growth_factor": ["0.5", "-2"],
+    "train.loss_scale.backoff_factor": ["0", "1", "1.5"], "train.loss_scale.min_scale": ["0", "-1", "1e+300"],
     "train.muon.lr": ["0", "-0.02"], "train.muon.momentum": ["-0.1", "1", "1.5"], "train.muon.weight_decay": ["-0.1"],
 }
 CHOICES = {"model.arch": "llama", "parallel.cp_comm": "ring", "parallel.pp_schedule": "1f1b",
@@ -127,7 +131,7 @@ CHOICES = {"model.arch": "llama", "parallel.cp_comm": "ring", "parallel.pp_sched
            "train.muon.adjust_lr": "original"}
 # Fields with hand-written cases below (structured or free-form values).
 SPECIAL = {"run_dir", "model.init_from", "model.rope_scaling", "model.moe", "model.moe.layers", "model.mla", "model.mtp",
-           "train.muon",
+           "train.loss_scale", "train.muon",
            "parallel.pp_layout",
            "parallel.bucket",
            "data.paths", "data.tokenizer", "checkpoint.resume"}
@@ -245,6 +249,8 @@ def special_cases() -> list[Case]:
     for key, text, via_yaml in [("model.mla", "5", False), ("model.mla", "[1]", True), ("model.mtp", "abc", True),
                                 ("model.mtp", "[1, 0.3]", False)]:
         c.append(_case("shape", "tiny-deepseek", key, text, via_yaml=via_yaml))
+    for base, text, via_yaml in [("tiny", "5", False), ("tiny-4proc", "[1024]", True), ("tiny-pp2", "abc", True)]:
+        c.append(_case("shape", base, "train.loss_scale", text, via_yaml=via_yaml))
     # data.paths (Any), data.tokenizer, checkpoint.resume, model.init_from (free strings)
     for base, text, shown in [("tiny", "{a: 1}", None), ("tiny-4proc", "5", None), ("tiny", "[]", None),
                               ("tiny-pp2", "[[0.5]]", "[0.5]"), ("tiny-cp2", "[[-1, builtin]]", "is -1"),
@@ -263,10 +269,12 @@ def special_cases() -> list[Case]:
     for base, path in [("tiny", ("train", "stpes")), ("tiny-4proc", ("model", "n_head")),
                        ("tiny-pp2", ("parallel", "world_size")), ("tiny-cp2", ("optimizer",)),
                        ("tiny", ("data", "tokeniser")), ("tiny-moe", ("model", "moe", "num_expert")),
-                       ("tiny", ("checkpoint", "every_steps")), ("tiny-4proc", ("train", "muon", "betas"))]:
+                       ("tiny", ("checkpoint", "every_steps")), ("tiny-cp2", ("train", "loss_scale", "initial")),
+                       ("tiny-4proc", ("train", "muon", "betas"))]:
         key = ".".join(path)
         c.append(Case("unknown", base, key, (key, path[-1]), (), ((path, 3),)))
     c.append(Case("unknown", "tiny-4proc", "train.stpes", ("train.stpes",), ("--train={stpes: 3}",)))
+    c.append(Case("unknown", "tiny", "train.loss_scale.scale", ("train.loss_scale.scale",), ("--train.loss_scale.scale=3",)))
     # sections of the wrong shape
     for base, key, text in [("tiny", "train", "5"), ("tiny-4proc", "model", "[1, 2]"), ("tiny-pp2", "parallel", "abc"),
                             ("tiny-cp2", "checkpoint", "null"), ("tiny-moe", "data", "7"), ("tiny", "train.muon", "5")]:

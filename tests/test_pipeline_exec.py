@@ -52,6 +52,7 @@ CASES = {
         "interleaved_pp2_v2_tied": (TIED4, "interleaved", {"pp": 2}, 2, 2, None, False),
         "1f1b_pp2_gpt2_tied_uneven": (GPT2_TIED, "1f1b", {"pp": 2}, 1, 4, None, False),
         "zb_pp2_bf16": (CFG, "zb", {"pp": 2}, 1, 4, None, False),
+        "1f1b_pp2_fp16": (CFG, "1f1b", {"pp": 2}, 1, 4, None, False),
         "zb_pp2_selective": (LLAMA4, "zb", {"pp": 2}, 1, 4, None, False),
     },
     4: {
@@ -80,13 +81,15 @@ CASES = {
 # Compiled (aot_eager, fullgraph) as well: every schedule (zb with its backward graphs
 # split in input and weight halves), on pp 2 and pp 4, and with fsdp, tp + sp, dp (tied)
 # and cp inside the stages; zb with selective checkpointing.
-COMPILED = {2: ["gpipe_pp2", "1f1b_pp2", "interleaved_pp2_v2_tied", "zb_pp2", "zb_pp2_selective"],
+COMPILED = {2: ["gpipe_pp2", "1f1b_pp2", "interleaved_pp2_v2_tied", "zb_pp2", "zb_pp2_selective", "1f1b_pp2_fp16"],
             4: ["gpipe_pp4", "1f1b_pp4", "interleaved_pp4_v2", "zb_pp4", "1f1b_pp2_fsdp2", "zb_pp2_fsdp2",
                 "1f1b_pp2_fsdp2_kept", "zb_pp2_fsdp2_kept",
                 "1f1b_pp2_tp2_sp", "zb_pp2_tp2_sp", "zb_pp2_tp2_sp_selective", "interleaved_pp2_dp2_tied",
                 "1f1b_pp2_cp2_ring", "zb_pp2_cp2_a2a_gpt2_tied"]}
 CP_COMM = {"1f1b_pp2_cp2_ring": "ring", "zb_pp2_cp2_a2a_gpt2_tied": "a2a"}  # the others: cp 1
-BF16 = {"zb_pp2_bf16"}  # bf16 compute (fp32 master weights), against one process in bf16
+# Reduced-precision compute (fp32 master weights), against one process in that precision;
+# fp16's backward starts from the loss scale and its gradients cross stages scaled.
+REDUCED = {"zb_pp2_bf16": "bf16", "1f1b_pp2_fp16": "fp16"}
 # Selective checkpointing, against one process without: zero-bubble backpropagates each
 # checkpointed block twice (input, then weight gradients), both from what it saved.
 SELECTIVE = {"zb_pp2_selective", "zb_pp2_tp2_sp_selective", "1f1b_pp2_tp2_sp_selective"}
@@ -95,7 +98,7 @@ KEPT = {"1f1b_pp2_fsdp2_kept", "zb_pp2_fsdp2_kept", "interleaved_pp2_fsdp2_kept_
 
 
 def _precision(name: str) -> str:
-    return "bf16" if name in BF16 else "fp32"
+    return REDUCED.get(name, "fp32")
 
 
 def single(cfg, micro_steps, precision="fp32"):
@@ -191,7 +194,7 @@ def _check(results, names):
             for n, p in params.items():
                 held.setdefault(n, p)
                 torch.testing.assert_close(p, held[n], rtol=0, atol=0, msg=lambda m: f"{name} copies of {n}: {m}")
-        if name in BF16:  # bf16 really ran: far closer to one bf16 process than to one fp32 process
+        if name in REDUCED:  # it really ran reduced: far closer to that one process than to one fp32 process
             fp32_losses = torch.tensor(single(cfg, micro_steps)[0])
             ours = torch.tensor(results[0][name][0])
             assert (ours - torch.tensor(ref_losses)).abs().max() * 10 < (fp32_losses - torch.tensor(ref_losses)).abs().max()

@@ -18,30 +18,16 @@ from meshtrain import AdamW, LRSchedule, MeshSpec, Rules, TrainState, build, ini
 from meshtrain.models.spec import init_slice
 from meshtrain.testing import run_ranks
 
-from support.equivalence import BATCH, CFG, SEQ
-from support.precision import ComputeDtypes
+from support.equivalence import CFG
+from support.precision import BF16_RTOL, ComputeDtypes, counting_batches
 
 STEPS, LR = 6, 3e-3
-# Measured (this CPU, torch 2.13) as the largest |loss - fp32 loss| / fp32 loss over the 6
-# steps: bf16 2.7e-4, fp8 tensorwise 3.6e-4, fp8 rowwise 4.5e-4; a bf16 run that never
-# updates sits 0.166 from the fp32 curve. Tolerances: 3-4x the measured difference, over
-# 100x below the non-training distance.
-BF16_RTOL = 1e-3
 FP8_RTOL = 1.5e-3
 # The fp32 curve's fall over the 6 steps (measured 0.70, 14% of the first loss) must be far
 # beyond any tolerance here.
 MIN_FALL = 0.5
 # Per Llama block: wq, wk, wv, wo, w_gate, w_up, w_down; plus the head outside the blocks.
 BLOCK_LINEARS = 7
-
-
-def batches(micro_steps: int = 1, steps: int = STEPS):
-    g = torch.Generator().manual_seed(1234)
-    for _ in range(steps):
-        start = torch.randint(0, CFG.vocab_size, (BATCH, 1), generator=g)
-        t = (start + torch.arange(SEQ + 1)) % CFG.vocab_size  # the next token is this one + 1
-        t = t.reshape(micro_steps, BATCH // micro_steps, SEQ + 1)
-        yield {"tokens": t[..., :-1], "targets": t[..., 1:]}
 
 
 def _optimizer(lr: float = LR):
@@ -57,7 +43,7 @@ def one_process(precision: str, fp8_recipe: str = "tensorwise", lr: float = LR):
     state = TrainState.create(params)
     recorder = ComputeDtypes()
     losses = []
-    for i, b in enumerate(batches()):
+    for i, b in enumerate(counting_batches(steps=STEPS)):
         if i == 0:
             with recorder:
                 losses.append(step(state, b)["loss"])
@@ -154,7 +140,7 @@ def sharded_bf16_runs():
         state = TrainState.create(params)
         recorder = ComputeDtypes()
         losses = []
-        for i, b in enumerate(batches()):
+        for i, b in enumerate(counting_batches(steps=STEPS)):
             if i == 0 and name == "fsdp2":
                 with recorder:
                     losses.append(step(state, b)["loss"])

@@ -55,7 +55,7 @@ class BackgroundSaver:
         directory it will have once committed. Every rank calls it. `before_commit` runs
         on the writing thread before the rename, as store.save's."""
         self.wait()
-        pending = begin(root, step, extra, keep_last)
+        pending = begin(root, step, extra, keep_last, state)
         tensors = self._stage(state)
         if self._group is None and _rank_world()[1] > 1:
             self._group = dist.new_group(backend="gloo")

@@ -16,6 +16,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import filesystem as dcp_filesystem
 from torch.distributed.checkpoint.api import CheckpointException
 
+from ..train.loss_scale import ScaleState
 from .layout import (FORMAT_VERSION, META, CheckpointError, _all_gather_bytes, _first_os_error,
                      _fresh_dir, _name, _not_written, _on_rank0, _publish, _rank_world, read_meta)
 from .reader import SafeReader, _check_layout, _failure, quiet_dcp
@@ -36,7 +37,7 @@ def save(root: str | os.PathLike, step: int, state: TrainState, extra: dict, kee
     runs when this rank has opened its first tensor file (the fault injection's hook);
     `before_commit` once every rank's files are written, before the rename (a run logs
     the step there, so no committed checkpoint lacks its step's metrics line)."""
-    pending = begin(root, step, extra, keep_last)
+    pending = begin(root, step, extra, keep_last, state)
     return pending.finish(_tensors(state), on_write, before_commit=before_commit)
 
 
@@ -88,10 +89,11 @@ class Pending:
         return self.final
 
 
-def begin(root: str | os.PathLike, step: int, extra: dict, keep_last: int) -> Pending:
+def begin(root: str | os.PathLike, step: int, extra: dict, keep_last: int, state=None) -> Pending:
     """Check the arguments, make the temporary directory (rank 0, the others wait) and fix
-    meta.json's content with every rank's RNG states: what a save does before it writes
-    tensors. Every rank calls it, on the default process group."""
+    meta.json's content with every rank's RNG states and `state`'s fp16 loss scale, if it
+    has one: what a save does before it writes tensors. Every rank calls it, on the
+    default process group."""
     root = Path(root)
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise CheckpointError(f"checkpoint under {root}: step={step!r} must be an int >= 0")
@@ -112,6 +114,8 @@ def begin(root: str | os.PathLike, step: int, extra: dict, keep_last: int) -> Pe
     except OSError as e:
         raise _not_written(root, final, tmp, e, "creating its temporary directory") from None
     meta = {"format": FORMAT_VERSION, "step": step, "world": world, "extra": extra_json, "rng": _gather_rng()}
+    if getattr(state, "loss_scale", None) is not None:
+        meta["loss_scale"] = state.loss_scale.to_dict()
     return Pending(root, final, tmp, meta, keep_last)
 
 
@@ -194,6 +198,7 @@ def load(path: str | os.PathLike, state: TrainState, model_names=None) -> dict:
                               f"({type(cause).__name__}: {detail}); the files are damaged: load an earlier "
                               "checkpoint or delete this one") from None
     state.step = meta["step"]
+    _load_scale(path, meta, state)
     rank, world = _rank_world()
     rng = meta.get("rng")
     if meta["world"] == world and isinstance(rng, list) and len(rng) == world:
@@ -203,6 +208,16 @@ def load(path: str | os.PathLike, state: TrainState, model_names=None) -> dict:
             raise CheckpointError(f"checkpoint {path}: {META} has a corrupt RNG state for rank {rank} ({e}): "
                                   "load another checkpoint (latest(root)) or delete this one") from None
     return meta
+
+
+def _load_scale(path: Path, meta: dict, state) -> None:
+    """fp16's loss scale as saved (a checkpoint without one starts the scale afresh)."""
+    saved = meta.get("loss_scale")
+    try:
+        state.loss_scale = None if saved is None else ScaleState.from_dict(saved)
+    except (KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"checkpoint {path}: {META} has a corrupt loss_scale ({e!r}): load another "
+                              "checkpoint (latest(root)) or delete this one") from None
 
 
 def _rng_bytes() -> tuple[bytes, bytes]:

@@ -211,8 +211,8 @@ def _muon_traffic(plan: Plan, held: set[str]) -> CollectiveTally:
 
 
 def _check_step(precision: str, parameters: str):
-    if precision not in ("fp32", "bf16", "fp8"):
-        raise ConfigError(f"train.precision={precision!r}: choose fp32, bf16 or fp8")
+    if precision not in ("fp32", "bf16", "fp16", "fp8"):
+        raise ConfigError(f"train.precision={precision!r}: choose fp32, bf16, fp16 or fp8")
     if parameters not in ("each", "kept", "none"):
         raise ValueError(f"parameters={parameters!r}: choose each, kept or none")
 
@@ -358,7 +358,7 @@ def _check_batch(plan: Plan, micro_batch_rows: int, precision: str):
     if micro_batch_rows % data:
         raise ConfigError(f"{micro_batch_rows} sequences per micro-step cannot be split over {data} "
                           "data-parallel ranks (dp x fsdp)")
-    return 2 if precision in ("bf16", "fp8") else None  # fp8: bf16 gathers and activations
+    return 2 if precision in ("bf16", "fp16", "fp8") else None  # fp8: bf16 gathers and activations
 
 
 def expert_exchange(plan: Plan, model: ModelDef, *, micro_batch_rows: int, seq_len: int,
@@ -373,8 +373,8 @@ def expert_exchange(plan: Plan, model: ModelDef, *, micro_batch_rows: int, seq_l
     moe_layers = getattr(cfg, "moe_layers", ()) or ()
     if not moe_layers or plan.mesh.experts().ep == 1:
         return None
-    if precision not in ("fp32", "bf16", "fp8"):
-        raise ConfigError(f"train.precision={precision!r}: choose fp32, bf16 or fp8")
+    if precision not in ("fp32", "bf16", "fp16", "fp8"):
+        raise ConfigError(f"train.precision={precision!r}: choose fp32, bf16, fp16 or fp8")
     c = _check_batch(plan, micro_batch_rows, precision) or 4
     w = Walker(plan, micro_batch_rows, seq_len, c, eager=True)
     ep, m = plan.mesh.experts().ep, cfg.moe

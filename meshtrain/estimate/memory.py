@@ -43,7 +43,7 @@ from .dtype_bytes import FP32
 from .moe_memory import moe_block
 from .weight_memory import compute_numel, is_gathered, weight_bytes
 
-_DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp8": 2}  # fp8: bf16 activations, fp8 GEMM operands transient
+_DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 2}  # fp8: bf16 activations, fp8 GEMM operands transient
 # A GPU's caching allocator rounds blocks up and fragments: a stated share of the peak,
 # not measured here (no GPU; docs/plan.md "Peak memory").
 ALLOCATOR_SLACK = 0.05
@@ -113,7 +113,7 @@ def _checked(model, seq_len: int, precision: str, checkpointing: str, device: st
     torch has no fused one (CUDA: fp32 with GQA; CPU: values narrower than keys, as
     MLA's) unless `attention` names one."""
     if precision not in _DTYPE_BYTES:
-        raise ValueError(f"precision={precision!r}: choose fp32, bf16 or fp8")
+        raise ValueError(f"precision={precision!r}: choose fp32, bf16, fp16 or fp8")
     if checkpointing not in ("none", "full", "selective"):
         raise ValueError(f"activation_checkpointing={checkpointing!r}: choose none, full or selective")
     if device not in ("cpu", "cuda"):

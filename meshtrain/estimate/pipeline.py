@@ -140,7 +140,7 @@ def pipeline_estimate(plan: Plan, model, *, pp_schedule: str, virtual: int, layo
     timing = simulate(sched, stage_costs=stage_costs_from_partition(stages))
     sub = without_pp(plan)
     data = sub.mesh.dp * sub.mesh.fsdp
-    c = 2 if precision in ("bf16", "fp8") else 4
+    c = 2 if precision in ("bf16", "fp16", "fp8") else 4
     boundary = c * math.prod(sub.activation(RESIDUAL).local_shape((micro_batch * data, seq_len, model.cfg.dim),
                                                                   sub.mesh))
     tied_bytes = math.prod(sub.params["tok_emb"].local_shape) * 4 if model.cfg.tie_embeddings else 0

@@ -75,8 +75,9 @@ def save_hf(params: Mapping[str, torch.Tensor], arch: str, family_cfg, out: str 
 
 def export_dtype(precision: str) -> str:
     """The dtype an export of a run trained in `precision` is written in unless told
-    otherwise: fp32 runs keep their fp32 weights, bf16 and fp8 runs get bf16."""
-    return "fp32" if precision == "fp32" else "bf16"
+    otherwise: fp32 runs keep their fp32 weights, fp16 runs get fp16 (what their hardware
+    computes in), bf16 and fp8 runs get bf16."""
+    return precision if precision in ("fp32", "fp16") else "bf16"
 
 
 def export_dcp(path: Path, arch: str, family_cfg, out: str | os.PathLike, dtype: str, *,

@@ -19,10 +19,10 @@ from ..models.mtp import MtpConfig
 GiB = 1 << 30
 
 
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
-_TORCH_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
+_TORCH_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
 
 _ST_READ_DTYPES = {"F32", "BF16", "F16", "F64"}

@@ -23,8 +23,9 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from ..errors import check_choice
 from .fp8 import RECIPES
 
-# train.precision -> the compute dtype (fp8: bf16, with fp8 GEMMs).
-PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp8": torch.bfloat16}
+# train.precision -> the compute dtype (fp8: bf16, with fp8 GEMMs; fp16 needs loss
+# scaling, train/loss_scale.py).
+PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}
 # train.activation_checkpointing, least recompute first (estimate/advice.py searches them in this order).
 CHECKPOINTING = ("none", "selective", "full")
 

@@ -28,6 +28,9 @@ class LossGuard:
     def check(self, step: int, metrics: dict) -> str | None:
         """Raise TrainingError when the run must stop; return a warning line, or None."""
         t, loss = self.t, metrics["loss"]
+        if metrics.get("overflow"):  # fp16's loss scale answers it: not a non-finite step
+            return (f"step {step} skipped: the gradients overflowed in fp16; the loss scale backs off to "
+                    f"{metrics['loss_scale']:g} (the parameters and optimizer state are unchanged)")
         if metrics.get("skipped"):
             what = f"the loss is {loss} and the gradient norm {metrics['grad_norm']} at step {step}"
             if t.nonfinite == "abort":

@@ -34,12 +34,12 @@ def mfu(flops_per_token: float, tokens_per_s: float | None, world: int, peak_tfl
 
 def step_record(step: int, metrics: dict, timing: dict, mfu: float | None, memory_gib: float) -> dict:
     """The logged record of a step, in the column order of metrics.jsonl: the step's
-    metrics, `timing` (StepClock.fields), and the MoE router's and multi-token prediction's
-    numbers where it has them."""
+    metrics, `timing` (StepClock.fields), and fp16's loss scale, the MoE router's and
+    multi-token prediction's numbers where it has them."""
     return {"step": step, "loss": metrics["loss"], "lr": metrics["lr"], "grad_norm": metrics["grad_norm"],
             "tokens_per_s": timing["tokens_per_s"], "step_time_s": timing["step_time_s"], "mfu": mfu,
             "memory_gib": memory_gib, "elapsed_s": timing["elapsed_s"], "eta_s": timing["eta_s"],
-            **{k: metrics[k] for k in ("aux_loss", "expert_imbalance", "mtp_loss") if k in metrics}}
+            **{k: metrics[k] for k in ("loss_scale", "aux_loss", "expert_imbalance", "mtp_loss") if k in metrics}}
 
 
 def evaluation(val_loss: float) -> dict:

@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 
 from ..errors import ConfigError, check_bool, check_choice, check_float, check_int
+from .loss_scale import LossScaleConfig
 from .lr_schedule import LR_SCHEDULES
 
 NONFINITE = ("abort", "skip")  # train.nonfinite: run/guards.py acts on it
@@ -88,7 +89,9 @@ class TrainConfig:
     grad_clip: float | None = 1.0
     """Clip the global gradient norm to this value; 0 or null: no clipping."""
     precision: str = "fp32"
-    """Compute precision: fp32; bf16; or fp8 (bf16, with the GEMMs of every linear except the embedding, head and MoE router in fp8, dynamically scaled). Parameters, gradients and optimizer state stay fp32."""
+    """Compute precision: fp32; bf16; fp16 (with dynamic loss scaling, train.loss_scale); or fp8 (bf16, with the GEMMs of every linear except the embedding, head and MoE router in fp8, dynamically scaled). Parameters, gradients and optimizer state stay fp32."""
+    loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
+    """fp16's dynamic loss scale: {init_scale, growth_factor, backoff_factor, growth_interval, min_scale} (torch.amp.GradScaler's rule and defaults); read only with train.precision fp16. A step whose gradients overflow is skipped on every rank and the scale backs off; metrics.jsonl logs loss_scale; checkpoints keep it."""
     fp8_recipe: str = "tensorwise"
     """Scaling of the fp8 GEMMs (train.precision fp8): tensorwise (one scale per tensor) or rowwise (one per row along the contracted dim)."""
     compile: bool = False
@@ -117,6 +120,14 @@ class TrainConfig:
     def __post_init__(self):
         if isinstance(self.muon, Mapping):  # the Python API, a parsed YAML file
             self.muon = muon_section(self.muon)
+        # train.loss_scale as a mapping of its fields (YAML, the Python API).
+        if isinstance(self.loss_scale, Mapping):
+            known = LossScaleConfig.__dataclass_fields__
+            unknown = [k for k in self.loss_scale if k not in known]
+            if unknown:
+                raise ConfigError(f"unknown config key train.loss_scale.{unknown[0]}; train.loss_scale has "
+                                  f"{', '.join(known)}")
+            self.loss_scale = LossScaleConfig(**self.loss_scale)
 
     def check(self) -> "TrainConfig":
         """Raise ConfigError naming the train.* key and the fix for a value that cannot work."""
@@ -140,6 +151,9 @@ class TrainConfig:
         if self.grad_clip is not None:
             check_float(self.grad_clip, "train.grad_clip", minimum=0.0)
         check_choice(self.precision, "train.precision", PRECISIONS)
+        if not isinstance(self.loss_scale, LossScaleConfig):
+            raise ConfigError(f"train.loss_scale={self.loss_scale!r} must be a mapping of its fields "
+                              "(init_scale, growth_factor, backoff_factor, growth_interval, min_scale)")
         check_bool(self.compile, "train.compile")
         check_choice(self.fp8_recipe, "train.fp8_recipe", RECIPES)
         check_choice(self.activation_checkpointing, "train.activation_checkpointing", CHECKPOINTING)

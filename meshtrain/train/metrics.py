@@ -23,10 +23,10 @@ from ..models.cost_terms import attention_flops
 # Dense peak TFLOP/s per device (no sparsity), from the vendors' data sheets. fp32 runs on
 # tensor cores as TF32. Devices missing here report no MFU.
 PEAK_TFLOPS = {
-    "H200": {"fp32": 494.7, "bf16": 989.4},
-    "H100 SXM": {"fp32": 494.7, "bf16": 989.4},
-    "H100 PCIe": {"fp32": 378.0, "bf16": 756.0},
-    "A100": {"fp32": 156.0, "bf16": 312.0},
+    "H200": {"fp32": 494.7, "bf16": 989.4, "fp16": 989.4},
+    "H100 SXM": {"fp32": 494.7, "bf16": 989.4, "fp16": 989.4},
+    "H100 PCIe": {"fp32": 378.0, "bf16": 756.0, "fp16": 756.0},
+    "A100": {"fp32": 156.0, "bf16": 312.0, "fp16": 312.0},
 }
 
 EMBEDDING_TABLES = ("tok_emb", "pos_emb")

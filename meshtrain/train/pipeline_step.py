@@ -57,6 +57,8 @@ from ..pipeline.schedule import B, BI, BW, F, RECV_B, RECV_F, SEND_B, SEND_F, Pi
 from .optim import AdamW
 from .lr_schedule import LRSchedule
 from .split_backward import SplitBackward
+from .loss_scale import LossScaleConfig
+from .scaled_step import loss_seed, scale_config, scale_metrics
 from .mtp_terms import MtpTerms
 from .pipeline_terms import moe_metrics, pp_sum
 from .step import (InspectGrads, MoeTerms, TrainState, check_compile, check_split, compiled, count_targets, documents,
@@ -176,21 +178,26 @@ class _Pipe:
                                   stride=make_contiguous_strides_for(shape))
 
 
-def _backward_roots(out: torch.Tensor, grad, extra):
+def _backward_roots(out: torch.Tensor, grad, extra, seed: float | None = None):
     """The tensors a stage's backward starts from and their gradients: its output (the
-    last stage's loss when `grad` is None) and its MoE blocks' objective term, if any."""
-    grad = torch.ones_like(out) if grad is None else grad
+    last stage's loss when `grad` is None, seeded with fp16's loss scale `seed`) and its
+    MoE blocks' objective term, if any (seeded alike)."""
+    ones = 1.0 if seed is None else seed
+    grad = torch.full_like(out, ones) if grad is None else grad
     if extra is None:
         return [out], [grad]
-    return [out, extra], [grad, torch.ones_like(extra)]
+    return [out, extra], [grad, torch.full_like(extra, ones)]
 
 
 def _run(pipe: _Pipe, actions, params: dict, tokens, targets, n_tokens: int, *, train: bool,
-         timings: list | None = None, moe: MoeTerms | None = None, docs=None, mtp: MtpTerms | None = None) -> torch.Tensor:
+         timings: list | None = None, moe: MoeTerms | None = None, docs=None, mtp: MtpTerms | None = None,
+         seed: float | None = None) -> torch.Tensor:
     """Walk this rank's actions; returns the loss (this rank's share: zero off the last stage).
     `timings`: append (kind, stage, seconds) for every compute action (host time: exact on
     CPU, launch time only on an asynchronous device). `moe` collects MoE blocks' terms,
-    `mtp` multi-token prediction's (the last stage adds them to its objective)."""
+    `mtp` multi-token prediction's (the last stage adds them to its objective). `seed`:
+    fp16's loss scale, which the backward starts from (the gradients that cross stages
+    carry it)."""
     stages, last = pipe.stages, len(pipe.stages) - 1
     rows, seq = tokens[0].shape
     local_shape, spec = pipe.boundary(rows, seq)
@@ -236,13 +243,13 @@ def _run(pipe: _Pipe, actions, params: dict, tokens, targets, n_tokens: int, *, 
                 inputs.pop(key, None)
         elif a.kind == B:
             outs, grads = _backward_roots(outputs.pop(key), None if s == last else out_grads.pop(key),
-                                          extras.pop(key, None))
+                                          extras.pop(key, None), seed)
             torch.autograd.backward(outs, grads)
             if s > 0:
                 in_grads[key] = inputs.pop(key).grad
         elif a.kind == BI:
             outs, grads = _backward_roots(outputs.pop(key), None if s == last else out_grads.pop(key),
-                                          extras.pop(key, None))
+                                          extras.pop(key, None), seed)
             if s == 0:  # no input gradient: the whole backward is weight work, deferred to BW
                 split[key] = (outs, grads)
             elif pipe.split is not None:  # compiled: the node keeps what its weight half needs
@@ -281,7 +288,8 @@ def make_pipeline_step(model: ModelDef, stages: list[Stage], pipeline_schedule: 
                        bucket: str | float = Traffic.bucket, prefetch: int = Traffic.prefetch,
                        reshard_after_forward: bool = Traffic.reshard_after_forward,
                        fsdp_accumulate: str = Traffic.fsdp_accumulate, keep_gathered: bool = Traffic.keep_gathered,
-                       traffic: Traffic | None = None, compile: bool | str = False) -> Callable[[TrainState, dict], dict]:
+                       traffic: Traffic | None = None, compile: bool | str = False,
+                       loss_scale: LossScaleConfig | None = None) -> Callable[[TrainState, dict], dict]:
     """`step(state, batch) -> metrics` for this rank; `plan` and `device_mesh` are the whole
     layout's, pp included. record_timings: metrics["timings"] lists (kind, stage, seconds)
     of this rank's compute actions, then ("update", -1, seconds) for the gradient
@@ -297,7 +305,8 @@ def make_pipeline_step(model: ModelDef, stages: list[Stage], pipeline_schedule: 
     partial over the data-parallel replicas is reduced once per step, after the last
     backward. `keep_gathered` (parallel.pp_keep_gathered): the rank's weights are
     gathered once per step and their gradients reduced once (parallel/keep_gathered.py).
-    `traffic` (layout/traffic.py), when given, replaces those five."""
+    `traffic` (layout/traffic.py), when given, replaces those five. `loss_scale`: fp16's,
+    as for make_train_step."""
     traffic = (traffic or Traffic(bucket, prefetch, reshard_after_forward, fsdp_accumulate, keep_gathered)).check()
     if traffic.fsdp_accumulate != "sharded":
         raise ConfigError(f"fsdp_accumulate={traffic.fsdp_accumulate!r}: a pipeline step reduces every micro-batch; "
@@ -310,8 +319,9 @@ def make_pipeline_step(model: ModelDef, stages: list[Stage], pipeline_schedule: 
     if compile:
         check_compile(policy.checkpointing, sharded=plan is not None and plan.mesh.world > plan.mesh.pp)
     pipe = _Pipe(model, stages, pipeline_schedule.pp, plan, device_mesh, policy, compile, split_backward, traffic)
+    scaling = scale_config(policy, loss_scale)
     apply_update = make_update(optimizer, lr_schedule or LRSchedule(lr=optimizer.lr, kind="constant"), grad_clip,
-                               inspect_grads=inspect_grads)
+                               inspect_grads=inspect_grads, loss_scale=scaling)
     actions = pipeline_schedule.ranks[pipe.rank]
     data_ranks = pipe.plan.mesh.dp * pipe.plan.mesh.fsdp if pipe.plan is not None else 1
     tied = [n for st in stages if st.rank == pipe.rank for n in st.shared]  # held here, owned on rank 0
@@ -332,7 +342,7 @@ def make_pipeline_step(model: ModelDef, stages: list[Stage], pipeline_schedule: 
         ahead = MtpTerms(batch, depth, model.cfg.mtp.loss_coef, count_targets) if depth else None
         params = state.params if pipe.kept is None else pipe.kept.gather(state.params)
         loss = _run(pipe, actions, params, tokens, targets, n_tokens, train=True, timings=timings, moe=moe,
-                    docs=documents(batch), mtp=ahead)
+                    docs=documents(batch), mtp=ahead, seed=loss_seed(state, scaling))
         update_start = time.perf_counter()
         if pipe.kept is not None:  # the step's summed gradients, reduced once
             pipe.kept.release(params)
@@ -349,7 +359,8 @@ def make_pipeline_step(model: ModelDef, stages: list[Stage], pipeline_schedule: 
         dist.all_reduce(loss, group=pipe.group)  # only the last stage's rank holds a non-zero loss
         with torch.profiler.record_function("optimizer"):  # a named region in profiles
             norm, lr, updated = apply_update(state, uncounted=tied, loss=float(loss))
-        metrics = {"loss": float(loss), "grad_norm": float(norm), "lr": lr, "skipped": not updated}
+        metrics = {"loss": float(loss), "grad_norm": float(norm), "lr": lr, "skipped": not updated,
+                   **scale_metrics(state, scaling)}
         if moe_layers:
             metrics.update(moe_metrics(state, pipe, moe, moe_layers, updated))
         if ahead is not None:

@@ -21,6 +21,8 @@ from ..parallel.overlap import aot_eager_overlapped, inductor_pass
 from ..layout.placements import local_tensor
 from ..layout.traffic import Traffic
 from .optim import AdamW, all_reduce_sum, grad_norm_squared_local, replica_count
+from .loss_scale import LossScaleConfig, ScaleState
+from .scaled_step import loss_seed, scale_config, scale_metrics, seeded, unscale
 from .lr_schedule import LRSchedule
 from .mtp_terms import MtpTerms
 
@@ -33,6 +35,7 @@ class TrainState:
     params: dict[str, torch.Tensor]
     optimizer: dict[str, dict[str, torch.Tensor]]
     step: int = 0
+    loss_scale: ScaleState | None = None  # fp16's dynamic loss scale, set by its first step
 
     @staticmethod
     def create(params: dict[str, torch.Tensor], optimizer=None) -> "TrainState":
@@ -47,7 +50,8 @@ def make_train_step(model: ModelDef, plan=None, device_mesh=None, *, optimizer: 
                     inspect_grads: InspectGrads | None = None, bucket: str | float = Traffic.bucket,
                     prefetch: int = Traffic.prefetch, reshard_after_forward: bool = Traffic.reshard_after_forward,
                     fsdp_accumulate: str = Traffic.fsdp_accumulate,
-                    traffic: Traffic | None = None, schedule: LRSchedule | None = None) -> Callable[[TrainState, dict], dict]:
+                    traffic: Traffic | None = None, schedule: LRSchedule | None = None,
+                    loss_scale: LossScaleConfig | None = None) -> Callable[[TrainState, dict], dict]:
     """Build `step(state, batch) -> metrics`.
 
     batch["tokens"] and batch["targets"] are (micro_steps, batch, seq) tensors, or lists of
@@ -63,7 +67,10 @@ def make_train_step(model: ModelDef, plan=None, device_mesh=None, *, optimizer: 
     torch.compile(fullgraph=True) with inductor; a string names another backend.
     Metrics: loss, grad_norm, lr, skipped (True when the loss or the gradient norm was not
     finite and the update was left out, see make_update); with MoE blocks also expert_imbalance and (when a balance
-    loss or z-loss is on) aux_loss, the terms added to the objective.
+    loss or z-loss is on) aux_loss, the terms added to the objective. precision fp16 scales
+    the loss by state.loss_scale (train/loss_scale.py; `loss_scale` configures it, None:
+    GradScaler's defaults) and adds loss_scale (the scale after this step) and overflow
+    (True when the step was skipped for its gradients' overflow, which the scale answers).
     `inspect_grads`, when given, sees every step's accumulated gradients before they are
     clipped: see make_update.
     With a plan: `bucket` (block, param or a size in MB), `prefetch` (buckets gathered
@@ -96,7 +103,8 @@ def make_train_step(model: ModelDef, plan=None, device_mesh=None, *, optimizer: 
 
     if compile:
         loss_sum = compiled(loss_sum, compile, traffic.prefetch if plan is not None else 0)
-    apply_update = make_update(optimizer, lr_schedule, grad_clip, compile, inspect_grads)
+    scaling = scale_config(policy, loss_scale)
+    apply_update = make_update(optimizer, lr_schedule, grad_clip, compile, inspect_grads, scaling)
 
     def step(state: TrainState, batch: dict) -> dict:
         tokens, targets = batch["tokens"], batch["targets"]
@@ -105,6 +113,7 @@ def make_train_step(model: ModelDef, plan=None, device_mesh=None, *, optimizer: 
         docs = documents(batch)
         terms = MoeTerms.of(tokens)
         ahead = MtpTerms(batch, depth, mtp.loss_coef, count_targets) if depth else None
+        seed = loss_seed(state, scaling)
         total = None
         for micro in range(len(tokens)):
             with scope():
@@ -115,14 +124,15 @@ def make_train_step(model: ModelDef, plan=None, device_mesh=None, *, optimizer: 
             # The loss is this rank's partial sum: its gradient is the step's gradient of
             # the tokens this rank holds (no all-reduce before backward).
             hold(micro < len(tokens) - 1)
-            torch.autograd.backward([_local(loss)] + [_local(e) for e in extra])
+            torch.autograd.backward([seeded(_local(loss), seed)] + [seeded(_local(e), seed) for e in extra])
             total = _add(total, loss.detach())
         if compile and plan is not None:  # what the graphs left partial, reduced once
             ctx.reduce_held(state.params)
         loss = float(ctx.reduce_sum(total))
         with torch.profiler.record_function("optimizer"):  # a named region in profiles
             norm, lr, updated = apply_update(state, loss=loss)
-        metrics = {"loss": loss, "grad_norm": float(norm), "lr": lr, "skipped": not updated}
+        metrics = {"loss": loss, "grad_norm": float(norm), "lr": lr, "skipped": not updated,
+                   **scale_metrics(state, scaling)}
         if terms.load:
             metrics["expert_imbalance"] = float(moe_step(state, *moe, full_value(terms.load[0]), updated).max())
         if terms.total is not None:
@@ -193,7 +203,7 @@ def check_compile(activation_checkpointing: str, sharded: bool) -> None:
 
 
 def make_update(optimizer: AdamW, lr_schedule: LRSchedule, grad_clip: float | None, compile: bool | str = False,
-                inspect_grads: InspectGrads | None = None):
+                inspect_grads: InspectGrads | None = None, loss_scale: LossScaleConfig | None = None):
     """The optimizer half of a step, shared by the plain and the pipelined step:
     `apply(state, uncounted=(), loss=None) -> (grad_norm, lr, updated)` takes the global
     gradient norm (each rank's share of the squared norm, one scalar all-reduce over the
@@ -210,7 +220,10 @@ def make_update(optimizer: AdamW, lr_schedule: LRSchedule, grad_clip: float | No
     to log per-parameter gradient norms or to test gradients. The tensors are the live
     gradients, clipped in place and dropped right after: copy what you keep. Calling
     `.full_tensor()` on one is a collective, so every rank holding that parameter must
-    make the same calls in the same order. None (the default) costs nothing."""
+    make the same calls in the same order. None (the default) costs nothing.
+
+    `loss_scale` (fp16): the gradients are first divided by state.loss_scale's scale, and
+    after the verdict the scale is updated (train/loss_scale.py)."""
 
     def norm_of(grads, replicas):
         return all_reduce_sum(grad_norm_squared_local(grads, replicas)).sqrt()
@@ -226,12 +239,17 @@ def make_update(optimizer: AdamW, lr_schedule: LRSchedule, grad_clip: float | No
         lr = lr_schedule(state.step)
         state.step += 1
         with torch.no_grad():
+            if loss_scale is not None:
+                unscale(state, grads)
             if inspect_grads is not None:
                 inspect_grads({n: state.params[n].grad for n in names})
             norm = norm_of(grads, replicas)
             # One host read per step (the metrics read the norm anyway): a NaN or inf must
             # never reach the weights or the Adam moments.
-            updated = math.isfinite(float(norm)) and (loss is None or math.isfinite(loss))
+            finite_loss, finite_grads = loss is None or math.isfinite(loss), math.isfinite(float(norm))
+            updated = finite_loss and finite_grads
+            if loss_scale is not None:
+                state.loss_scale.update(loss_scale, finite_loss, finite_grads)
             if updated:
                 update(state, names, grads, lr, norm)
         for n in names:
