@@ -16,7 +16,7 @@ _EXPORTS = {  # name -> (module, attribute)
     "Plan": (".layout.plan", "Plan"), "make_plan": (".layout.plan", "make_plan"),
     "init_params": (".parallel.init", "init_params"),
     "partition": (".pipeline", "partition"), "build_pipeline_schedule": (".pipeline", "build_pipeline_schedule"),
-    "AdamW": (".train.optim", "AdamW"), "LRSchedule": (".train.lr_schedule", "LRSchedule"),
+    "AdamW": (".train.optim", "AdamW"), "Muon": (".train.muon", "Muon"), "LRSchedule": (".train.lr_schedule", "LRSchedule"),
     "TrainState": (".train.step", "TrainState"), "make_train_step": (".train.step", "make_train_step"),
     "make_eval_step": (".train.step", "make_eval_step"),
     "make_pipeline_step": (".train.pipeline_step", "make_pipeline_step"),

@@ -76,7 +76,7 @@ def test_every_field_has_a_docstring():
                 checked.append(node.name)
                 _check_docstrings(node)
     assert sorted(checked) == sorted(["RunConfig", "ModelConfig", "MoeConfig", "ParallelConfig", "TrainConfig",
-                                      "DataConfig", "CheckpointConfig"])
+                                      "DataConfig", "CheckpointConfig", "MuonConfig"])
 
 
 def _check_docstrings(node):

@@ -37,6 +37,7 @@ from meshtrain.errors import ConfigError
 from meshtrain.models.mla import MlaConfig
 from meshtrain.models.moe import MoeConfig
 from meshtrain.models.mtp import MtpConfig
+from meshtrain.train.config import MuonConfig
 from meshtrain.train.loss_scale import LossScaleConfig
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -98,7 +99,7 @@ def schema_fields() -> list[tuple[str, str]]:
     for section, cls in schema.SECTIONS.items():
         out += [(f"{section}.{f.name}", f.type) for f in dataclasses.fields(cls)]
     for name, cls in (("model.moe", MoeConfig), ("model.mla", MlaConfig), ("model.mtp", MtpConfig),
-                      ("train.loss_scale", LossScaleConfig)):
+                      ("train.loss_scale", LossScaleConfig), ("train.muon", MuonConfig)):
         out += [(f"{name}.{f.name}", f.type) for f in dataclasses.fields(cls)]
     return out
 
@@ -121,14 +122,16 @@ FLOAT_BAD = {
     "model.mtp.loss_coef": ["-0.3"],
     "train.loss_scale.init_scale": ["0", "-65536"], "train.loss_scale.growth_factor": ["0.5", "-2"],
     "train.loss_scale.backoff_factor": ["0", "1", "1.5"], "train.loss_scale.min_scale": ["0", "-1", "1e+300"],
+    "train.muon.lr": ["0", "-0.02"], "train.muon.momentum": ["-0.1", "1", "1.5"], "train.muon.weight_decay": ["-0.1"],
 }
 CHOICES = {"model.arch": "llama", "parallel.cp_comm": "ring", "parallel.pp_schedule": "1f1b",
            "train.lr_schedule": "cosine", "train.precision": "bf16", "train.fp8_recipe": "rowwise",
            "train.activation_checkpointing": "full", "train.nonfinite": "skip", "model.moe.router": "sigmoid",
-           "model.moe.balance": "aux_free", "parallel.fsdp_accumulate": "unsharded"}
+           "model.moe.balance": "aux_free", "parallel.fsdp_accumulate": "unsharded", "train.optimizer": "muon",
+           "train.muon.adjust_lr": "original"}
 # Fields with hand-written cases below (structured or free-form values).
 SPECIAL = {"run_dir", "model.init_from", "model.rope_scaling", "model.moe", "model.moe.layers", "model.mla", "model.mtp",
-           "train.loss_scale",
+           "train.loss_scale", "train.muon",
            "parallel.pp_layout",
            "parallel.bucket",
            "data.paths", "data.tokenizer", "checkpoint.resume"}
@@ -261,19 +264,20 @@ def special_cases() -> list[Case]:
     for base, key in [("tiny", "train.stpes"), ("tiny-4proc", "model.dimm"), ("tiny-pp2", "parallel.tpp"),
                       ("tiny-cp2", "checkpoint.evry"), ("tiny", "data.pahts"), ("tiny-moe", "trainer.steps"),
                       ("tiny", "foo"), ("tiny-moe", "model.moe.expertz"), ("tiny-pp2", "train.nonfinte"),
-                      ("tiny-4proc", "parallel.watchdogs")]:
+                      ("tiny-4proc", "parallel.watchdogs"), ("tiny", "train.muon.nesterof")]:
         c.append(Case("unknown", base, key, (key, key.rsplit(".", 1)[-1]), (_flag(key, "3"),)))
     for base, path in [("tiny", ("train", "stpes")), ("tiny-4proc", ("model", "n_head")),
                        ("tiny-pp2", ("parallel", "world_size")), ("tiny-cp2", ("optimizer",)),
                        ("tiny", ("data", "tokeniser")), ("tiny-moe", ("model", "moe", "num_expert")),
-                       ("tiny", ("checkpoint", "every_steps")), ("tiny-cp2", ("train", "loss_scale", "initial"))]:
+                       ("tiny", ("checkpoint", "every_steps")), ("tiny-cp2", ("train", "loss_scale", "initial")),
+                       ("tiny-4proc", ("train", "muon", "betas"))]:
         key = ".".join(path)
         c.append(Case("unknown", base, key, (key, path[-1]), (), ((path, 3),)))
     c.append(Case("unknown", "tiny-4proc", "train.stpes", ("train.stpes",), ("--train={stpes: 3}",)))
     c.append(Case("unknown", "tiny", "train.loss_scale.scale", ("train.loss_scale.scale",), ("--train.loss_scale.scale=3",)))
     # sections of the wrong shape
     for base, key, text in [("tiny", "train", "5"), ("tiny-4proc", "model", "[1, 2]"), ("tiny-pp2", "parallel", "abc"),
-                            ("tiny-cp2", "checkpoint", "null"), ("tiny-moe", "data", "7")]:
+                            ("tiny-cp2", "checkpoint", "null"), ("tiny-moe", "data", "7"), ("tiny", "train.muon", "5")]:
         c.append(_case("shape", base, key, text))
     for base, key, text in [("tiny", "train", "5"), ("tiny-4proc", "model", "[1, 2]"), ("tiny-pp2", "parallel", "null"),
                             ("tiny-cp2", "checkpoint", "abc"), ("tiny-moe", "data", "[builtin]")]:

@@ -98,6 +98,7 @@ def _check_layout(path: Path, metadata, state, model_names: set) -> None:
         if hasattr(md, "size"):
             key = tuple(planner_data.get(fqn, tuple(fqn.split(".", 2 if fqn.startswith("optimizer.") else 1))))
             saved[key] = tuple(md.size)
+    _check_optimizer(path, {key[1] for key in saved if key[0] == "optimizer"}, set(state.optimizer))
     groups = [("parameter", ("params",), state.params)] + \
         [(f"optimizer {k} of", ("optimizer", k), group) for k, group in state.optimizer.items()]
     fix = "load it with the model config it was saved with, or start fresh"
@@ -115,6 +116,26 @@ def _check_layout(path: Path, metadata, state, model_names: set) -> None:
             if key[:len(prefix)] == prefix and key[-1] not in model_names:
                 raise CheckpointError(f"checkpoint {path}: {what} {key[-1]} (shape {shape}) is in the checkpoint "
                                       f"but not in the model: {fix}")
+
+
+# train.optimizer by the groups of optimizer state it keeps (train/optim.py, train/muon.py).
+_OPTIMIZERS = {frozenset({"exp_avg", "exp_avg_sq"}): "adamw", frozenset({"exp_avg", "exp_avg_sq", "momentum"}): "muon"}
+
+
+def _check_optimizer(path: Path, saved: set, wanted: set) -> None:
+    """The checkpoint's optimizer state groups against the state's (none wanted: a load of
+    the parameters alone)."""
+    if not wanted or saved == wanted:
+        return
+
+    def name(groups):
+        optimizer = _OPTIMIZERS.get(frozenset(groups))
+        return f"train.optimizer={optimizer} ({', '.join(sorted(groups))})" if optimizer else \
+            f"optimizer state {', '.join(sorted(groups)) or 'none'}"
+
+    raise CheckpointError(f"checkpoint {path} holds the state of {name(saved)}, but this run needs {name(wanted)}: "
+                          "resume it with the train.optimizer it was saved with, or start a fresh run (another "
+                          "run_dir, or checkpoint.resume restart)")
 
 
 @contextlib.contextmanager

@@ -83,6 +83,7 @@ from collections import defaultdict
 from dataclasses import replace
 
 import torch
+from torch.distributed.tensor import Replicate, Shard
 
 from ..errors import ConfigError
 from ..models import ModelDef
@@ -92,10 +93,11 @@ from ..models.recorded import record_block, record_ends
 from ..layout.buckets import group_dims, plan_buckets
 from ..layout.traffic import Traffic, check_bucket
 from ..layout.plan import Plan
+from ..train.muon import muon_name
 from .bucket_replay import bucket_traffic
 from .collective_tally import CollectiveTally
-from .dtype_bytes import FP32, INT64
-from .placement_rules import P, R
+from .dtype_bytes import BF16, FP32, INT64
+from .placement_rules import P, PlacementRules, R
 from .walker import Walker, routed_rows
 
 PHASES = {"fwd": "forward", "bwd": "backward", "opt": "optimizer"}
@@ -122,7 +124,7 @@ def step_collectives(plan: Plan, model: ModelDef, *, micro_batch_rows: int, seq_
                      precision: str = "fp32", compiled: bool = False, layers=None,
                      embedding: bool = True, head: bool = True, traffic: Traffic = Traffic(), names=None,
                      loss_once: bool = True, activation_checkpointing: str = "none", parameters: str | None = None,
-                     activations: bool = True) -> list[dict]:
+                     activations: bool = True, optimizer: str = "adamw") -> list[dict]:
     """The collectives of one optimizer step: dicts {axis, op, phase, count, bytes}, one per
     (axis, op, phase); bytes are the total per rank over the step. `micro_batch_rows` is
     the sequences of one micro-step over all data-parallel ranks (micro_batch x dp x fsdp).
@@ -150,8 +152,10 @@ def step_collectives(plan: Plan, model: ModelDef, *, micro_batch_rows: int, seq_
     reduce-scatter per gather set, then one all-reduce per set of dims still partial); a
     parameter in no bucket redistributed there and back once, fp32; under zero 2 the
     reductions after every micro-batch's backward; "none": left out; None: "kept" when
-    `traffic` keeps the weights gathered, else "each". `activations` False
-    leaves out everything else (activations, loss, MoE load, grad norm)."""
+    `traffic` keeps the weights gathered, else "each". `activations` False leaves out
+    everything else (activations, loss, MoE load, grad norm, Muon's exchanges).
+    `optimizer` muon: each Muon matrix's fp32 update assembled whole once per step
+    (train/muon.py), counted as the runtime exchanges it."""
     parameters = parameters or ("kept" if traffic.keep_gathered else "each")
     _check_step(precision, parameters)
     unit = check_bucket(traffic.bucket)
@@ -170,11 +174,43 @@ def step_collectives(plan: Plan, model: ModelDef, *, micro_batch_rows: int, seq_
     if activations:
         tallies += [(part.tally, times * micro_steps) for part, times in parts]
         tallies.append((_once_per_step(plan, model, kinds, rest, unit, loss_once, micro_steps), 1))
+        if optimizer == "muon":
+            tallies.append((_muon_traffic(plan, held), 1))
     total = _summed(tallies)
     if activations and plan.mesh.world > 1:  # the squared grad norm, fp32, over the world
         axis = plan.mesh.axes[0] if len(plan.mesh.axes) == 1 else "world"
         total[("opt", "all_reduce_sum", axis)] = [1, 4]
     return _entries(total)
+
+
+def _muon_traffic(plan: Plan, held: set[str]) -> CollectiveTally:
+    """Muon's whole matrices (train/muon.py, assemble "owner"), on each parameter's own
+    mesh (the expert mesh for experts): the held Muon matrices of one shape and layout
+    stacked, their fp32 updates redistributed so that each rank holds whole ones, the
+    bf16 results back; a strided parameter's update gathered whole (full_tensor)."""
+    tally, rules, groups = CollectiveTally(plan.mesh), PlacementRules(plan), {}
+    for name in sorted(held):
+        p = plan.params[name]
+        if not (p.spec.trainable and muon_name(name, len(p.spec.shape))):
+            continue
+        stored = rules.stored(name)
+        if any(type(x) not in (Shard, Replicate) for x in p.placements):
+            tally.redistribute("opt", p.spec.shape, stored, (R,) * len(stored), FP32, mesh=p.mesh)
+        elif any(x != R for x in stored):
+            groups.setdefault((tuple(p.spec.shape), stored, p.mesh), []).append(name)
+    for (shape, stored, mesh), names in groups.items():
+        stacked = (len(names),) + shape
+        source = tuple(("S", x[1] + 1) if x != R else x for x in stored)
+        owned = tuple(("S", 0) if x != R else x for x in stored)
+        for order, start, end, itemsize in ((range(len(stored)), source, owned, FP32),
+                                            (reversed(range(len(stored))), owned, source, BF16)):
+            cur = list(start)  # one mesh dim at a time, as train/muon.py's stepwise
+            for i in order:
+                if cur[i] != end[i]:
+                    step = cur[:i] + [end[i]] + cur[i + 1:]
+                    tally.redistribute("opt", stacked, tuple(cur), tuple(step), itemsize, mesh=mesh)
+                    cur = step
+    return tally
 
 
 def _check_step(precision: str, parameters: str):

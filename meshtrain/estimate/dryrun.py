@@ -160,7 +160,8 @@ def dry_run(cfg: RunConfig, world: int | None = None, gpu: str | None = None, *,
     else:
         collectives = step_collectives(plan, model, micro_batch_rows=t.micro_batch * dp_size, seq_len=t.seq_len,
                                        micro_steps=micro_steps, precision=t.precision, compiled=bool(t.compile),
-                                       traffic=p.traffic(), activation_checkpointing=t.activation_checkpointing)
+                                       traffic=p.traffic(), activation_checkpointing=t.activation_checkpointing,
+                                       optimizer=t.optimizer)
         experts = expert_exchange(plan, model, micro_batch_rows=t.micro_batch * dp_size, seq_len=t.seq_len,
                                   precision=t.precision)
         zero = zero_sides(cfg, plan, model, memory, collectives)
@@ -223,7 +224,7 @@ def zero_sides(cfg: RunConfig, plan: Plan, model, memory: dict, collectives: lis
                                            seq_len=t.seq_len, micro_steps=cfg.accumulation_steps(mesh.dp * mesh.fsdp),
                                            precision=t.precision, compiled=bool(t.compile),
                                            traffic=other.parallel.traffic(),
-                                           activation_checkpointing=t.activation_checkpointing)
+                                           activation_checkpointing=t.activation_checkpointing, optimizer=t.optimizer)
         out[str(zero)] = {"peak_bytes": int(peak), "collective_bytes": sum(e["bytes"] for e in moved)}
     return out
 

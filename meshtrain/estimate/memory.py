@@ -7,7 +7,7 @@ most loaded rank (uneven fsdp shards round up, so rank 0 may hold more).
 State (fp32, exact: straight from the Plan's local shapes)
   params     sum of ParamPlan.bytes_per_rank
   grads      the same shapes, fp32 (the gradient reaches the shard in the parameter's dtype)
-  optimizer  AdamW exp_avg + exp_avg_sq: 2 x params
+  optimizer  AdamW exp_avg + exp_avg_sq: 2 x params (train.optimizer muon: 1 x its matrices)
 
 Activations (activation_memory.py: per dense layer and once per micro-batch;
 moe_memory.py: an MoE block's feed-forward half), the weights a step holds beyond the
@@ -34,6 +34,7 @@ import torch
 from ..layout.plan import Plan
 from ..layout.traffic import Traffic
 from ..models.cost_terms import cost_terms
+from ..train.muon import muon_name
 from .activation_memory import (MicroBatch, attention_half, checkpointed_layer, loss_transient, mask_tensors,
                                 mlp_half, mtp_extras, once_per_micro_batch)
 from .bucket_memory import largest_transients
@@ -51,7 +52,7 @@ ALLOCATOR_SLACK = 0.05
 def per_rank_memory(plan: Plan, model, *, micro_batch: int, seq_len: int, precision: str = "fp32",
                     activation_checkpointing: str = "none", traffic: Traffic = Traffic(), device: str = "cpu",
                     attention: str | None = None, names=None, layers: int | None = None, embedding: bool = True,
-                    head: bool = True, in_flight: int = 1, mask_keys=None) -> dict:
+                    head: bool = True, in_flight: int = 1, mask_keys=None, optimizer: str = "adamw") -> dict:
     """Bytes on the most loaded rank for one training step (see the module docstring for
     what is counted). micro_batch: sequences per data-parallel rank per micro-step.
     device: "cpu" | "cuda" picks the attention kernel unless `attention` ("flash" |
@@ -66,7 +67,8 @@ def per_rank_memory(plan: Plan, model, *, micro_batch: int, seq_len: int, precis
     (estimate.compute.mask_keys; None: no masks). traffic: the step's parameter traffic
     (layout/traffic.py) as the runtime takes it: reshard_after_forward, fsdp_accumulate,
     prefetch (the gathers issued ahead and the reductions left in flight) and
-    keep_gathered (a pp rank under parallel.pp_keep_gathered; the module docstring)."""
+    keep_gathered (a pp rank under parallel.pp_keep_gathered; the module docstring).
+    optimizer: train.optimizer (muon keeps one fp32 buffer per Muon matrix, not two)."""
     attention = _checked(model, seq_len, precision, activation_checkpointing, device, attention)
     mb = MicroBatch.of(plan, model, micro_batch, seq_len, _DTYPE_BYTES[precision])
     mask_keys = mask_keys or MaskKeys()
@@ -76,7 +78,7 @@ def per_rank_memory(plan: Plan, model, *, micro_batch: int, seq_len: int, precis
     mtp = _mtp_modules(mb, layer) if head else 0
     layers_bytes, per_layer, ran = _layers(model.cfg, layers, layer)
     weights = weight_bytes(plan, model, names, mb.c, activation_checkpointing, traffic)
-    state = _state(plan, names, traffic)
+    state = _state(plan, names, traffic, optimizer)
     # The largest transient: a layer's gathered or cast weights, a bucket's gather in
     # forward, the loss at the turn, or a bucket's backward (its weight gradients and
     # reductions, where the layer backward has just run has freed what it kept, when a
@@ -194,8 +196,9 @@ class _State:
     micro_grads: int
 
 
-def _state(plan: Plan, names: set[str], traffic: Traffic) -> _State:
-    """Parameters, gradients (the trainable ones') and AdamW's moments of `names`; and the
+def _state(plan: Plan, names: set[str], traffic: Traffic, optimizer: str = "adamw") -> _State:
+    """Parameters, gradients (the trainable ones') and the optimizer's state of `names`
+    (AdamW's two moments; under Muon its matrices' one momentum buffer); and the
     gathered parameters whole, fp32: under parallel.fsdp_accumulate unsharded (with micro-steps) their
     gradients, held from the first micro-step to the reduce-scatter; kept gathered
     (parallel.zero 1, parallel.pp_keep_gathered) the weights held for the step, and their
@@ -204,13 +207,19 @@ def _state(plan: Plan, names: set[str], traffic: Traffic) -> _State:
     params = sum(p.bytes_per_rank for n, p in plan.params.items() if n in names)
     # State the step updates itself (the aux-free expert bias) has no gradient; AdamW's
     # state keeps (zero) moments for every parameter (train/optim.py init_state).
-    moments = sum(math.prod(p.local_shape) * FP32 for n, p in plan.params.items() if n in names)
+    moments = sum(math.prod(p.local_shape) * FP32 * _buffers(optimizer, n, p.spec) for n, p in plan.params.items()
+                  if n in names)
     grads = sum(math.prod(p.local_shape) * FP32 for n, p in plan.params.items() if n in names and p.spec.trainable)
     whole = sum(compute_numel(plan, n) * FP32 for n in plan.params if n in names and is_gathered(plan, n))
     kept = whole if traffic.keep_gathered else 0
     per_micro = traffic.zero == 2
-    return _State(params, grads, 2 * moments, whole if traffic.fsdp_accumulate == "unsharded" else 0, kept,
+    return _State(params, grads, moments, whole if traffic.fsdp_accumulate == "unsharded" else 0, kept,
                   0 if per_micro else kept, kept if per_micro else 0)
+
+
+def _buffers(optimizer: str, name: str, spec) -> int:
+    """fp32 buffers of the optimizer's state per element of parameter `name`."""
+    return 1 if optimizer == "muon" and muon_name(name, len(spec.shape)) else 2
 
 
 def total_peak(m: dict, device: str) -> tuple[int, int]:

@@ -127,12 +127,13 @@ def pipeline_estimate(plan: Plan, model, *, pp_schedule: str, virtual: int, layo
                       micro_batch: int, seq_len: int, micro_steps: int, precision: str = "fp32",
                       compiled: bool = False, activation_checkpointing: str = "none",
                       device: str = "cuda", traffic: Traffic = Traffic(), mask_keys=None,
-                      memory_only: bool = False) -> PipelineEstimate:
+                      memory_only: bool = False, optimizer: str = "adamw") -> PipelineEstimate:
     """traffic: the stages' parameter traffic, as make_pipeline_step takes it (its
     keep_gathered: parallel.pp_keep_gathered); mask_keys: as per_rank_memory's. Each
     rank's `param_bytes`: its parameters' gathers and reductions over the stage mesh per
     step (not the tied table's exchange).
-    memory_only: no collectives (most of the cost; for the advice's search)."""
+    memory_only: no collectives (most of the cost; for the advice's search). optimizer:
+    train.optimizer (its state's bytes; Muon's gathers)."""
     pp = plan.mesh.pp
     stages = partition(model, pp, virtual, layout, seq_len=seq_len, micro_batch=micro_batch)
     sched = build_pipeline_schedule(pp_schedule, pp, micro_steps, virtual)
@@ -152,7 +153,7 @@ def pipeline_estimate(plan: Plan, model, *, pp_schedule: str, virtual: int, layo
         first, has_head = any(st.has_embedding for st in mine), any(st.has_head for st in mine)
         common = dict(micro_batch=micro_batch, seq_len=seq_len, precision=precision,
                       activation_checkpointing=activation_checkpointing, traffic=traffic, device=device, names=names,
-                      mask_keys=mask_keys)
+                      mask_keys=mask_keys, optimizer=optimizer)
         memory = _rank_memory(sub, model, mine, sched.ranks[r], common, device)
         if memory_only:
             ranks.append({"pp_rank": r, "stages": [st.index for st in mine], "layers": sum(st.n_layers for st in mine),
@@ -172,7 +173,8 @@ def pipeline_estimate(plan: Plan, model, *, pp_schedule: str, virtual: int, layo
                                              layers=list(range(*st.layers)), names=names, embedding=st.has_embedding,
                                              head=st.has_head, precision=precision, traffic=traffic)
                 for st in mine})
-        collectives = _merged(params, [e for e in step_collectives(sub, model, **step, parameters="none")
+        collectives = _merged(params, [e for e in step_collectives(sub, model, **step, parameters="none",
+                                                                   optimizer=optimizer)
                                        if not (e["phase"] == "optimizer" and e["op"] == "all_reduce_sum")])
         collectives += _pipeline_traffic(model, mine, micro_steps, boundary, last,
                                          tied_bytes if (first or has_head) and pp > 1 else 0, world_axis)

@@ -16,7 +16,7 @@ from ..parallel.init import init_params
 from ..pipeline import partition
 from ..pipeline.schedule import build_pipeline_schedule
 from ..train import pipeline_step
-from ..train.optim import AdamW
+from ..train.muon import optimizer_of
 from ..train.lr_schedule import LRSchedule
 from ..train.step import make_eval_step, make_train_step
 from .rows import RowSlice
@@ -112,7 +112,7 @@ def _mtp_depth(cfg: RunConfig) -> int:
 
 def step_options(cfg: RunConfig) -> dict:
     t = cfg.train
-    return dict(optimizer=AdamW(lr=t.lr, weight_decay=t.weight_decay),
+    return dict(optimizer=optimizer_of(t),
                 lr_schedule=LRSchedule(lr=t.lr, min_lr=t.min_lr, warmup_steps=t.warmup_steps, total_steps=t.steps,
                                        kind=t.lr_schedule),
                 precision=t.precision, grad_clip=t.grad_clip or None, compile=t.compile, fp8_recipe=t.fp8_recipe,

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Mapping
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
 
 from ..errors import ConfigError, check_bool, check_choice, check_float, check_int
 from .loss_scale import LossScaleConfig
@@ -13,6 +13,55 @@ NONFINITE = ("abort", "skip")  # train.nonfinite: run/guards.py acts on it
 
 
 MAX_STEPS = 10**12  # a million times the longest pre-training runs
+
+OPTIMIZERS = ("adamw", "muon")  # train.optimizer: train/optim.py, train/muon.py
+ADJUST_LR = ("original", "match_rms_adamw")  # train.muon.adjust_lr: torch.optim.Muon's adjust_lr_fn
+MAX_NS_STEPS = 99  # torch.optim.Muon refuses 100 or more
+
+
+@dataclass
+class MuonConfig:
+    """Muon (train.optimizer muon) for the blocks' weight matrices; the rest stays on AdamW."""
+
+    lr: float | None = None
+    """Muon's peak learning rate, following train.lr_schedule (at step t: the schedule's lr x muon.lr / train.lr). null: train.lr."""
+    momentum: float = 0.95
+    """Momentum of the gradient buffer (torch.optim.Muon's momentum)."""
+    nesterov: bool = True
+    """Nesterov momentum: orthogonalise grad + momentum x buffer instead of the buffer."""
+    ns_steps: int = 5
+    """Newton-Schulz iterations per matrix (bf16, Keller Jordan's quintic coefficients)."""
+    adjust_lr: str = "original"
+    """Learning rate scale per matrix of shape (A, B): original, sqrt(max(1, A/B)); match_rms_adamw, 0.2 x sqrt(max(A, B)) (Moonshot's, which reuses AdamW's lr and weight decay)."""
+    weight_decay: float | None = None
+    """Decoupled weight decay of the Muon matrices (with the unadjusted lr). null: train.weight_decay."""
+
+    def check(self) -> "MuonConfig":
+        if self.lr is not None:
+            check_float(self.lr, "train.muon.lr", positive=True)
+        check_float(self.momentum, "train.muon.momentum", minimum=0.0)
+        if self.momentum >= 1:
+            raise ConfigError(f"train.muon.momentum={self.momentum} must be below 1 (the buffer would never forget): "
+                              "use e.g. 0.95")
+        check_bool(self.nesterov, "train.muon.nesterov")
+        check_int(self.ns_steps, "train.muon.ns_steps", 1, MAX_NS_STEPS)
+        check_choice(self.adjust_lr, "train.muon.adjust_lr", ADJUST_LR)
+        if self.weight_decay is not None:
+            check_float(self.weight_decay, "train.muon.weight_decay", minimum=0.0)
+        return self
+
+
+def muon_section(value) -> MuonConfig:
+    """train.muon given as a MuonConfig or a mapping of its fields (unknown keys refused)."""
+    if isinstance(value, MuonConfig):
+        return value
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"train.muon={value!r} must be a mapping of its fields (lr, momentum, ...)")
+    names = [f.name for f in fields(MuonConfig)]
+    unknown = [k for k in value if k not in names]
+    if unknown:
+        raise ConfigError(f"unknown config key train.muon.{unknown[0]}; train.muon has {', '.join(names)}")
+    return MuonConfig(**value)
 
 
 @dataclass
@@ -63,8 +112,14 @@ class TrainConfig:
     """Print a warning when a step's loss exceeds spike_factor x the mean loss of the previous 20 steps; 0: off."""
     stop_at: int = 0
     """Stop after this step (saving a checkpoint when checkpoint.every > 0) without changing the schedule, which still runs to train.steps; 0: run to train.steps. For jobs split over several allocations."""
+    optimizer: str = "adamw"
+    """adamw: AdamW for every parameter; muon: Muon (train.muon) for the blocks' weight matrices (attention, MLP, each expert's, MLA's projections; the MTP modules' too), AdamW for embeddings, the output head, norms, biases and routers."""
+    muon: MuonConfig = field(default_factory=MuonConfig)
+    """Muon's settings (train.optimizer muon); torch.optim.Muon's names and defaults."""
 
     def __post_init__(self):
+        if isinstance(self.muon, Mapping):  # the Python API, a parsed YAML file
+            self.muon = muon_section(self.muon)
         # train.loss_scale as a mapping of its fields (YAML, the Python API).
         if isinstance(self.loss_scale, Mapping):
             known = LossScaleConfig.__dataclass_fields__
@@ -104,6 +159,8 @@ class TrainConfig:
         check_choice(self.activation_checkpointing, "train.activation_checkpointing", CHECKPOINTING)
         check_choice(self.nonfinite, "train.nonfinite", NONFINITE)
         check_int(self.max_skipped, "train.max_skipped", 0)
+        check_choice(self.optimizer, "train.optimizer", OPTIMIZERS)
+        muon_section(self.muon).check()
         check_float(self.spike_factor, "train.spike_factor", minimum=0.0)
         if 0 < self.spike_factor <= 1:
             raise ConfigError(f"train.spike_factor={self.spike_factor}: a spike is a loss above factor x the recent mean, "

@@ -16,6 +16,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from ..layout.placements import local_tensor
+
 
 @dataclass(frozen=True)
 class AdamW:
@@ -29,6 +31,39 @@ class AdamW:
 
     def decays(self, name: str, ndim: int) -> bool:
         return ndim >= 2 and not any(fnmatch.fnmatchcase(name, g) for g in self.no_decay)
+
+    def init_state(self, params: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
+        return init_state(params)
+
+    def updater(self, grad_clip: float | None, wrap=None):
+        """`update(state, names, grads, lr, norm)`: clip the local gradients `grads` of the
+        trainable parameters `names` by the global `norm`, then AdamW at `lr` (state.step
+        already counts this step). `wrap` (torch.compile's) wraps the tensor arithmetic."""
+        arithmetic = clipped_adamw(self)
+        if wrap is not None:
+            arithmetic = wrap(arithmetic)
+
+        def update(state, names: list[str], grads: list[torch.Tensor], lr: float, norm: torch.Tensor) -> None:
+            params = [local_tensor(state.params[n]).data for n in names]
+            exp_avg = [local_tensor(state.optimizer["exp_avg"][n]) for n in names]
+            exp_avg_sq = [local_tensor(state.optimizer["exp_avg_sq"][n]) for n in names]
+            decay = [self.decays(n, state.params[n].ndim) for n in names]
+            arithmetic(params, grads, exp_avg, exp_avg_sq, decay, torch.tensor(lr, dtype=torch.float32),
+                       torch.tensor(float(state.step)), norm, grad_clip)
+
+        return update
+
+
+def clipped_adamw(optimizer: AdamW):
+    """The clip and the AdamW update on local tensors, as one function to compile."""
+
+    def update(params, grads, exp_avg, exp_avg_sq, decay, lr, step, norm, clip):
+        if clip is not None:
+            torch._foreach_mul_(grads, torch.clamp(clip / (norm + 1e-6), max=1.0))
+        adamw_update(params, grads, exp_avg, exp_avg_sq, decay, lr, step,
+                     optimizer.betas, optimizer.eps, optimizer.weight_decay)
+
+    return update
 
 
 def init_state(params: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:

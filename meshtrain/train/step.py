@@ -22,14 +22,7 @@ from ..parallel.keep_gathered import KeptWeights
 from ..parallel.overlap import aot_eager_overlapped, inductor_pass
 from ..layout.placements import local_tensor
 from ..layout.traffic import Traffic
-from .optim import (
-    AdamW,
-    adamw_update,
-    all_reduce_sum,
-    grad_norm_squared_local,
-    init_state,
-    replica_count,
-)
+from .optim import AdamW, all_reduce_sum, grad_norm_squared_local, replica_count
 from .loss_scale import LossScaleConfig, ScaleState
 from .scaled_step import loss_seed, scale_config, scale_metrics, seeded, unscale
 from .lr_schedule import LRSchedule
@@ -47,8 +40,9 @@ class TrainState:
     loss_scale: ScaleState | None = None  # fp16's dynamic loss scale, set by its first step
 
     @staticmethod
-    def create(params: dict[str, torch.Tensor]) -> "TrainState":
-        return TrainState(params, init_state(params), 0)
+    def create(params: dict[str, torch.Tensor], optimizer=None) -> "TrainState":
+        """Step 0 of `params` with the state `optimizer` keeps (default AdamW's moments)."""
+        return TrainState(params, (optimizer or AdamW()).init_state(params), 0)
 
 
 def make_train_step(model: ModelDef, plan=None, device_mesh=None, *, optimizer: AdamW = AdamW(),
@@ -215,7 +209,7 @@ def make_update(optimizer: AdamW, lr_schedule: LRSchedule, grad_clip: float | No
     `apply(state, uncounted=(), loss=None) -> (grad_norm, lr, updated)` takes the global
     gradient norm (each rank's share of the squared norm, one scalar all-reduce over the
     world), clips, runs AdamW on the local shards, advances state.step and clears the
-    gradients. Parameters named in `uncounted` (a second copy of a tied table) stay out of
+    gradients (`optimizer`: AdamW, or train/muon.py's Muon). Parameters named in `uncounted` (a second copy of a tied table) stay out of
     the norm. When the norm (or the given `loss`) is not finite, the parameters and the
     optimizer state are left as they were and `updated` is False: the norm is global, so
     every rank decides the same.
@@ -235,22 +229,13 @@ def make_update(optimizer: AdamW, lr_schedule: LRSchedule, grad_clip: float | No
     def norm_of(grads, replicas):
         return all_reduce_sum(grad_norm_squared_local(grads, replicas)).sqrt()
 
-    def update(params, grads, exp_avg, exp_avg_sq, decay, lr, step, norm, clip):
-        if clip is not None:
-            torch._foreach_mul_(grads, torch.clamp(clip / (norm + 1e-6), max=1.0))
-        adamw_update(params, grads, exp_avg, exp_avg_sq, decay, lr, step,
-                     optimizer.betas, optimizer.eps, optimizer.weight_decay)
-
-    if compile:  # the norm stays eager: it is a few kernels, and a third graph to compile
-        update = compiled(update, compile)
+    # The optimizer's arithmetic (AdamW's, or Muon's with AdamW's for the rest) is compiled;
+    # the norm stays eager: it is a few kernels, and a third graph to compile.
+    update = optimizer.updater(grad_clip, (lambda fn: compiled(fn, compile)) if compile else None)
 
     def apply(state: TrainState, uncounted=(), loss: float | None = None) -> tuple[torch.Tensor, float, bool]:
         names = [n for n, p in state.params.items() if p.requires_grad]
-        params = [local_tensor(state.params[n]).data for n in names]
         grads = [local_tensor(state.params[n].grad) for n in names]
-        exp_avg = [local_tensor(state.optimizer["exp_avg"][n]) for n in names]
-        exp_avg_sq = [local_tensor(state.optimizer["exp_avg_sq"][n]) for n in names]
-        decay = [optimizer.decays(n, state.params[n].ndim) for n in names]
         replicas = [float("inf") if n in uncounted else replica_count(state.params[n]) for n in names]
         lr = lr_schedule(state.step)
         state.step += 1
@@ -267,8 +252,7 @@ def make_update(optimizer: AdamW, lr_schedule: LRSchedule, grad_clip: float | No
             if loss_scale is not None:
                 state.loss_scale.update(loss_scale, finite_loss, finite_grads)
             if updated:
-                update(params, grads, exp_avg, exp_avg_sq, decay, torch.tensor(lr, dtype=torch.float32),
-                       torch.tensor(float(state.step)), norm, grad_clip)
+                update(state, names, grads, lr, norm)
         for n in names:
             state.params[n].grad = None
         return norm, lr, updated

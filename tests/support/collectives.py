@@ -27,7 +27,7 @@ from meshtrain.models import build
 from meshtrain.models.llama import LlamaConfig
 from meshtrain.parallel.bucket_groups import GROUP_AXES
 from meshtrain.parallel.init import init_params
-from meshtrain.layout.mesh import MeshSpec
+from meshtrain.layout.mesh import MeshSpec, device_mesh_for
 from meshtrain.layout.plan import make_plan
 from meshtrain.layout.rules import Rules
 from meshtrain.train.optim import AdamW
@@ -60,10 +60,11 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 def _in_optimizer() -> bool:
-    """True inside the step's `norm_of` or `update` (grad norm, AdamW), found on the Python stack."""
+    """True inside the step's `norm_of`, `update` or `apply` (grad norm, the optimizer's
+    update: AdamW, Muon's gathers), found on the Python stack."""
     f = sys._getframe(2)
     while f is not None:
-        if f.f_code.co_name in ("norm_of", "update") and \
+        if f.f_code.co_name in ("norm_of", "update", "apply") and \
                 Path(f.f_code.co_filename).as_posix().endswith("meshtrain/train/step.py"):
             return True
         f = f.f_back
@@ -182,17 +183,22 @@ def run_step(layout: dict, *, bucket: str | float, sp: bool = False, tied: bool 
 
 
 def run_model_step(model, layout, *, bucket, sp, batch, seq, micro=1, world=2, precision="fp32",
-                   cp_comm="allgather", **traffic) -> list[Msg]:
+                   cp_comm="allgather", optimizer=None, **traffic) -> list[Msg]:
     """run_step for any ModelDef (run_step is fixed to a Llama config); the messages only.
-    traffic: make_train_step's prefetch, reshard_after_forward."""
+    traffic: make_train_step's prefetch, reshard_after_forward; optimizer: AdamW's unless given."""
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     try:
         plan = make_plan(model.specs, Rules.default(sp=sp), MeshSpec(**layout), world=world, cp_comm=cp_comm)
         mesh = plan.mesh.build()
-        step = make_train_step(model, plan, mesh, optimizer=AdamW(lr=3e-4), precision=precision, bucket=bucket,
+        optimizer = optimizer or AdamW(lr=3e-4)
+        step = make_train_step(model, plan, mesh, optimizer=optimizer, precision=precision, bucket=bucket,
                                **traffic)
         groups = axis_names(mesh)
-        state = TrainState.create(init_params(plan, mesh, seed=0))
+        if plan.mesh.ep > 1:  # the expert mesh's groups by their axes
+            experts = device_mesh_for(mesh, plan.mesh.experts())
+            for i, axis in enumerate(experts.mesh_dim_names):
+                groups.setdefault(experts.get_group(i).group_name, axis)
+        state = TrainState.create(init_params(plan, mesh, seed=0), optimizer)
         t = torch.randint(0, model.cfg.vocab_size, (micro, batch, seq + 1), generator=torch.Generator().manual_seed(0))
         recorder = CollectiveRecorder(groups)
         with recorder:

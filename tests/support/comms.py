@@ -25,13 +25,13 @@ def totals(msgs) -> dict[tuple, tuple[int, int]]:
 
 
 def estimate(model, layout, *, bucket, sp, batch, seq, micro=1, world=2, precision="fp32", compiled=False,
-             cp_comm="allgather", activation_checkpointing="none", **traffic):
+             cp_comm="allgather", activation_checkpointing="none", optimizer="adamw", **traffic):
     """step_collectives as (phase, op, axis) -> (count, bytes); `bucket` always given.
     traffic: the other Traffic switches (prefetch, reshard_after_forward, fsdp_accumulate)."""
     plan = make_plan(model.specs, Rules.default(sp=sp), MeshSpec(**layout), world=world, cp_comm=cp_comm)
     got = step_collectives(plan, model, micro_batch_rows=batch, seq_len=seq, micro_steps=micro,
                            precision=precision, compiled=compiled, traffic=Traffic(bucket=bucket, **traffic),
-                           activation_checkpointing=activation_checkpointing)
+                           activation_checkpointing=activation_checkpointing, optimizer=optimizer)
     keys = [(SHORT[e["phase"]], e["op"], e["axis"]) for e in got]
     assert len(set(keys)) == len(keys), "entries are not aggregated per (axis, op, phase)"
     return {k: (e["count"], e["bytes"]) for k, e in zip(keys, got)}
