@@ -51,6 +51,7 @@ LAYER_MEMORY = "tests/test_bench_layer_memory.py::test_a_layer_keeps_what_the_pl
 SECOND_BACKWARD = "tests/test_policies.py::test_selective_checkpointing_serves_a_second_backward_when_asked[True]"
 KEPT_PIPELINES = "tests/test_pipeline_exec.py::test_pipeline_equals_one_process[4]"  # its *_kept cases
 KEPT_BF16 = "tests/test_keep_gathered.py::test_kept_equals_sharded[False]"
+ZERO = "tests/test_zero.py::"
 
 MUTANTS = [
     # --- the first nine: the gradient path, clipping, the norm, the loss scale, export ---
@@ -64,10 +65,10 @@ MUTANTS = [
            "        return grad._local_tensor, tuple(grad.placements)\n",
            "        return grad._local_tensor * (2.0 if grad.ndim == 1 else 1.0), tuple(grad.placements)\n",
            STEP),
-    Mutant("clip_off", "gradient clipping removed", "meshtrain/train/step.py",
+    Mutant("clip_off", "gradient clipping removed", "meshtrain/train/optim.py",
            "        if clip is not None:\n", "        if False:\n", STEP),
     Mutant("clip_off_sharded", "gradient clipping removed when the parameters are sharded",
-           "meshtrain/train/step.py",
+           "meshtrain/train/optim.py",
            "norm, grad_clip)",
            "norm, None if type(state.params[names[0]]).__name__ == 'DTensor' else grad_clip)", STEP),
     Mutant("norm_no_all_reduce", "the gradient norm without its all-reduce over the world",
@@ -250,6 +251,27 @@ MUTANTS = [
            "meshtrain/parallel/keep_gathered.py",
            "self._gatherer = ShardedContext(plan, device_mesh, Policy(),",
            "self._gatherer = ShardedContext(plan, device_mesh, policy,", (KEPT_BF16,)),
+
+    # --- parallel.zero 1 and 2 (parallel/gradient_schedule.py) ---
+    Mutant("zero_reduces_twice",
+           "zero 1/2: the step's own replica reductions also run on the last micro-batch, then the release's",
+           "meshtrain/parallel/gradient_schedule.py",
+           "if self.kept is None and self.ctx is not None",
+           "if self.ctx is not None", (ZERO + "test_zero_1_and_2_equal_one_process[2]",)),
+    Mutant("zero2_reduces_once", "zero 2 reduces once per step, as zero 1",
+           "meshtrain/parallel/gradient_schedule.py",
+           "self.per_micro_batch = kept is not None and traffic.zero == 2",
+           "self.per_micro_batch = False", (ZERO + "test_recorded_collectives_are_the_planners[fsdp2-2]",)),
+    # --- fp16 (train/loss_scale.py, train/scaled_step.py) ---
+    Mutant("fp16_not_unscaled", "fp16: the gradients reach the norm and the update still scaled",
+           "meshtrain/train/scaled_step.py",
+           "    torch._foreach_mul_(grads, 1.0 / state.loss_scale.scale)\n",
+           "    pass\n", ("tests/test_fp16.py::test_30_fp16_steps_track_fp32_within_bf16_tolerance",)),
+    Mutant("fp16_no_backoff", "fp16: an overflow skips the step but leaves the scale",
+           "meshtrain/train/loss_scale.py",
+           "self.scale = max(self.scale * cfg.backoff_factor, cfg.min_scale)",
+           "self.scale = self.scale",
+           ("tests/test_fp16.py::test_an_overflow_on_one_rank_skips_the_step_on_every_rank_and_backs_off",)),
 
     # --- fp8 recipes (models/fp8.py) ---
     Mutant("fp8_grad_e4m3", "fp8: the gradients quantised to e4m3 (the forward's format), not e5m2",
