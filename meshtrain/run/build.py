@@ -100,7 +100,7 @@ def _pipelined(cfg: RunConfig, model, plan, device, accumulation: int, micro_row
                                                grad_clip=options["grad_clip"], fp8_recipe=t.fp8_recipe,
                                                activation_checkpointing=t.activation_checkpointing,
                                                compile=t.compile, traffic=cfg.parallel.traffic(),
-                                               loss_scale=t.loss_scale)
+                                               loss_scale=t.loss_scale, optimizer_offload=t.optimizer_offload)
     eval_fn = pipeline_step.make_pipeline_eval(model, stages, plan.mesh.pp, accumulation, plan, mesh,
                                                precision=t.precision, fp8_recipe=t.fp8_recipe)
     return Built(mesh, params, step_fn, eval_fn, RowSlice(sub_plan, sub_mesh, micro_rows, t.seq_len, _mtp_depth(cfg)), notes)
@@ -116,4 +116,5 @@ def step_options(cfg: RunConfig) -> dict:
                 lr_schedule=LRSchedule(lr=t.lr, min_lr=t.min_lr, warmup_steps=t.warmup_steps, total_steps=t.steps,
                                        kind=t.lr_schedule),
                 precision=t.precision, grad_clip=t.grad_clip or None, compile=t.compile, fp8_recipe=t.fp8_recipe,
-                activation_checkpointing=t.activation_checkpointing, loss_scale=t.loss_scale)
+                activation_checkpointing=t.activation_checkpointing, loss_scale=t.loss_scale,
+                optimizer_offload=t.optimizer_offload)

@@ -170,7 +170,7 @@ class _Run:
         built = build_run(cfg, model, plan, ranks.world, device, self.accumulation, self.micro_rows, init_from)
         self.mesh, self.step_fn, self.eval_fn, self.rows = built.mesh, built.step_fn, built.eval_fn, built.rows
         self.start_notes = built.notes
-        self.state = TrainState.create(built.params)
+        self.state = TrainState.create(built.params, t.optimizer_offload)
         self.consumed = 0  # global training samples consumed: the data position
         self.flops = None  # per token, for the MFU: counted at the first record
         self.saves = Saves(self.run_dir, cfg.checkpoint.keep_last, cfg.checkpoint.async_save, self._checkpoint_extra,

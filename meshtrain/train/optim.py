@@ -31,10 +31,34 @@ class AdamW:
         return ndim >= 2 and not any(fnmatch.fnmatchcase(name, g) for g in self.no_decay)
 
 
-def init_state(params: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
-    """exp_avg and exp_avg_sq with the same layout as each parameter."""
-    return {"exp_avg": {n: torch.zeros_like(p, requires_grad=False) for n, p in params.items()},
-            "exp_avg_sq": {n: torch.zeros_like(p, requires_grad=False) for n, p in params.items()}}
+def init_state(params: dict[str, torch.Tensor], offload: bool = False) -> dict[str, dict[str, torch.Tensor]]:
+    """exp_avg and exp_avg_sq with the same layout as each parameter; `offload`
+    (train.optimizer_offload): their local shards in host memory (pinned when the
+    parameters are on CUDA), a DTensor keeping the parameter's mesh and placements."""
+    zeros = _host_zeros if offload else (lambda p: torch.zeros_like(p, requires_grad=False))
+    return {"exp_avg": {n: zeros(p) for n, p in params.items()},
+            "exp_avg_sq": {n: zeros(p) for n, p in params.items()}}
+
+
+def _host_zeros(p: torch.Tensor) -> torch.Tensor:
+    local = p._local_tensor if isinstance(p, DTensor) else p
+    host = torch.zeros(local.shape, dtype=local.dtype, pin_memory=local.device.type == "cuda")
+    if not isinstance(p, DTensor):
+        return host
+    return DTensor.from_local(host, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+
+
+def host_update(update, params: list[torch.Tensor], grads: list[torch.Tensor], exp_avg: list[torch.Tensor],
+                *args) -> None:
+    """update(params, grads, exp_avg, *args) run where the moments live (host memory,
+    train.optimizer_offload): the gradients and parameter shards copied there (a copy on
+    CPU, where host and device are one memory), updated with the same ops, and the
+    parameters copied back."""
+    host = exp_avg[0].device if exp_avg else torch.device("cpu")
+    on_host = [p.to(host, copy=True) for p in params]
+    update(on_host, [g.to(host, copy=True) for g in grads], exp_avg,
+           *(a.to(host) if isinstance(a, torch.Tensor) else a for a in args))
+    torch._foreach_copy_(params, on_host)
 
 
 def adamw_update(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avg: list[torch.Tensor],

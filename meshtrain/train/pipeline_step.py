@@ -289,7 +289,8 @@ def make_pipeline_step(model: ModelDef, stages: list[Stage], pipeline_schedule: 
                        reshard_after_forward: bool = Traffic.reshard_after_forward,
                        fsdp_accumulate: str = Traffic.fsdp_accumulate, keep_gathered: bool = Traffic.keep_gathered,
                        traffic: Traffic | None = None, compile: bool | str = False,
-                       loss_scale: LossScaleConfig | None = None) -> Callable[[TrainState, dict], dict]:
+                       loss_scale: LossScaleConfig | None = None,
+                       optimizer_offload: bool = False) -> Callable[[TrainState, dict], dict]:
     """`step(state, batch) -> metrics` for this rank; `plan` and `device_mesh` are the whole
     layout's, pp included. record_timings: metrics["timings"] lists (kind, stage, seconds)
     of this rank's compute actions, then ("update", -1, seconds) for the gradient
@@ -321,7 +322,7 @@ def make_pipeline_step(model: ModelDef, stages: list[Stage], pipeline_schedule: 
     pipe = _Pipe(model, stages, pipeline_schedule.pp, plan, device_mesh, policy, compile, split_backward, traffic)
     scaling = scale_config(policy, loss_scale)
     apply_update = make_update(optimizer, lr_schedule or LRSchedule(lr=optimizer.lr, kind="constant"), grad_clip,
-                               inspect_grads=inspect_grads, loss_scale=scaling)
+                               inspect_grads=inspect_grads, loss_scale=scaling, optimizer_offload=optimizer_offload)
     actions = pipeline_schedule.ranks[pipe.rank]
     data_ranks = pipe.plan.mesh.dp * pipe.plan.mesh.fsdp if pipe.plan is not None else 1
     tied = [n for st in stages if st.rank == pipe.rank for n in st.shared]  # held here, owned on rank 0

@@ -25,6 +25,7 @@ from .optim import (
     adamw_update,
     all_reduce_sum,
     grad_norm_squared_local,
+    host_update,
     init_state,
     replica_count,
 )
@@ -45,8 +46,9 @@ class TrainState:
     loss_scale: ScaleState | None = None  # fp16's dynamic loss scale, set by its first step
 
     @staticmethod
-    def create(params: dict[str, torch.Tensor]) -> "TrainState":
-        return TrainState(params, init_state(params), 0)
+    def create(params: dict[str, torch.Tensor], optimizer_offload: bool = False) -> "TrainState":
+        """Zero moments beside `params`, or in host memory (`optimizer_offload`)."""
+        return TrainState(params, init_state(params, optimizer_offload), 0)
 
 
 def make_train_step(model: ModelDef, plan=None, device_mesh=None, *, optimizer: AdamW = AdamW(),
@@ -57,7 +59,8 @@ def make_train_step(model: ModelDef, plan=None, device_mesh=None, *, optimizer: 
                     prefetch: int = Traffic.prefetch, reshard_after_forward: bool = Traffic.reshard_after_forward,
                     fsdp_accumulate: str = Traffic.fsdp_accumulate,
                     traffic: Traffic | None = None, schedule: LRSchedule | None = None,
-                    loss_scale: LossScaleConfig | None = None) -> Callable[[TrainState, dict], dict]:
+                    loss_scale: LossScaleConfig | None = None,
+                    optimizer_offload: bool = False) -> Callable[[TrainState, dict], dict]:
     """Build `step(state, batch) -> metrics`.
 
     batch["tokens"] and batch["targets"] are (micro_steps, batch, seq) tensors, or lists of
@@ -86,7 +89,8 @@ def make_train_step(model: ModelDef, plan=None, device_mesh=None, *, optimizer: 
     `fsdp_accumulate` "unsharded" (with buckets) adds each micro-step's full
     gradients up locally and reduce-scatters once per step instead of every micro-step.
     `traffic` (layout/traffic.py), when given, replaces those four.
-    The loss is reduced once per step.
+    The loss is reduced once per step. `optimizer_offload`: AdamW runs where the moments
+    live, host memory (state made by TrainState.create(params, optimizer_offload=True)).
     """
     policy = policy or Policy.of(precision, fp8_recipe, activation_checkpointing)
     if compile:
@@ -110,7 +114,7 @@ def make_train_step(model: ModelDef, plan=None, device_mesh=None, *, optimizer: 
     if compile:
         loss_sum = compiled(loss_sum, compile, traffic.prefetch if plan is not None else 0)
     scaling = scale_config(policy, loss_scale)
-    apply_update = make_update(optimizer, lr_schedule, grad_clip, compile, inspect_grads, scaling)
+    apply_update = make_update(optimizer, lr_schedule, grad_clip, compile, inspect_grads, scaling, optimizer_offload)
 
     def step(state: TrainState, batch: dict) -> dict:
         tokens, targets = batch["tokens"], batch["targets"]
@@ -198,10 +202,19 @@ def moe_step(state: TrainState, cfg, blocks, load: torch.Tensor, updated: bool =
     return imbalance(load)
 
 
+OFFLOAD_COMPILED = ("train.activation_checkpointing=offload cannot be compiled (torch 2.13's dynamo refuses the "
+                    "saved-tensor hooks that move activations to host): set train.compile false, or use "
+                    "activation_checkpointing selective or full to save activation memory in a compiled step")
+
+
 def check_compile(activation_checkpointing: str, sharded: bool) -> None:
     """What a compiled step on a device mesh (`sharded`) cannot take yet (torch 2.13): a
     block checkpointed whole saves the DeviceMesh for backward among its tensors, which
-    AOTAutograd's forward refuses (docs/parallelism.md, Known gap 15)."""
+    AOTAutograd's forward refuses (docs/parallelism.md, Known gap 15). Nor, on any
+    layout, activation offload: dynamo refuses the saved-tensor hooks inside a traced
+    region (measured, torch 2.13: "saved_tensors_hooks.__init__ should not be traced")."""
+    if activation_checkpointing == "offload":
+        raise ConfigError(OFFLOAD_COMPILED)
     if sharded and activation_checkpointing == "full":
         raise ConfigError("train.compile true with train.activation_checkpointing=full is not supported on more than "
                           "one rank (torch 2.13 fails to save a whole checkpointed block's DeviceMesh): use "
@@ -209,7 +222,8 @@ def check_compile(activation_checkpointing: str, sharded: bool) -> None:
 
 
 def make_update(optimizer: AdamW, lr_schedule: LRSchedule, grad_clip: float | None, compile: bool | str = False,
-                inspect_grads: InspectGrads | None = None, loss_scale: LossScaleConfig | None = None):
+                inspect_grads: InspectGrads | None = None, loss_scale: LossScaleConfig | None = None,
+                optimizer_offload: bool = False):
     """The optimizer half of a step, shared by the plain and the pipelined step:
     `apply(state, uncounted=(), loss=None) -> (grad_norm, lr, updated)` takes the global
     gradient norm (each rank's share of the squared norm, one scalar all-reduce over the
@@ -229,7 +243,11 @@ def make_update(optimizer: AdamW, lr_schedule: LRSchedule, grad_clip: float | No
     make the same calls in the same order. None (the default) costs nothing.
 
     `loss_scale` (fp16): the gradients are first divided by state.loss_scale's scale, and
-    after the verdict the scale is updated (train/loss_scale.py)."""
+    after the verdict the scale is updated (train/loss_scale.py).
+
+    `optimizer_offload`: the moments live in host memory (TrainState.create), and the
+    clip and AdamW run there on copies of the gradient and parameter shards, the
+    parameters copied back (optim.host_update); the norm is taken on the device."""
 
     def norm_of(grads, replicas):
         return all_reduce_sum(grad_norm_squared_local(grads, replicas)).sqrt()
@@ -266,8 +284,12 @@ def make_update(optimizer: AdamW, lr_schedule: LRSchedule, grad_clip: float | No
             if loss_scale is not None:
                 state.loss_scale.update(loss_scale, finite_loss, finite_grads)
             if updated:
-                update(params, grads, exp_avg, exp_avg_sq, decay, torch.tensor(lr, dtype=torch.float32),
-                       torch.tensor(float(state.step)), norm, grad_clip)
+                args = (exp_avg_sq, decay, torch.tensor(lr, dtype=torch.float32), torch.tensor(float(state.step)),
+                        norm, grad_clip)
+                if optimizer_offload:
+                    host_update(update, params, grads, exp_avg, *args)
+                else:
+                    update(params, grads, exp_avg, *args)
         for n in names:
             state.params[n].grad = None
         return norm, lr, updated

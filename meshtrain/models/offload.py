@@ -1,0 +1,86 @@
+"""Activation offload (train.activation_checkpointing offload): what autograd saves inside a
+transformer block goes to host memory in forward and comes back to the device in
+backward, one saved tensor at a time, as its backward node needs it; nothing is
+recomputed, so the step is bit for bit the step without it.
+
+Not moved: the parameters themselves (leaves that require grad: resident anyway), and
+whatever a saved-tensor hook around the block already replaces (ShardedContext's
+regather hooks keep a gathered weight's shard instead, parallel/regather.py): the hooks
+here run the outer pair first and move only what it left as a tensor. A DTensor moves
+as its local tensor, rebuilt with its placements when it comes back. On CUDA the host
+copies are pinned and the copies asynchronous on the current stream.
+
+`observe()` lists every device storage moved (its address and bytes), so the tests can
+count what stays on the device where host and device are one memory (CPU).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch.distributed.tensor import DTensor
+
+_observers: list[list[tuple[int, int]]] = []
+
+
+@contextlib.contextmanager
+def observe():
+    """Within: [(storage address, storage bytes)] of each device tensor moved to host."""
+    moved: list[tuple[int, int]] = []
+    _observers.append(moved)
+    try:
+        yield moved
+    finally:
+        _observers.remove(moved)
+
+
+class _OnHost:
+    """A saved tensor's host copy and how to rebuild it on its device."""
+
+    __slots__ = ("host", "device", "spec")
+
+    def __init__(self, t: torch.Tensor):
+        local = t._local_tensor if isinstance(t, DTensor) else t
+        self.spec = (t.device_mesh, t.placements, t.shape, t.stride()) if isinstance(t, DTensor) else None
+        self.device = local.device
+        pin = local.device.type == "cuda"
+        self.host = torch.empty_strided(local.size(), local.stride(), dtype=local.dtype, pin_memory=pin)
+        self.host.copy_(local, non_blocking=pin)
+        for moved in _observers:
+            moved.append((local.untyped_storage().data_ptr(), local.untyped_storage().nbytes()))
+
+    def value(self) -> torch.Tensor:
+        local = self.host.to(self.device, non_blocking=self.host.is_pinned())
+        if self.spec is None:
+            return local
+        mesh, placements, shape, stride = self.spec
+        return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
+
+
+def _movable(t: torch.Tensor) -> bool:
+    local = t._local_tensor if isinstance(t, DTensor) else t
+    return (not (t.is_leaf and t.requires_grad) and type(local) is torch.Tensor and local.device.type != "meta"
+            and not local.is_sparse)
+
+
+def offloaded(fn, *args):
+    """fn(*args) with what autograd saves inside moved to host memory (module docstring)."""
+    outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    outer_pack, outer_unpack = outer if outer is not None else (None, None)
+
+    def pack(t):
+        if outer_pack is not None:
+            packed = outer_pack(t)
+            if packed is not t:  # the outer pair keeps something else instead
+                return ("outer", packed)
+        return ("host", _OnHost(t)) if _movable(t) else ("kept", t)
+
+    def unpack(packed):
+        kind, value = packed
+        if kind == "outer":
+            return outer_unpack(value)
+        return value.value() if kind == "host" else value
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        return fn(*args)
