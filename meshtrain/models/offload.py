@@ -3,7 +3,7 @@ transformer block goes to host memory in forward and comes back to the device in
 backward, one saved tensor at a time, as its backward node needs it; nothing is
 recomputed, so the step is bit for bit the step without it.
 
-Not moved: the parameters themselves (leaves that require grad: resident anyway), and
+Not moved: the parameters themselves and views of them (resident anyway), and
 whatever a saved-tensor hook around the block already replaces (ShardedContext's
 regather hooks keep a gathered weight's shard instead, parallel/regather.py): the hooks
 here run the outer pair first and move only what it left as a tensor. A DTensor moves
@@ -59,9 +59,12 @@ class _OnHost:
 
 
 def _movable(t: torch.Tensor) -> bool:
+    """Not a parameter or a view of one (a transposed weight: resident anyway), nor what
+    has no storage of its own (a pending collective's result)."""
     local = t._local_tensor if isinstance(t, DTensor) else t
-    return (not (t.is_leaf and t.requires_grad) and type(local) is torch.Tensor and local.device.type != "meta"
-            and not local.is_sparse)
+    base = t if t._base is None else t._base
+    return (not (base.is_leaf and base.requires_grad) and type(local) is torch.Tensor
+            and local.device.type != "meta" and not local.is_sparse)
 
 
 def offloaded(fn, *args):

@@ -119,7 +119,8 @@ TORCH_CHECKED = "fsdp2_tp2"
 
 def train_layouts(world: int, compile, names=None, traffic=None):
     """Runs on every rank: each layout of this world size in turn (or those named), with
-    make_train_step's parameter-traffic options `traffic`."""
+    make_train_step's parameter-traffic options `traffic` (or any other of its options:
+    optimizer_offload also makes the state's moments in host memory)."""
     import torch.distributed as dist
 
     names = names or [n for n in LAYOUTS[world] if not compile or n in COMPILED]
@@ -137,7 +138,7 @@ def train_layouts(world: int, compile, names=None, traffic=None):
         recorder = GradRecorder(range(1, STEPS + 1) if every_step else (1,))
         step = make_train_step(model, plan, mesh, compile=compile, inspect_grads=recorder, **optimizer_args(),
                                **(traffic or {}))
-        state = TrainState.create(params)
+        state = TrainState.create(params, (traffic or {}).get("optimizer_offload", False))
         torch._dynamo.reset()  # each layout's step traces afresh: no recompile of the last one's
         before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
         with torch._dynamo.config.patch(error_on_recompile=True):
