@@ -89,8 +89,7 @@ def make_train_step(model: ModelDef, plan=None, device_mesh=None, *, optimizer: 
     `fsdp_accumulate` "unsharded" (with buckets) adds each micro-step's full
     gradients up locally and reduce-scatters once per step instead of every micro-step.
     `traffic` (layout/traffic.py), when given, replaces those four.
-    The loss is reduced once per step. `optimizer_offload`: AdamW runs where the moments
-    live, host memory (state made by TrainState.create(params, optimizer_offload=True)).
+    The loss is reduced once per step. `optimizer_offload`: AdamW runs in host memory (see make_update).
     """
     policy = policy or Policy.of(precision, fp8_recipe, activation_checkpointing)
     if compile:
