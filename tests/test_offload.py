@@ -17,7 +17,7 @@ from meshtrain import TrainState, build, make_train_step
 from meshtrain import checkpoint as ckpt
 from meshtrain.cli import main
 from meshtrain.errors import ConfigError
-from meshtrain.models.offload import observe
+from meshtrain.models.offload import observe, offloaded
 from meshtrain.models.spec import init_slice
 from meshtrain.testing import run_ranks
 
@@ -66,6 +66,22 @@ def test_activation_offload_moves_every_block_activation():
     assert moved and not params & {ptr for ptr, _ in moved}
     # two micro-steps, two blocks: dozens of tensors each
     assert len(moved) > 2 * 2 * 10 and all(n > 0 for _, n in moved)
+
+
+def test_offload_takes_expanded_and_transposed_tensors():
+    """A saved tensor with broadcast (stride 0) dims comes back dense, a transposed one with
+    its strides; the gradients equal those without offload."""
+    def f(x, w):
+        h = x.expand(3, 4) * w  # mul saves the expanded x
+        return (h.t() @ w).sum()  # mm saves the transposed h
+
+    grads = []
+    for wrap in (lambda fn, *a: fn(*a), offloaded):
+        x = torch.randn(3, 1, generator=torch.Generator().manual_seed(0), requires_grad=True)
+        w = torch.randn(3, 4, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        wrap(f, x, w * 1.0).backward()
+        grads.append((x.grad, w.grad))
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
 
 
 def test_optimizer_offload_keeps_the_moments_in_host_memory():

@@ -45,7 +45,9 @@ class _OnHost:
         self.spec = (t.device_mesh, t.placements, t.shape, t.stride()) if isinstance(t, DTensor) else None
         self.device = local.device
         pin = local.device.type == "cuda"
-        self.host = torch.empty_strided(local.size(), local.stride(), dtype=local.dtype, pin_memory=pin)
+        # Its strides kept (a kernel given other strides may round differently); an
+        # expanded or overlapping tensor is copied dense (empty_like's rule).
+        self.host = torch.empty_like(local, device="cpu", pin_memory=pin)
         self.host.copy_(local, non_blocking=pin)
         for moved in _observers:
             moved.append((local.untyped_storage().data_ptr(), local.untyped_storage().nbytes()))
