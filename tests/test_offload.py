@@ -72,16 +72,18 @@ def test_offload_takes_expanded_and_transposed_tensors():
     """A saved tensor with broadcast (stride 0) dims comes back dense, a transposed one with
     its strides; the gradients equal those without offload."""
     def f(x, w):
-        h = x.expand(3, 4) * w  # mul saves the expanded x
+        h = (x * 2).expand(3, 4) * w  # mul saves the expanded product
         return (h.t() @ w).sum()  # mm saves the transposed h
 
     grads = []
     for wrap in (lambda fn, *a: fn(*a), offloaded):
         x = torch.randn(3, 1, generator=torch.Generator().manual_seed(0), requires_grad=True)
         w = torch.randn(3, 4, generator=torch.Generator().manual_seed(1), requires_grad=True)
-        wrap(f, x, w * 1.0).backward()
-        grads.append((x.grad, w.grad))
-    assert all(torch.equal(a, b) for a, b in zip(*grads))
+        with observe() as moved:
+            wrap(f, x, w * 1.0).backward()
+        grads.append((x.grad, w.grad, len(moved)))
+    assert grads[0][2] == 0 and grads[1][2] >= 3  # the expanded product, w * 1.0, h
+    assert all(torch.equal(a, b) for a, b in zip(grads[0][:2], grads[1][:2]))
 
 
 def test_optimizer_offload_keeps_the_moments_in_host_memory():
