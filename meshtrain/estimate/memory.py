@@ -85,7 +85,7 @@ def per_rank_memory(plan: Plan, model, *, micro_batch: int, seq_len: int, precis
     layers_bytes, per_layer, ran = _layers(model.cfg, layers, layer)
     weights = weight_bytes(plan, model, names, mb.c, activation_checkpointing, traffic)
     state = _state(plan, names, traffic)
-    host = _offloaded(plan, model, names, mb, activation_checkpointing, traffic, layers, layer, weights)
+    host = _offloaded(plan, model, names, mb, traffic, layers, layer, weights, head)
     if optimizer_offload:
         host["host_optimizer"], state = state.optimizer, replace(state, optimizer=0)
     # The largest transient: a layer's gathered or cast weights, a bucket's gather in
@@ -174,19 +174,22 @@ def _layer(mb: MicroBatch, kernel: str, checkpointing: str, mask_keys: MaskKeys)
     return _Layer(dense, moe, recompute, joined, pads)
 
 
-def _offloaded(plan: Plan, model, names: set[str], mb: MicroBatch, checkpointing: str, traffic: Traffic, layers,
-               layer: _Layer, weights) -> dict:
-    """Under activation offload, what one micro-batch's layers keep in host memory (as
-    none keeps them on the device) and the blocks' weight copies autograd saved."""
+def _offloaded(plan: Plan, model, names: set[str], mb: MicroBatch, traffic: Traffic, layers, layer: _Layer,
+               weights, head: bool) -> dict:
+    """Under activation offload, what one micro-batch's blocks (the layers', and the
+    multi-token prediction modules' after the head) keep in host memory, as none keeps
+    them on the device, and the weight copies autograd saved in the layers."""
     if layer.host is None:
         return {"host_activations": 0, "host_saved_weights": 0, "activations_offloaded": 0}
     kept = weight_bytes(plan, model, names, mb.c, "none", traffic)
     tables, host = block_tables(mb), layer.host
     moved = _Layer(host.dense - tables, None if host.moe is None else host.moe - tables, 0, 0, 0)
-    return {"host_activations": _layers(model.cfg, layers, host)[0],
+    extras = mb.costs.mtp_depth * mtp_extras(mb)  # the modules' parts outside their blocks stay
+    return {"host_activations": _layers(model.cfg, layers, host)[0] + (_mtp_modules(mb, host) - extras if head else 0),
             "host_saved_weights": kept.saved + kept.gathered - weights.saved - weights.gathered,
             # what leaves the device per micro-batch: each block's own, the tables once
-            "activations_offloaded": _layers(model.cfg, layers, moved)[0] + tables}
+            "activations_offloaded": _layers(model.cfg, layers, moved)[0] + tables
+            + (_mtp_modules(mb, moved) - extras if head else 0)}
 
 
 def _mtp_modules(mb: MicroBatch, layer: _Layer) -> int:
