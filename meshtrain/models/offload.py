@@ -21,6 +21,8 @@ import contextlib
 import torch
 from torch.distributed.tensor import DTensor
 
+from ..errors import ConfigError
+
 _observers: list[list[tuple[int, int]]] = []
 
 
@@ -67,6 +69,15 @@ def _movable(t: torch.Tensor) -> bool:
     base = t if t._base is None else t._base
     return (not (base.is_leaf and base.requires_grad) and type(local) is torch.Tensor
             and local.device.type != "meta" and not local.is_sparse)
+
+
+def refuse_compiled(activation_checkpointing: str) -> None:
+    """A compiled step cannot offload: torch 2.13's dynamo does not trace saved-tensor
+    hooks inside a graph (measured: "saved_tensors_hooks.__init__ should not be traced")."""
+    if activation_checkpointing == "offload":
+        raise ConfigError("train.activation_checkpointing=offload cannot be compiled (torch 2.13's dynamo refuses the "
+                          "saved-tensor hooks that move activations to host): set train.compile false, or use "
+                          "activation_checkpointing selective or full to save activation memory in a compiled step")
 
 
 def offloaded(fn, *args):

@@ -15,6 +15,7 @@ from ..models import ModelDef
 from ..models.attention import document_window
 from ..models.context import Documents, LocalContext
 from ..models.moe import expert_bias_step, imbalance
+from ..models.offload import refuse_compiled
 from ..models.policy import Policy
 from ..parallel.context import ShardedContext
 from ..parallel.overlap import aot_eager_overlapped, inductor_pass
@@ -47,7 +48,6 @@ class TrainState:
 
     @staticmethod
     def create(params: dict[str, torch.Tensor], optimizer_offload: bool = False) -> "TrainState":
-        """Zero moments beside `params`, or in host memory (`optimizer_offload`)."""
         return TrainState(params, init_state(params, optimizer_offload), 0)
 
 
@@ -201,19 +201,12 @@ def moe_step(state: TrainState, cfg, blocks, load: torch.Tensor, updated: bool =
     return imbalance(load)
 
 
-OFFLOAD_COMPILED = ("train.activation_checkpointing=offload cannot be compiled (torch 2.13's dynamo refuses the "
-                    "saved-tensor hooks that move activations to host): set train.compile false, or use "
-                    "activation_checkpointing selective or full to save activation memory in a compiled step")
-
-
 def check_compile(activation_checkpointing: str, sharded: bool) -> None:
     """What a compiled step on a device mesh (`sharded`) cannot take yet (torch 2.13): a
     block checkpointed whole saves the DeviceMesh for backward among its tensors, which
-    AOTAutograd's forward refuses (docs/parallelism.md, Known gap 15). Nor, on any
-    layout, activation offload: dynamo refuses the saved-tensor hooks inside a traced
-    region (measured, torch 2.13: "saved_tensors_hooks.__init__ should not be traced")."""
-    if activation_checkpointing == "offload":
-        raise ConfigError(OFFLOAD_COMPILED)
+    AOTAutograd's forward refuses (docs/parallelism.md, Known gap 15). Nor activation
+    offload, on any layout (models/offload.py refuse_compiled)."""
+    refuse_compiled(activation_checkpointing)
     if sharded and activation_checkpointing == "full":
         raise ConfigError("train.compile true with train.activation_checkpointing=full is not supported on more than "
                           "one rank (torch 2.13 fails to save a whole checkpointed block's DeviceMesh): use "
@@ -242,11 +235,8 @@ def make_update(optimizer: AdamW, lr_schedule: LRSchedule, grad_clip: float | No
     make the same calls in the same order. None (the default) costs nothing.
 
     `loss_scale` (fp16): the gradients are first divided by state.loss_scale's scale, and
-    after the verdict the scale is updated (train/loss_scale.py).
-
-    `optimizer_offload`: the moments live in host memory (TrainState.create), and the
-    clip and AdamW run there on copies of the gradient and parameter shards, the
-    parameters copied back (optim.host_update); the norm is taken on the device."""
+    after the verdict the scale is updated (train/loss_scale.py). `optimizer_offload`: the
+    clip and AdamW run where the moments live, host memory (optim.host_update)."""
 
     def norm_of(grads, replicas):
         return all_reduce_sum(grad_norm_squared_local(grads, replicas)).sqrt()
@@ -259,6 +249,8 @@ def make_update(optimizer: AdamW, lr_schedule: LRSchedule, grad_clip: float | No
 
     if compile:  # the norm stays eager: it is a few kernels, and a third graph to compile
         update = compiled(update, compile)
+
+    run = (lambda *args: host_update(update, *args)) if optimizer_offload else update
 
     def apply(state: TrainState, uncounted=(), loss: float | None = None) -> tuple[torch.Tensor, float, bool]:
         names = [n for n, p in state.params.items() if p.requires_grad]
@@ -283,12 +275,8 @@ def make_update(optimizer: AdamW, lr_schedule: LRSchedule, grad_clip: float | No
             if loss_scale is not None:
                 state.loss_scale.update(loss_scale, finite_loss, finite_grads)
             if updated:
-                args = (exp_avg_sq, decay, torch.tensor(lr, dtype=torch.float32), torch.tensor(float(state.step)),
-                        norm, grad_clip)
-                if optimizer_offload:
-                    host_update(update, params, grads, exp_avg, *args)
-                else:
-                    update(params, grads, exp_avg, *args)
+                run(params, grads, exp_avg, exp_avg_sq, decay, torch.tensor(lr, dtype=torch.float32),
+                    torch.tensor(float(state.step)), norm, grad_clip)
         for n in names:
             state.params[n].grad = None
         return norm, lr, updated
