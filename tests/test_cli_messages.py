@@ -104,7 +104,7 @@ def test_a_config_file_without_config_gets_the_flag(capsys, command):
     (["fit", "--config", str(TINY), "--parallel.pp_schedule", "xyz"],
      "parallel.pp_schedule='xyz': choose one of gpipe, 1f1b, interleaved, zb"),
     (["plan", "--config", str(TINY), "--train.activation_checkpointing", "ful"],
-     "train.activation_checkpointing='ful': choose one of none, selective, full (did you mean full?)"),
+     "train.activation_checkpointing='ful': choose one of none, selective, full, offload (did you mean full?)"),
     (["fit", "--config", str(TINY), "--model.arch", "lama"], "model.arch='lama': choose one of llama, gpt2"),
 ])
 def test_an_option_value_out_of_its_choices_names_the_option_and_its_values(capsys, argv, expected):

@@ -49,7 +49,7 @@ FUNCTION_LOCAL_IMPORTS: dict[tuple[str, str], str] = {
         ("meshtrain.models.config", "meshtrain.models.mla.MlaConfig"),
         ("meshtrain.models.config", "meshtrain.models.mtp.MtpConfig"),
         ("meshtrain.train.config", "meshtrain.models.fp8.RECIPES"),
-        ("meshtrain.train.config", "meshtrain.models.policy.CHECKPOINTING"),
+        ("meshtrain.train.config", "meshtrain.models.policy.ACTIVATION_MODES"),
         ("meshtrain.train.config", "meshtrain.models.policy.PRECISIONS"),
     ], TORCH_FREE_CONFIG),
     **dict.fromkeys([

@@ -104,7 +104,7 @@ import torch
 from ..layout.mesh import GATHERED_AXES
 from ..layout.plan import Plan
 from ..models.cost_terms import CostTerms, cost_terms
-from ..models.family import RESIDUAL, TOKENS
+from ..models.family import BLOCK_IN, RESIDUAL, TOKENS
 from ..models.losses import CHUNK_ROWS
 from .compute import MaskKeys
 from .dtype_bytes import BOOL, FP32, INT64
@@ -262,6 +262,20 @@ def checkpointed_layer(mb: MicroBatch, none: int, checkpointing: str, kernel: st
     # recomputed, their reductions kept); the MLP's up (and gate) outputs.
     return mb.c * (3 * mb.x_res() + projections) + attention + mb.costs.mlp_matmuls * mb.c * mb.mlp() \
         + joined + pads
+
+
+def offload_stays(mb: MicroBatch) -> int:
+    """Under activation offload (models/offload.py), what a dense layer still keeps on the
+    device: the shards of the sequence-parallel gathers before attention and the MLP,
+    which the regather hooks keep in place of the gathered input (parallel/regather.py)
+    and the offload hooks leave alone."""
+    return 2 * mb.c * mb.x_res() if mb.local((mb.B, mb.S, mb.D), BLOCK_IN) != mb.x_res() else 0
+
+
+def block_tables(mb: MicroBatch) -> int:
+    """The per-sequence tables the blocks keep (RoPE's cos and sin): one copy per micro-batch
+    on the device; under activation offload one per block on the host."""
+    return sum(nbytes * mb.local(shape, axes) for shape, axes, nbytes in mb.costs.block_tables)
 
 
 def once_per_micro_batch(mb: MicroBatch, mask_keys: MaskKeys, embedding: bool, head: bool) -> tuple[int, int, int]:

@@ -41,6 +41,11 @@ from .step_memory import step_memory
 # micro-batch or doubling tp makes smaller GEMMs and more collectives per token. pp adds
 # its bubble, (pp - 1) / (m + pp - 1) of the step for m micro-batches (1F1B), on top.
 COST = {"selective": 0.05, "full": 0.33, "reshard": 0.05, "micro_batch_halved": 0.05, "tp_doubled": 0.10}
+# How much device memory a train.activation_checkpointing keeps, most first. The search
+# tries the recompute policies; activation offload, which keeps no block's activations on
+# the device (one block's come back in its backward, as full's recompute), is only ever
+# the layout given, ranked beside full.
+SAVING = {**{ac: i for i, ac in enumerate(CHECKPOINTING)}, "offload": len(CHECKPOINTING)}
 PP_SIZES = (2, 4, 8)
 CP_DOUBLINGS = 3  # what_would_fit raises parallel.cp up to 8x
 WORLD_DOUBLINGS = 10  # and the world up to 1024x
@@ -61,7 +66,7 @@ class Candidate:
     def saves_at_least(self, other: "Candidate") -> bool:
         """Does this layout keep at most `other`'s memory on every knob (same pp)?"""
         return (self.pp == other.pp and self.tp >= other.tp and self.micro_batch <= other.micro_batch
-                and CHECKPOINTING.index(self.checkpointing) >= CHECKPOINTING.index(other.checkpointing)
+                and SAVING[self.checkpointing] >= SAVING[other.checkpointing]
                 and self.reshard >= other.reshard)
 
 

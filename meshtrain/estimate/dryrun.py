@@ -261,9 +261,10 @@ def _describe(m) -> str:
 
 
 def _setup(t) -> str:
-    checkpointing = "no" if t.activation_checkpointing == "none" else t.activation_checkpointing
-    return (f"micro_batch {t.micro_batch} x seq_len {t.seq_len}, {t.precision}, {checkpointing} checkpointing, "
-            f"{'compiled' if t.compile else 'eager'}")
+    checkpointing = {"none": "no checkpointing", "offload": "activations offloaded"}.get(
+        t.activation_checkpointing, f"{t.activation_checkpointing} checkpointing")
+    return (f"micro_batch {t.micro_batch} x seq_len {t.seq_len}, {t.precision}, {checkpointing}, "
+            f"{'compiled' if t.compile else 'eager'}" + (", optimizer state offloaded" if t.optimizer_offload else ""))
 
 
 def _over_capacity(run: DryRun) -> str:

@@ -11,7 +11,7 @@ from rich.table import Table
 from .advice import nothing_fits
 from ..layout.plan import without_pp
 from ..layout.plan_table import activation_table, human_bytes, param_table
-from .step_memory import GPU_MEMORY, MEMORY_KEYS
+from .step_memory import GPU_MEMORY, HOST_KEYS, MEMORY_KEYS
 
 
 def renderables(run) -> list:
@@ -130,6 +130,9 @@ def _memory_table(run) -> Table:
                 if run.memory.get(kept):
                     memory.add_row(kept, human_bytes(run.memory[kept]))
         memory.add_row(key, human_bytes(run.memory[key]))
+    for host in HOST_KEYS:  # offloaded to host memory: beside the device's, not in its peak
+        if run.memory.get(host):
+            memory.add_row(f"{host} (host memory)", human_bytes(run.memory[host]))
     if run.gpu:
         memory.add_row(f"{run.gpu} capacity", human_bytes(GPU_MEMORY[run.gpu]))
     return memory

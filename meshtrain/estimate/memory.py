@@ -27,16 +27,17 @@ fragmentation, communication buffers and the CUDA context are not counted.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from ..layout.plan import Plan
 from ..layout.traffic import Traffic
 from ..models.cost_terms import cost_terms
+from ..models.policy import ACTIVATION_MODES
 from ..train.muon import muon_name
-from .activation_memory import (MicroBatch, attention_half, checkpointed_layer, loss_transient, mask_tensors,
-                                mlp_half, mtp_extras, once_per_micro_batch)
+from .activation_memory import (MicroBatch, attention_half, block_tables, checkpointed_layer, loss_transient,
+                                mask_tensors, mlp_half, mtp_extras, offload_stays, once_per_micro_batch)
 from .bucket_memory import largest_transients
 from .compute import MaskKeys
 from .dtype_bytes import FP32
@@ -52,7 +53,8 @@ ALLOCATOR_SLACK = 0.05
 def per_rank_memory(plan: Plan, model, *, micro_batch: int, seq_len: int, precision: str = "fp32",
                     activation_checkpointing: str = "none", traffic: Traffic = Traffic(), device: str = "cpu",
                     attention: str | None = None, names=None, layers: int | None = None, embedding: bool = True,
-                    head: bool = True, in_flight: int = 1, mask_keys=None, optimizer: str = "adamw") -> dict:
+                    head: bool = True, in_flight: int = 1, mask_keys=None, optimizer: str = "adamw",
+                    optimizer_offload: bool = False) -> dict:
     """Bytes on the most loaded rank for one training step (see the module docstring for
     what is counted). micro_batch: sequences per data-parallel rank per micro-step.
     device: "cpu" | "cuda" picks the attention kernel unless `attention` ("flash" |
@@ -68,17 +70,27 @@ def per_rank_memory(plan: Plan, model, *, micro_batch: int, seq_len: int, precis
     (layout/traffic.py) as the runtime takes it: reshard_after_forward, fsdp_accumulate,
     prefetch (the gathers issued ahead and the reductions left in flight) and
     keep_gathered (a pp rank under parallel.pp_keep_gathered; the module docstring).
-    optimizer: train.optimizer (muon keeps one fp32 buffer per Muon matrix, not two)."""
+    optimizer: train.optimizer (muon keeps one fp32 buffer per Muon matrix, not two).
+
+    Offload (the terms are device bytes; host_* what moved to host memory): under
+    activation_checkpointing offload the blocks' saved activations and weight copies
+    (host_activations, host_saved_weights), one block's coming back as a transient
+    (recompute); with optimizer_offload AdamW's moments (host_optimizer)."""
     attention = _checked(model, seq_len, precision, activation_checkpointing, device, attention)
     mb = MicroBatch.of(plan, model, micro_batch, seq_len, _DTYPE_BYTES[precision])
     mask_keys = mask_keys or MaskKeys()
     names = set(plan.params if names is None else names)
     layer = _layer(mb, attention, activation_checkpointing, mask_keys)
     once, masks, loss = once_per_micro_batch(mb, mask_keys, embedding, head)
+    if layer.host is not None:  # the tables the blocks keep go to the host with them
+        once -= block_tables(mb)
     mtp = _mtp_modules(mb, layer) if head else 0
     layers_bytes, per_layer, ran = _layers(model.cfg, layers, layer)
     weights = weight_bytes(plan, model, names, mb.c, activation_checkpointing, traffic)
     state = _state(plan, names, traffic, optimizer)
+    host = _offloaded(plan, model, names, mb, traffic, layers, layer, weights, head)
+    if optimizer_offload:
+        host["host_optimizer"], state = state.optimizer, replace(state, optimizer=0)
     # The largest transient: a layer's gathered or cast weights, a bucket's gather in
     # forward, the loss at the turn, or a bucket's backward (its weight gradients and
     # reductions, where the layer backward has just run has freed what it kept, when a
@@ -104,6 +116,9 @@ def per_rank_memory(plan: Plan, model, *, micro_batch: int, seq_len: int, precis
         "attention_kernel": attention, "document_masks": masks, "tiles_joined_per_layer": layer.joined,
         "window_pads_per_layer": layer.pads,
         **({"activations_per_moe_layer": layer.moe} if layer.moe is not None else {}),
+        "host_activations": in_flight * host["host_activations"], "host_saved_weights": host["host_saved_weights"],
+        "activations_offloaded": in_flight * host["activations_offloaded"] + host["host_saved_weights"],
+        "host_optimizer": host.get("host_optimizer", 0),
     }
     out["peak"], out["allocator_slack"] = total_peak(out, device)
     return out
@@ -115,8 +130,8 @@ def _checked(model, seq_len: int, precision: str, checkpointing: str, device: st
     MLA's) unless `attention` names one."""
     if precision not in _DTYPE_BYTES:
         raise ValueError(f"precision={precision!r}: choose fp32, bf16, fp16 or fp8")
-    if checkpointing not in ("none", "full", "selective"):
-        raise ValueError(f"activation_checkpointing={checkpointing!r}: choose none, full or selective")
+    if checkpointing not in ACTIVATION_MODES:
+        raise ValueError(f"activation_checkpointing={checkpointing!r}: choose one of {', '.join(ACTIVATION_MODES)}")
     if device not in ("cpu", "cuda"):
         raise ValueError(f"device={device!r}: choose cpu or cuda")
     gqa = model.family.kv_heads(model.cfg) != model.cfg.n_heads
@@ -133,15 +148,24 @@ def _checked(model, seq_len: int, precision: str, checkpointing: str, device: st
 
 @dataclass(frozen=True)
 class _Layer:
-    dense: int  # what a dense layer keeps under the checkpointing
+    dense: int  # what a dense layer keeps on the device under the checkpointing
     moe: int | None  # an MoE layer's (None: the model has no MoE blocks)
     recompute: int  # the largest layer's recompute transient in backward
     joined: int  # per layer: eager document tiles' outputs joined into one tensor
     pads: int  # per layer: compiled document windows' padded keys and values
+    host: "_Layer | None" = None  # offload: what the layers keep in host memory instead
 
 
 def _layer(mb: MicroBatch, kernel: str, checkpointing: str, mask_keys: MaskKeys) -> _Layer:
-    """One layer's activations, dense and (where the model has them) MoE."""
+    """One layer's activations, dense and (where the model has them) MoE. Offload: none's,
+    in host memory; on the device a block's come back as its backward runs, one saved
+    tensor at a time (counted whole as the transient: an upper bound)."""
+    if checkpointing == "offload":
+        none, stays = _layer(mb, kernel, "none", mask_keys), offload_stays(mb)
+        host = _Layer(none.dense - stays + block_tables(mb), None if none.moe is None else none.moe - stays + block_tables(mb),
+                      0, none.joined, none.pads)
+        return _Layer(stays, None if none.moe is None else stays, max(none.dense, none.moe or 0) - stays, none.joined,
+                      none.pads, host)
     joined, pads = mask_tensors(mb, mask_keys)
     attention = attention_half(mb, kernel, joined, pads)
     none = attention + mlp_half(mb)
@@ -152,6 +176,24 @@ def _layer(mb: MicroBatch, kernel: str, checkpointing: str, mask_keys: MaskKeys)
         moe, moe_recompute = moe_block(mb, attention, dense, checkpointing)
         recompute = max(recompute, moe_recompute)
     return _Layer(dense, moe, recompute, joined, pads)
+
+
+def _offloaded(plan: Plan, model, names: set[str], mb: MicroBatch, traffic: Traffic, layers, layer: _Layer,
+               weights, head: bool) -> dict:
+    """Under activation offload, what one micro-batch's blocks (the layers', and the
+    multi-token prediction modules' after the head) keep in host memory, as none keeps
+    them on the device, and the weight copies autograd saved in the layers."""
+    if layer.host is None:
+        return {"host_activations": 0, "host_saved_weights": 0, "activations_offloaded": 0}
+    kept = weight_bytes(plan, model, names, mb.c, "none", traffic)
+    tables, host = block_tables(mb), layer.host
+    moved = _Layer(host.dense - tables, None if host.moe is None else host.moe - tables, 0, 0, 0)
+    extras = mb.costs.mtp_depth * mtp_extras(mb)  # the modules' parts outside their blocks stay
+    return {"host_activations": _layers(model.cfg, layers, host)[0] + (_mtp_modules(mb, host) - extras if head else 0),
+            "host_saved_weights": kept.saved + kept.gathered - weights.saved - weights.gathered,
+            # what leaves the device per micro-batch: each block's own, the tables once
+            "activations_offloaded": _layers(model.cfg, layers, moved)[0] + tables
+            + (_mtp_modules(mb, moved) - extras if head else 0)}
 
 
 def _mtp_modules(mb: MicroBatch, layer: _Layer) -> int:

@@ -127,7 +127,8 @@ def pipeline_estimate(plan: Plan, model, *, pp_schedule: str, virtual: int, layo
                       micro_batch: int, seq_len: int, micro_steps: int, precision: str = "fp32",
                       compiled: bool = False, activation_checkpointing: str = "none",
                       device: str = "cuda", traffic: Traffic = Traffic(), mask_keys=None,
-                      memory_only: bool = False, optimizer: str = "adamw") -> PipelineEstimate:
+                      memory_only: bool = False, optimizer: str = "adamw",
+                      optimizer_offload: bool = False) -> PipelineEstimate:
     """traffic: the stages' parameter traffic, as make_pipeline_step takes it (its
     keep_gathered: parallel.pp_keep_gathered); mask_keys: as per_rank_memory's. Each
     rank's `param_bytes`: its parameters' gathers and reductions over the stage mesh per
@@ -153,7 +154,7 @@ def pipeline_estimate(plan: Plan, model, *, pp_schedule: str, virtual: int, layo
         first, has_head = any(st.has_embedding for st in mine), any(st.has_head for st in mine)
         common = dict(micro_batch=micro_batch, seq_len=seq_len, precision=precision,
                       activation_checkpointing=activation_checkpointing, traffic=traffic, device=device, names=names,
-                      mask_keys=mask_keys, optimizer=optimizer)
+                      mask_keys=mask_keys, optimizer=optimizer, optimizer_offload=optimizer_offload)
         memory = _rank_memory(sub, model, mine, sched.ranks[r], common, device)
         if memory_only:
             ranks.append({"pp_rank": r, "stages": [st.index for st in mine], "layers": sum(st.n_layers for st in mine),
@@ -200,7 +201,8 @@ def _rank_memory(sub: Plan, model, mine: list[Stage], actions, common: dict, dev
     at_peak = max(in_flight(actions), key=lambda n: sum(k * held[s] for s, k in n.items()))
     kept = sum(k * held[s] for s, k in at_peak.items())
     memory.update(activations=memory["activations"] + kept,
-                  activations_layers=sum(k * per_stage[s]["activations_layers"] for s, k in at_peak.items()))
+                  activations_layers=sum(k * per_stage[s]["activations_layers"] for s, k in at_peak.items()),
+                  host_activations=sum(k * per_stage[s]["host_activations"] for s, k in at_peak.items()))
     memory["peak"], memory["allocator_slack"] = total_peak(memory, device)
     return memory
 

@@ -16,6 +16,8 @@ from .memory import per_rank_memory
 from .pipeline import pipeline_estimate
 
 MEMORY_KEYS = ("params", "grads", "optimizer", "activations", "peak")  # what a plan reports per rank
+# What offload moved to host memory (train.activation_checkpointing offload, train.optimizer_offload).
+HOST_KEYS = ("host_activations", "host_saved_weights", "host_optimizer")
 # Device memory in bytes (data sheet capacities).
 GPU_MEMORY = {"h100": 80 * 10**9, "h200": 141 * 10**9, "a100": 80 * 10**9}
 
@@ -36,12 +38,12 @@ def step_memory(cfg: RunConfig, plan, model, keep_gathered: bool | None = None,
                                      precision=t.precision, compiled=bool(t.compile),
                                      activation_checkpointing=t.activation_checkpointing, traffic=traffic,
                                      mask_keys=mask_keys(cfg, plan.mesh.cp), memory_only=memory_only,
-                                     optimizer=t.optimizer)
+                                     optimizer=t.optimizer, optimizer_offload=t.optimizer_offload)
         return {**pipeline.most_loaded["memory"], "pp_rank": pipeline.most_loaded["pp_rank"]}, pipeline
     if micro_steps <= 1:  # one micro-step: no whole gradients to hold between micro-steps
         traffic = replace(traffic, fsdp_accumulate="sharded")
     memory = per_rank_memory(plan, model, micro_batch=t.micro_batch, seq_len=t.seq_len, precision=t.precision,
                              activation_checkpointing=t.activation_checkpointing, traffic=traffic, device="cuda",
                              mask_keys=mask_keys(cfg, plan.mesh.cp),  # a plan is for GPUs: fused attention kernels
-                             optimizer=t.optimizer)
+                             optimizer=t.optimizer, optimizer_offload=t.optimizer_offload)
     return memory, None

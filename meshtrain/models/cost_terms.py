@@ -68,6 +68,7 @@ class CostTerms:
     attention: AttentionTerms | None  # None: a model without blocks
     mtp_depth: int = 0  # multi-token prediction modules after the head
     mtp_moe: int = 0  # of them, those whose block is an MoE block
+    block_tables: tuple = ()  # of per_sequence, those the blocks keep (activation offload moves them)
 
     def weight_saved(self, name: str) -> bool:
         return name in self.saved_weights
@@ -115,8 +116,10 @@ def _terms(model: ModelDef, seq_len: int, dtype: torch.dtype) -> CostTerms:
     saved |= {e.name for rec in (front, back, modules) for e in rec.events if getattr(e, "saves", 0)}
     attention = attention_terms(first) if first is not None else None
     mtp_moe = sum(isinstance(e, Experts) for e in modules.events)
+    block_tables = tuple((s.shape, s.const, s.dtype.itemsize) for s in (first.saved if first is not None else ())
+                         if s.const is not None)
     return CostTerms(mlp_saved, mlp_matmuls, norm_stats, per_sequence, frozenset(saved), attention,
-                     mtp_depth(model), mtp_moe)
+                     mtp_depth(model), mtp_moe, block_tables)
 
 
 def attention_terms(block) -> AttentionTerms:

@@ -22,12 +22,16 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from ..errors import check_choice
 from .fp8 import RECIPES
+from .offload import offloaded
 
 # train.precision -> the compute dtype (fp8: bf16, with fp8 GEMMs; fp16 needs loss
 # scaling, train/loss_scale.py).
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}
-# train.activation_checkpointing, least recompute first (estimate/advice.py searches them in this order).
+# train.activation_checkpointing's recompute policies, least recompute first (estimate/advice.py
+# searches them in this order); offload recomputes nothing and moves what the blocks save to
+# host memory instead (models/offload.py).
 CHECKPOINTING = ("none", "selective", "full")
+ACTIVATION_MODES = CHECKPOINTING + ("offload",)
 
 # torch.compile warns once per process (4 lines on each rank's stderr) when it traces a
 # checkpoint with a context_fn: "Detected that context_fn is passed to
@@ -75,7 +79,7 @@ class Policy:
     def of(precision: str = "fp32", fp8_recipe: str = "tensorwise", activation_checkpointing: str = "none") -> "Policy":
         check_choice(precision, "train.precision", PRECISIONS)
         check_choice(fp8_recipe, "train.fp8_recipe", RECIPES)
-        check_choice(activation_checkpointing, "train.activation_checkpointing", CHECKPOINTING)
+        check_choice(activation_checkpointing, "train.activation_checkpointing", ACTIVATION_MODES)
         return Policy(PRECISIONS[precision], fp8_recipe if precision == "fp8" else None, activation_checkpointing)
 
     @staticmethod
@@ -95,9 +99,12 @@ class Policy:
         """fn(*args) (a transformer block) under the checkpointing policy: none keeps every
         activation; full keeps only the block's inputs and recomputes the block in
         backward; selective keeps the outputs of matmuls and attention (the expensive
-        ops) and recomputes the rest (norms, RoPE, activations, casts, gathers)."""
+        ops) and recomputes the rest (norms, RoPE, activations, casts, gathers); offload
+        keeps every activation, in host memory (models/offload.py)."""
         if self.checkpointing == "none":
             return fn(*args)
+        if self.checkpointing == "offload":
+            return offloaded(fn, *args)
         # The blocks draw no random numbers (no dropout): no RNG state to keep per block
         # (5 KB of CPU generator state each, measured by bench/layer_memory.py).
         if self.checkpointing == "full":

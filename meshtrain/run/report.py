@@ -48,7 +48,9 @@ def banner(cfg, plan, specs: dict, data, world: int, device, accumulation: int, 
         mesh += f", experts ep={plan.mesh.ep}"
     options = [t.precision + (f" {t.fp8_recipe}" if t.precision == "fp8" else "")]
     options += ["compiled"] * bool(t.compile)
-    options += [f"{t.activation_checkpointing} recompute"] * (t.activation_checkpointing != "none")
+    options += [f"{t.activation_checkpointing} recompute"] * (t.activation_checkpointing not in ("none", "offload"))
+    options += ["activations offloaded"] * (t.activation_checkpointing == "offload")
+    options += ["optimizer state offloaded"] * t.optimizer_offload
     masks = sum(p.has_loss_mask for p in data.train.parts)
     return (f"[bold]meshtrain fit[/] {cfg.model.arch} {count(n_params)} params -> {Path(cfg.run_dir)}\n"
             f"  world {world} ({mesh}) on {device.type}, {', '.join(options)}\n"

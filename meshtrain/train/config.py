@@ -97,7 +97,9 @@ class TrainConfig:
     compile: bool = False
     """Compile the loss and the optimizer update with torch.compile (inductor, fullgraph)."""
     activation_checkpointing: str = "none"
-    """Recompute activations in backward to save memory: none; selective (keep matmul and attention outputs, recompute norms, activations and the rest); full (keep only each block's input, recompute the block)."""
+    """Recompute activations in backward to save memory: none; selective (keep matmul and attention outputs, recompute norms, activations and the rest); full (keep only each block's input, recompute the block); offload (recompute nothing: what each transformer block saves for backward moves to host memory in forward and back in backward; the same numbers as none; not with train.compile)."""
+    optimizer_offload: bool = False
+    """Keep AdamW's moments (exp_avg, exp_avg_sq: 8 bytes per parameter) in host memory, pinned on CUDA, and run the update there: each step copies the gradients' shards to the host and the updated parameter shards back. The fp32 parameter shards stay on the device (every forward gathers from them). Same numbers as without; checkpoints save and load the moments wherever they live."""
     log_every: int = 1
     """Log step, loss, lr, grad_norm and tokens/s every this many steps (and at the last step)."""
     eval_every: int = 0
@@ -133,7 +135,7 @@ class TrainConfig:
         """Raise ConfigError naming the train.* key and the fix for a value that cannot work."""
         # The choices live beside the precision policy, which imports torch.
         from ..models.fp8 import RECIPES
-        from ..models.policy import CHECKPOINTING, PRECISIONS
+        from ..models.policy import ACTIVATION_MODES, PRECISIONS
 
         for key in ("steps", "global_batch", "micro_batch", "seq_len", "log_every", "eval_batches"):
             check_int(getattr(self, key), f"train.{key}", minimum=1)
@@ -156,7 +158,16 @@ class TrainConfig:
                               "(init_scale, growth_factor, backoff_factor, growth_interval, min_scale)")
         check_bool(self.compile, "train.compile")
         check_choice(self.fp8_recipe, "train.fp8_recipe", RECIPES)
-        check_choice(self.activation_checkpointing, "train.activation_checkpointing", CHECKPOINTING)
+        check_choice(self.activation_checkpointing, "train.activation_checkpointing", ACTIVATION_MODES)
+        if self.compile and self.activation_checkpointing == "offload":
+            raise ConfigError("train.activation_checkpointing=offload with train.compile true cannot run (torch "
+                              "2.13's dynamo refuses the saved-tensor hooks that move activations to host): set "
+                              "train.compile false, or activation_checkpointing selective or full")
+        check_bool(self.optimizer_offload, "train.optimizer_offload")
+        if self.optimizer_offload and self.optimizer == "muon":
+            raise ConfigError("train.optimizer_offload=true moves AdamW's moments to host memory, which train.optimizer="
+                              "muon does not do yet (its momentum exchange runs on the device): set "
+                              "train.optimizer_offload false, or train.optimizer adamw")
         check_choice(self.nonfinite, "train.nonfinite", NONFINITE)
         check_int(self.max_skipped, "train.max_skipped", 0)
         check_choice(self.optimizer, "train.optimizer", OPTIMIZERS)

@@ -265,7 +265,7 @@ def adjusted_lr(lr: float, adjust: str, shape: tuple[int, int]) -> float:
 
 def optimizer_of(t) -> AdamW | Muon:
     """The optimizer of a run's train.* section (train/config.py TrainConfig)."""
-    adamw = AdamW(lr=t.lr, weight_decay=t.weight_decay)
+    adamw = AdamW(lr=t.lr, weight_decay=t.weight_decay, offload=t.optimizer_offload)
     if t.optimizer != "muon":
         return adamw
     m = t.muon

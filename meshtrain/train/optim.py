@@ -28,12 +28,15 @@ class AdamW:
     # Parameters that are never decayed: 1-D tensors (norm scales, biases) by rule, plus
     # any name matching these globs.
     no_decay: tuple[str, ...] = field(default_factory=tuple)
+    # train.optimizer_offload: the moments in host memory (pinned on CUDA), the clip and
+    # the update run there on copies of the shards (host_update).
+    offload: bool = False
 
     def decays(self, name: str, ndim: int) -> bool:
         return ndim >= 2 and not any(fnmatch.fnmatchcase(name, g) for g in self.no_decay)
 
     def init_state(self, params: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
-        return init_state(params)
+        return init_state(params, self.offload)
 
     def updater(self, grad_clip: float | None, wrap=None):
         """`update(state, names, grads, lr, norm)`: clip the local gradients `grads` of the
@@ -48,8 +51,12 @@ class AdamW:
             exp_avg = [local_tensor(state.optimizer["exp_avg"][n]) for n in names]
             exp_avg_sq = [local_tensor(state.optimizer["exp_avg_sq"][n]) for n in names]
             decay = [self.decays(n, state.params[n].ndim) for n in names]
-            arithmetic(params, grads, exp_avg, exp_avg_sq, decay, torch.tensor(lr, dtype=torch.float32),
-                       torch.tensor(float(state.step)), norm, grad_clip)
+            args = (params, grads, exp_avg, exp_avg_sq, decay, torch.tensor(lr, dtype=torch.float32),
+                    torch.tensor(float(state.step)), norm, grad_clip)
+            if self.offload:
+                host_update(arithmetic, *args)
+            else:
+                arithmetic(*args)
 
         return update
 
@@ -66,10 +73,34 @@ def clipped_adamw(optimizer: AdamW):
     return update
 
 
-def init_state(params: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
-    """exp_avg and exp_avg_sq with the same layout as each parameter."""
-    return {"exp_avg": {n: torch.zeros_like(p, requires_grad=False) for n, p in params.items()},
-            "exp_avg_sq": {n: torch.zeros_like(p, requires_grad=False) for n, p in params.items()}}
+def init_state(params: dict[str, torch.Tensor], offload: bool = False) -> dict[str, dict[str, torch.Tensor]]:
+    """exp_avg and exp_avg_sq with the same layout as each parameter; `offload`
+    (train.optimizer_offload): their local shards in host memory (pinned when the
+    parameters are on CUDA), a DTensor keeping the parameter's mesh and placements."""
+    zeros = _host_zeros if offload else (lambda p: torch.zeros_like(p, requires_grad=False))
+    return {"exp_avg": {n: zeros(p) for n, p in params.items()},
+            "exp_avg_sq": {n: zeros(p) for n, p in params.items()}}
+
+
+def _host_zeros(p: torch.Tensor) -> torch.Tensor:
+    local = p._local_tensor if isinstance(p, DTensor) else p
+    host = torch.zeros(local.shape, dtype=local.dtype, pin_memory=local.device.type == "cuda")
+    if not isinstance(p, DTensor):
+        return host
+    return DTensor.from_local(host, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+
+
+def host_update(update, params: list[torch.Tensor], grads: list[torch.Tensor], exp_avg: list[torch.Tensor],
+                *args) -> None:
+    """update(params, grads, exp_avg, *args) run where the moments live (host memory,
+    train.optimizer_offload): the gradients and parameter shards copied there (a copy on
+    CPU, where host and device are one memory), updated with the same ops, and the
+    parameters copied back."""
+    host = exp_avg[0].device if exp_avg else torch.device("cpu")
+    on_host = [p.to(host, copy=True) for p in params]
+    update(on_host, [g.to(host, copy=True) for g in grads], exp_avg,
+           *(a.to(host) if isinstance(a, torch.Tensor) else a for a in args))
+    torch._foreach_copy_(params, on_host)
 
 
 def adamw_update(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avg: list[torch.Tensor],

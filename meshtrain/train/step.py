@@ -15,6 +15,7 @@ from ..models import ModelDef
 from ..models.attention import document_window
 from ..models.context import Documents, LocalContext
 from ..models.moe import expert_bias_step, imbalance
+from ..models.offload import refuse_compiled
 from ..models.policy import Policy
 from ..parallel.context import ShardedContext
 from ..parallel.gradient_schedule import GradientSchedule
@@ -196,7 +197,9 @@ def moe_step(state: TrainState, cfg, blocks, load: torch.Tensor, updated: bool =
 def check_compile(activation_checkpointing: str, sharded: bool) -> None:
     """What a compiled step on a device mesh (`sharded`) cannot take yet (torch 2.13): a
     block checkpointed whole saves the DeviceMesh for backward among its tensors, which
-    AOTAutograd's forward refuses (docs/parallelism.md, Known gap 15)."""
+    AOTAutograd's forward refuses (docs/parallelism.md, Known gap 15). Nor activation
+    offload, on any layout (models/offload.py refuse_compiled)."""
+    refuse_compiled(activation_checkpointing)
     if sharded and activation_checkpointing == "full":
         raise ConfigError("train.compile true with train.activation_checkpointing=full is not supported on more than "
                           "one rank (torch 2.13 fails to save a whole checkpointed block's DeviceMesh): use "
@@ -224,7 +227,9 @@ def make_update(optimizer: AdamW, lr_schedule: LRSchedule, grad_clip: float | No
     make the same calls in the same order. None (the default) costs nothing.
 
     `loss_scale` (fp16): the gradients are first divided by state.loss_scale's scale, and
-    after the verdict the scale is updated (train/loss_scale.py)."""
+    after the verdict the scale is updated (train/loss_scale.py). AdamW(offload=True)
+    (train.optimizer_offload) runs the clip and the update where its moments live, host
+    memory (optim.host_update)."""
 
     def norm_of(grads, replicas):
         return all_reduce_sum(grad_norm_squared_local(grads, replicas)).sqrt()

@@ -119,7 +119,8 @@ TORCH_CHECKED = "fsdp2_tp2"
 
 def train_layouts(world: int, compile, names=None, traffic=None):
     """Runs on every rank: each layout of this world size in turn (or those named), with
-    make_train_step's parameter-traffic options `traffic`."""
+    make_train_step's parameter-traffic options `traffic` (or any of its keyword
+    arguments: an `optimizer` replaces optimizer_args()'s and makes the state)."""
     import torch.distributed as dist
 
     names = names or [n for n in LAYOUTS[world] if not compile or n in COMPILED]
@@ -135,9 +136,9 @@ def train_layouts(world: int, compile, names=None, traffic=None):
         initial = whole(params)
         every_step = name == TORCH_CHECKED and not compile
         recorder = GradRecorder(range(1, STEPS + 1) if every_step else (1,))
-        step = make_train_step(model, plan, mesh, compile=compile, inspect_grads=recorder, **optimizer_args(),
-                               **(traffic or {}))
-        state = TrainState.create(params)
+        options = {**optimizer_args(), **(traffic or {})}  # `traffic` may name another optimizer too
+        step = make_train_step(model, plan, mesh, compile=compile, inspect_grads=recorder, **options)
+        state = TrainState.create(params, options["optimizer"])
         torch._dynamo.reset()  # each layout's step traces afresh: no recompile of the last one's
         before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
         with torch._dynamo.config.patch(error_on_recompile=True):
