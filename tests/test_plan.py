@@ -375,7 +375,7 @@ def small_plan(mesh: MeshSpec, rules: Rules | None = None, **cfg):
 def _bad_precision():
     from meshtrain.train.step import make_train_step
 
-    make_train_step(build("llama", LlamaConfig(**SMALL)), precision="fp16")
+    make_train_step(build("llama", LlamaConfig(**SMALL)), precision="fp12")
 
 
 def _bad_schedule():
@@ -450,7 +450,7 @@ CONFIG_ERRORS = {
     "bad_warmup": (
         _bad_warmup, ["train.warmup_steps=-1", "at least 0"]),
     "bad_precision": (
-        _bad_precision, ["train.precision='fp16'", "choose one of fp32, bf16"]),
+        _bad_precision, ["train.precision='fp12'", "choose one of fp32, bf16, fp16, fp8"]),
     "dim_not_divisible_by_heads": (
         lambda: LlamaConfig(dim=100, n_heads=8, n_kv_heads=4),
         ["model.dim=100", "model.n_heads=8", "choose a dim that is a multiple of n_heads"]),
