@@ -98,7 +98,7 @@ def test_help_shows_the_field_docstrings(capsys):
 
 @pytest.mark.parametrize("args, key, words", [
     (["--parallel.tp", "3"], "parallel.tp", "model.n_heads"),
-    (["--train.precision", "fp16"], "train.precision", "bf16"),
+    (["--train.precision", "fp12"], "train.precision", "bf16"),
     (["--model.arch", "gpt3"], "model.arch", "llama"),
     (["--train.lr_schedule", "step"], "train.lr_schedule", "cosine"),
     (["--train.activation_checkpointing", "some"], "train.activation_checkpointing", "selective"),
@@ -252,7 +252,7 @@ PP2 = ["--parallel.pp", "2", "--parallel.nproc_per_node", "2"]
 
 @pytest.mark.parametrize("args, key", [
     (["--parallel.tp", "3"], "parallel.tp"),
-    (["--train.precision", "fp16"], "train.precision"),
+    (["--train.precision", "fp12"], "train.precision"),
     (["--parallel.pp", "8", "--parallel.nproc_per_node", "8"], "parallel.pp=8"),  # 8 stages, 4 layers
     ([*PP2, "--parallel.pp_layout", "[3, 2]"], "parallel.pp_layout"),  # sums to 5, not 4
     ([*PP2, "--parallel.pp_virtual", "2"], "parallel.pp_virtual"),  # needs interleaved
