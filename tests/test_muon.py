@@ -12,7 +12,9 @@
   MLA and an MTP module) and a pipeline (pp2 x fsdp2 x ep2).
 - Muon(assemble="gather") (every rank orthogonalises every matrix) equals the default
   owners' exchange bit for bit on those layouts.
-The 4-rank cases share one launch.
+The 4-rank cases share one launch. The same against transformers through `meshtrain fit`
+(config, data, metrics.jsonl): tests/test_muon_fit.py; their reference:
+tests/support/muon.py.
 
 Newton-Schulz runs in bf16 (as torch's): a gradient that differs in its last fp32 bit
 (another reduction order: transformers' modules, a sharded reduction) can round to
@@ -28,7 +30,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from meshtrain import AdamW, LRSchedule, MeshSpec, Muon, Rules, TrainState, build, make_plan, make_train_step
 from meshtrain.interop.hf import load_hf_params
@@ -37,15 +38,15 @@ from meshtrain.parallel.init import init_params
 from meshtrain.pipeline.partition import partition
 from meshtrain.pipeline.schedule import build_pipeline_schedule
 from meshtrain.testing import run_ranks
-from meshtrain.train.muon import is_muon
 from meshtrain.train.pipeline_step import local_stage_layout, make_pipeline_step
 from meshtrain.train.step import make_update
 from support import deepseek
 from support.equivalence import CFG, GRAD_CLIP, STEPS, batches
+from support.muon import LR, WEIGHT_DECAY, hf_llama, torch_optimizers, train_reference
 
 transformers = pytest.importorskip("transformers")
 
-LR, WEIGHT_DECAY, RTOL = 3e-4, 0.1, 1e-5
+RTOL = 1e-5
 ADJUST = ("original", "match_rms_adamw")
 
 
@@ -54,20 +55,6 @@ def muon_args(adjust: str, lr: float = LR, steps: int = STEPS, warmup: int = 3, 
     return dict(optimizer=Muon(AdamW(lr=lr, weight_decay=WEIGHT_DECAY), adjust_lr=adjust, ns_dtype=ns_dtype,
                                assemble=assemble),
                 lr_schedule=LRSchedule(lr=lr, min_lr=lr / 10, warmup_steps=warmup, total_steps=steps), grad_clip=clip)
-
-
-def torch_optimizers(named: dict, adjust: str, nesterov: bool = True):
-    """torch.optim.Muon for the blocks' matrices (a 3-D tensor's matrices given as views
-    of their own), torch.optim.AdamW for the rest (decay on >= 2-D): their (matrices,
-    optimizers)."""
-    mine = {n: p for n, p in named.items() if is_muon(n.removeprefix("model."), p)}
-    rest = [p for n, p in named.items() if n not in mine]
-    muon = torch.optim.Muon(list(mine.values()), lr=LR, weight_decay=WEIGHT_DECAY, adjust_lr_fn=adjust,
-                            nesterov=nesterov)
-    adamw = torch.optim.AdamW([{"params": [p for p in rest if p.ndim >= 2], "weight_decay": WEIGHT_DECAY},
-                               {"params": [p for p in rest if p.ndim < 2], "weight_decay": 0.0}],
-                              lr=LR, betas=(0.9, 0.95), eps=1e-8)
-    return mine, (muon, adamw)
 
 
 # --------------------------------------------------------------------------- the update itself
@@ -137,43 +124,6 @@ def test_adamw_state_is_made_over_before_the_first_step_and_refused_after():
 
 
 # --------------------------------------------------------------------------- training
-
-def hf_model(seed: int = 0):
-    """transformers' LlamaForCausalLM of tests/support/equivalence.py's CFG, perturbed."""
-    torch.manual_seed(seed)
-    config = transformers.LlamaConfig(
-        hidden_size=CFG.dim, intermediate_size=CFG.ffn_dim, num_hidden_layers=CFG.n_layers,
-        num_attention_heads=CFG.n_heads, num_key_value_heads=CFG.n_kv_heads, vocab_size=CFG.vocab_size,
-        max_position_embeddings=CFG.max_seq_len, rms_norm_eps=CFG.norm_eps, tie_word_embeddings=False,
-        rope_theta=CFG.rope_theta)
-    model = transformers.LlamaForCausalLM(config).float()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.05 * torch.randn_like(p))
-    return model
-
-
-def train_transformers(model, adjust: str) -> list[tuple[float, float]]:
-    """(loss, grad norm) per step: clip_grad_norm_, then torch's Muon and AdamW at the schedule's lr."""
-    model.train()
-    named = dict(model.named_parameters())
-    _, optimizers = torch_optimizers(named, adjust)
-    schedule = muon_args(adjust)["lr_schedule"]
-    out = []
-    for t, batch in enumerate(batches(micro_steps=1)):
-        tokens, targets = batch["tokens"][0], batch["targets"][0]
-        loss = F.cross_entropy(model(tokens).logits.flatten(0, 1), targets.flatten())
-        for o in optimizers:
-            o.zero_grad()
-        loss.backward()
-        norm = float(torch.nn.utils.clip_grad_norm_(list(named.values()), GRAD_CLIP))
-        for o in optimizers:
-            for group in o.param_groups:
-                group["lr"] = schedule(t)
-            o.step()
-        out.append((loss.item(), norm))
-    return out
-
 
 def _numbers(metrics) -> list[tuple[float, float]]:
     return [(m["loss"], m["grad_norm"]) for m in metrics]
@@ -258,13 +208,15 @@ def _ranks(hf_dir):
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory):
     directory = tmp_path_factory.mktemp("llama")
-    hf_model().save_pretrained(directory)
+    hf_llama(transformers, CFG).save_pretrained(directory)
     return directory
 
 
 @pytest.fixture(scope="module")
 def references(hf_dir):
-    return {adjust: train_transformers(hf_model(), adjust) for adjust in ADJUST}
+    windows = [(b["tokens"][0], b["targets"][0]) for b in batches(micro_steps=1)]
+    return {adjust: train_reference(hf_llama(transformers, CFG), adjust, windows, muon_args(adjust)["lr_schedule"],
+                                    GRAD_CLIP) for adjust in ADJUST}
 
 
 def _check(got, want, what: str) -> None:

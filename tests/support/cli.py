@@ -17,6 +17,9 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
+
+from meshtrain.data import build_data
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "configs" / "tiny.yaml"
@@ -68,3 +71,14 @@ def read_metrics(run_dir: Path) -> list[dict]:
 def losses(run_dir: Path) -> torch.Tensor:
     """A run's logged losses, in float64."""
     return torch.tensor([r["loss"] for r in read_metrics(run_dir)], dtype=torch.float64)
+
+
+def global_batches(run_dir: Path) -> list[torch.Tensor]:
+    """Each step's global batch, (global_batch, seq_len + 1) tokens, as `fit` reads them:
+    samples [step x global_batch, (step + 1) x global_batch) of the training split its
+    config.yaml's data section and seed make."""
+    cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
+    d, t = cfg["data"], cfg["train"]
+    data = build_data(d["paths"], d["tokenizer"], t["seq_len"], cfg["seed"], cfg["model"]["vocab_size"],
+                      d["valid_fraction"])
+    return [data.train.batch(step * t["global_batch"], t["global_batch"]) for step in range(t["steps"])]
