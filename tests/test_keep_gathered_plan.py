@@ -1,5 +1,6 @@
 """`meshtrain plan` for parallel.pp_keep_gathered (estimate/pipeline.py `keep_gathered`):
-a pp rank's parameter traffic once per step in fp32 instead of every micro-batch, and the
+a pp rank's parameter traffic once per step (gathers in the compute dtype, reductions in
+fp32) instead of every micro-batch, and the
 memory that costs, in closed form on the pp 2 x fsdp 2 Llama of tests/test_pipeline_plan.py;
 and both sides in the dry run (JSON `pipeline.keep_gathered`, one block of the console
 plan). Planner only: the runtime is checked against these counts elsewhere."""
@@ -44,20 +45,19 @@ def _gathered_fp32(rank: int) -> tuple[int, int]:
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_kept_weights_are_gathered_and_reduced_once_per_step(precision):
-    """With keep_gathered, on "fsdp": one fp32 all-gather per bucket in forward and one fp32
-    reduce-scatter per bucket in backward, whatever the micro-batch count, no gather in
-    backward; without, m of each (the gathers in the compute dtype) and the backward's
-    gathers again. The loss's per-micro-batch all-reduce (last stage) is the same both ways."""
+    """With keep_gathered, on "fsdp": one all-gather per bucket in forward (compute dtype)
+    and one fp32 reduce-scatter per bucket in backward, whatever the micro-batch count, no
+    gather in backward; without, m of each and the backward's gathers again. The loss's per-micro-batch all-reduce (last stage) is the same both ways."""
     for r in (0, 1):
         buckets, nbytes = _gathered_fp32(r)
         c = 2 if precision == "bf16" else 4
         for m in (2, 4):
             on, off = _estimate(True, m, precision).ranks[r], _estimate(False, m, precision).ranks[r]
             kept, each = _entries(on), _entries(off)
-            assert kept[("fsdp", "all_gather", "forward")] == (buckets, nbytes)
+            assert kept[("fsdp", "all_gather", "forward")] == (buckets, nbytes * c // 4)
             assert kept[("fsdp", "reduce_scatter_sum", "backward")] == (buckets, nbytes)
             assert ("fsdp", "all_gather", "backward") not in kept
-            assert on["param_bytes"] == 2 * nbytes
+            assert on["param_bytes"] == nbytes + nbytes * c // 4
             assert each[("fsdp", "all_gather", "forward")] == (m * buckets, m * nbytes * c // 4)
             assert each[("fsdp", "reduce_scatter_sum", "backward")] == (m * buckets, m * nbytes)
             assert each[("fsdp", "all_gather", "backward")][0] > 0  # reshard_after_forward
@@ -70,22 +70,23 @@ def test_kept_weights_are_gathered_and_reduced_once_per_step(precision):
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_kept_weights_memory_in_closed_form(precision):
-    """kept_weights = kept_grads = the rank's weights gathered, fp32. Nothing gathered is
+    """kept_weights = the rank's weights gathered, in the compute dtype; kept_grads = their
+    fp32 sums. Nothing gathered is
     saved for backward, not even without resharding, and a micro-batch's backward has no
     communication buffers (its transient is its weight gradients, or the loss's); the
-    step's end holds the shards' gradients and one bucket's reduction buffers (the packed
-    fp32 gradients: the rank's largest bucket, gathered) beside the kept weights and
-    gradients. The peak is the larger of the two phases."""
+    release holds one bucket's reduction buffers (the packed fp32 gradients: the rank's
+    largest bucket, gathered) beside the kept weights and sums, each bucket's sums dropped
+    as its shards' gradients are made. The peak is the larger of the two phases."""
     for r in (0, 1):
         _, nbytes = _gathered_fp32(r)
         on, off = _estimate(True, 4, precision).ranks[r]["memory"], _estimate(False, 4, precision).ranks[r]["memory"]
-        assert on["kept_weights"] == on["kept_grads"] == nbytes
+        assert on["kept_weights"] * (2 if precision == "bf16" else 1) == on["kept_grads"] == nbytes
         assert off["kept_weights"] == off["kept_grads"] == off["release"] == 0
         assert on["gathered_weights"] == on["saved_weights"] == 0
         assert on["transient_backward"] < off["transient_backward"]
         assert off["comm_buffers"] > on["comm_buffers"] > 0
-        assert on["release"] == on["grads"] + on["comm_buffers"]
-        state = on["params"] + on["optimizer"] + 2 * nbytes
+        assert on["release"] == on["comm_buffers"]  # each bucket's sums dropped as its shards' gradients are made
+        state = on["params"] + on["optimizer"] + on["kept_weights"] + nbytes
         working = on["activations"] + on["recompute"] + on["transient"]
         assert on["peak"] == state + max(working, on["release"])
         assert off["peak"] == off["params"] + off["optimizer"] + off["grads"] + off["activations"] \
@@ -118,14 +119,16 @@ def test_the_plan_weighs_both_sides():
         assert "parallel.pp_keep_gathered, each way the pp rank with the highest peak:" in text
         assert f"{sides['configured']} (set)" in text
     off, kept = runs[False].to_dict()["pipeline"]["keep_gathered"]["off"], runs[True].memory
-    # One fp32 gather and one reduce-scatter of the rank's weights (kept_weights each), and
-    # per block one all-reduce over tp of its two norm weights' gradients (partial there
-    # under sequence parallelism), fp32 shards.
+    # One gather of the rank's weights (kept_weights, compute dtype), one fp32 reduce-scatter
+    # of their gradients' sums (kept_grads), and per block one all-reduce over tp of its two
+    # norm weights' gradients (partial there under sequence parallelism), fp32 shards.
     layers, fsdp = runs[True].pipeline.most_loaded["layers"], without_pp(runs[True].plan).mesh.fsdp
     norms = _entries(runs[True].pipeline.most_loaded)[("tp", "all_reduce_sum", "backward")]
     assert norms == (layers, layers * 2 * cfg.model.dim // fsdp * 4)
-    assert runs[True].pipeline.most_loaded["param_bytes"] == 2 * kept["kept_weights"] + norms[1] < off["param_bytes"]
-    assert kept["peak"] > off["peak_bytes"] and kept["kept_grads"] == kept["kept_weights"] > 0
+    param_bytes = kept["kept_weights"] + kept["kept_grads"] + norms[1]
+    assert runs[True].pipeline.most_loaded["param_bytes"] == param_bytes < off["param_bytes"]
+    width = 2 if cfg.train.precision in ("bf16", "fp16", "fp8") else 1
+    assert kept["peak"] > off["peak_bytes"] and kept["kept_grads"] == width * kept["kept_weights"] > 0
     assert dry_run(_with(cfg, bucket="param"), world).to_dict()["pipeline"]["keep_gathered"] is None
     no_gather = dry_run(_with(cfg, fsdp=1, dp=-1), world)
     assert no_gather.to_dict()["pipeline"]["keep_gathered"] is None

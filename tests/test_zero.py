@@ -36,6 +36,9 @@ LAYOUTS = {
         "ep2_fsdp4": (MOE_CFG, {"fsdp": 4, "ep": 2}, False), "pp2_fsdp2": (LLAMA4, {"pp": 2, "fsdp": 2}, False)},
 }
 MODES = [(zero, compile) for zero in (1, 2) for compile in (False, "aot_eager")]
+# bf16 against ZeRO-3's bf16 step: the same bf16 weights (cast, then gathered), the same
+# bf16 gradients, summed in fp32 over micro-batches and ranks in another order.
+BF16_MODES = [(3, False), (1, False), (2, "aot_eager")]
 
 
 def _zero(stage: int) -> Traffic:
@@ -52,7 +55,7 @@ def single_process(cfg, micro_steps: int):
     return [(m["loss"], m["grad_norm"]) for m in metrics], whole(params), recorder.grads[1]
 
 
-def _layout(cfg, sizes, sp, zero, compile):
+def _layout(cfg, sizes, sp, zero, compile, precision="fp32"):
     import torch.distributed as dist
 
     model = build("llama", cfg)
@@ -60,8 +63,8 @@ def _layout(cfg, sizes, sp, zero, compile):
     mesh = plan.mesh.build()
     params = init_params(plan, mesh, seed=0)
     recorder = GradRecorder()
-    step = make_train_step(model, plan, mesh, inspect_grads=recorder, compile=compile, traffic=_zero(zero),
-                           **optimizer_args())
+    step = make_train_step(model, plan, mesh, inspect_grads=recorder, compile=compile,
+                           traffic=_zero(zero) if zero < 3 else Traffic(), precision=precision, **optimizer_args())
     state = TrainState.create(params)
     metrics = [step(state, b) for b in batches(2)]
     return [(m["loss"], m["grad_norm"]) for m in metrics], whole(params), recorder.grads[1]
@@ -92,7 +95,8 @@ def _pipelined(cfg, sizes, zero, compile):
 
 
 def train_layouts(world: int):
-    """Runs on every rank: each layout of this world at each zero stage, eager and compiled."""
+    """Runs on every rank: each layout of this world at each zero stage, eager and compiled
+    (world 2: and fsdp2 under bf16, BF16_MODES)."""
     torch.set_num_threads(1)
     out = {}
     for name, (cfg, sizes, sp) in LAYOUTS[world].items():
@@ -103,6 +107,10 @@ def train_layouts(world: int):
                     out[name, zero, compile] = _pipelined(cfg, sizes, zero, compile)
                 else:
                     out[name, zero, compile] = _layout(cfg, sizes, sp, zero, compile)
+    if world == 2:  # bf16: the weights kept in bf16, their gradients summed in fp32
+        for zero, compile in BF16_MODES:
+            torch._dynamo.reset()
+            out["fsdp2 bf16", zero, compile] = _layout(CFG, {"fsdp": 2}, False, zero, compile, "bf16")
     return out
 
 
@@ -115,10 +123,27 @@ def _reference(references, cfg):
     return references["moe" if cfg is MOE_CFG else "llama4" if cfg is LLAMA4 else "dense"]
 
 
+def _assert_bf16_equals_zero_3(results):
+    """fsdp2 under bf16: zero 1 and 2 against zero 3, at the fp32 suite's tolerances."""
+    for rank_out in results:
+        ref_metrics, ref_params, ref_grads = rank_out.pop(("fsdp2 bf16", 3, False))
+        for zero, compile in BF16_MODES[1:]:
+            metrics, params, grads = rank_out.pop(("fsdp2 bf16", zero, compile))
+            what = f"bf16 zero {zero}{' compiled' if compile else ''}"
+            torch.testing.assert_close(torch.tensor(metrics), torch.tensor(ref_metrics), rtol=LOSS_RTOL, atol=0,
+                                       msg=lambda m: f"{what} against zero 3: {m}")
+            for n, g in grads.items():
+                torch.testing.assert_close(g, ref_grads[n], rtol=0, atol=GRAD_ATOL, msg=lambda m: f"{what} {n}: {m}")
+            for n, p in params.items():
+                torch.testing.assert_close(p, ref_params[n], rtol=0, atol=PARAM_ATOL, msg=lambda m: f"{what} {n}: {m}")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_zero_1_and_2_equal_one_process(references, world):
     results = run_ranks(train_layouts, world, world)
+    if world == 2:
+        _assert_bf16_equals_zero_3(results)
     held: dict = {}
     for rank_out in results:
         for (name, zero, compile), (metrics, params, grads) in rank_out.items():
@@ -148,30 +173,38 @@ PLANNED = {"fsdp2": ({"fsdp": 2}, False, 2), "dp2_fsdp2": ({"dp": 2, "fsdp": 2},
 MICRO = 2
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("zero", [1, 2])
 @pytest.mark.parametrize("name", list(PLANNED))
-def test_recorded_collectives_are_the_planners(name, zero):
-    """A step of 2 micro-batches: each bucket all-gathered once, before the first, and
-    reduce-scattered once after the last backward (zero 1) or after each (zero 2): no
-    gather in backward, none per micro-batch; equal to `meshtrain plan`'s, bytes included."""
+def test_recorded_collectives_are_the_planners(name, zero, precision):
+    """A step of 2 micro-batches: each bucket all-gathered once, in the first, and
+    reduce-scattered once in and after the last backward (zero 1) or each (zero 2): no
+    gather in backward, none per micro-batch; equal to `meshtrain plan`'s, bytes included
+    (under bf16 the gathers move bf16, the reductions fp32)."""
     from support.collectives import CFG as SMALL, run_model_step
     from support.comms import assert_same, estimate, totals
 
     sizes, sp, world = PLANNED[name]
     model = build("llama", SMALL)
-    step = dict(bucket="block", sp=sp, batch=4, seq=8, micro=MICRO, world=world)
+    step = dict(bucket="block", sp=sp, batch=4, seq=8, micro=MICRO, world=world, precision=precision)
     recorded = totals(run_model_step(model, sizes, **step, traffic=dataclasses.replace(_zero(zero), bucket="block")))
     assert_same(estimate(model, sizes, **step, keep_gathered=True, zero=zero), recorded)
     buckets = SMALL.n_layers + 2  # a bucket per block, before the blocks and after them
     assert recorded[("fwd", "all_gather", "fsdp")][0] == buckets
     assert not any(op == "all_gather" and axis == "fsdp" for phase, op, axis in recorded if phase == "bwd")
-    assert recorded[("bwd", "reduce_scatter_sum", "fsdp")][0] == buckets * (MICRO if zero == 2 else 1)
+    reductions = MICRO if zero == 2 else 1
+    assert recorded[("bwd", "reduce_scatter_sum", "fsdp")][0] == buckets * reductions
+    # the weights gathered in the compute dtype, their gradients reduced in fp32
+    width = 2 if precision == "bf16" else 1
+    assert recorded[("fwd", "all_gather", "fsdp")][1] * width * reductions == \
+        recorded[("bwd", "reduce_scatter_sum", "fsdp")][1]
 
 
-def _measured_state(sizes: dict, sp: bool, world: int, zero: int) -> dict:
+def _measured_state(sizes: dict, sp: bool, world: int, zero: int, precision: str) -> dict:
     """Rank 0's tensors at each stage of a kept step: the gathered weights, the whole
-    gradients at the last backward's end (zero 1: summed over the micro-batches; zero 2:
-    that micro-batch's), then the shards' gradients and AdamW's moments."""
+    gradients' fp32 sums at the last backward's end (zero 1: summed over the
+    micro-batches; zero 2: that micro-batch's), then the shards' gradients and AdamW's
+    moments."""
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -187,18 +220,18 @@ def _measured_state(sizes: dict, sp: bool, world: int, zero: int) -> dict:
         plan = make_plan(model.specs, Rules.default(sp=sp), MeshSpec(**sizes), world=world)
         mesh = plan.mesh.build()
         params = init_params(plan, mesh, seed=0)
-        kept = KeptWeights(plan, mesh, list(plan.params), Policy(), _zero(zero))
+        kept = KeptWeights(plan, mesh, list(plan.params), Policy.of(precision), _zero(zero))
         leaves = kept.gather(params)
-        gathered = [n for n in plan.params if is_gathered(plan, n)]
-        out = {"kept_weights": sum(local_tensor(leaves[n]).nbytes for n in gathered)}
+        assert all(is_gathered(plan, n) for n in plan.params)  # so every kept weight is new memory
+        out = {"kept_weights": sum(local_tensor(leaves[n]).nbytes for n in plan.params)}
         for micro, b in enumerate(next(batches(MICRO))["tokens"]):
             logits = model.forward(leaves, b, kept.context)
-            kept.context.cross_entropy_sum(logits, b, reduce=False).to_local().backward()
-            whole_grads = sum(local_tensor(leaves[n].grad).nbytes for n in gathered)
+            kept.context.cross_entropy_sum(logits, b, reduce=False).to_local().float().backward()
+            whole_grads = sum(t.nbytes for t in kept.sums().values())
             if zero == 2:
-                kept.release(leaves, retain=micro < MICRO - 1)
+                kept.release()
         if zero == 1:
-            kept.release(leaves)
+            kept.release()
         out["kept_grads" if zero == 1 else "micro_grads"] = whole_grads
         out["grads"] = sum(local_tensor(p.grad).nbytes for p in params.values() if p.grad is not None)
         out["params"] = sum(local_tensor(p).nbytes for p in params.values())
@@ -208,16 +241,17 @@ def _measured_state(sizes: dict, sp: bool, world: int, zero: int) -> dict:
         dist.destroy_process_group()
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("zero", [1, 2])
 @pytest.mark.parametrize("name", list(PLANNED))
-def test_planned_state_bytes_are_the_steps(name, zero):
+def test_planned_state_bytes_are_the_steps(name, zero, precision):
     from meshtrain.estimate.memory import per_rank_memory
 
     sizes, sp, world = PLANNED[name]
-    measured = _measured_state(sizes, sp, world, zero)
+    measured = _measured_state(sizes, sp, world, zero, precision)
     model = build("llama", CFG)
     plan = make_plan(model.specs, Rules.default(sp=sp), MeshSpec(**sizes), world=world)
-    est = per_rank_memory(plan, model, micro_batch=2, seq_len=16, traffic=_zero(zero))
+    est = per_rank_memory(plan, model, micro_batch=2, seq_len=16, traffic=_zero(zero), precision=precision)
     for key, value in measured.items():
         assert est[key] == value, (key, est[key], value)
     assert est["kept_grads" if zero == 2 else "micro_grads"] == 0
@@ -225,7 +259,53 @@ def test_planned_state_bytes_are_the_steps(name, zero):
     three = per_rank_memory(plan, model, micro_batch=2, seq_len=16)
     assert (three["params"], three["grads"], three["optimizer"]) == (est["params"], est["grads"], est["optimizer"])
     # Every parameter here is fsdp-sharded evenly: kept whole over fsdp, fsdp times its shard.
-    assert three["kept_weights"] == 0 and est["kept_weights"] == sizes["fsdp"] * est["params"]
+    # held in the compute dtype: bf16 halves them
+    width = 2 if precision == "bf16" else 1
+    assert three["kept_weights"] == 0 and est["kept_weights"] * width == sizes["fsdp"] * est["params"]
+
+
+@pytest.mark.parametrize("zero", [1, 2])
+def test_an_eager_step_overlaps_gathers_with_forward_and_reductions_with_backward(zero):
+    """Eager, on the fake process group: no bucket is gathered before the first
+    micro-batch's forward asks for it (Megatron's --overlap-param-gather: each gather
+    issued where it is first used, the next ones ahead), and every bucket's gradients are
+    reduced inside the backward that completes them (--overlap-grad-reduce: zero 1 the
+    last micro-batch's, zero 2 each one's), none left for after it."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from meshtrain.parallel.keep_gathered import KeptWeights
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    calls, gathered_before = [], []
+    reduce, gather = KeptWeights._reduce, KeptWeights.gather
+
+    def recorded_reduce(self, b):
+        calls.append((b, torch._C._current_autograd_node() is not None, bool(self.sums())))
+        return reduce(self, b)
+
+    def recorded_gather(self, params, lazy=False):
+        view = gather(self, params, lazy)
+        gathered_before.append(len(self._leaves))
+        return view
+
+    try:
+        model = build("llama", CFG)
+        plan = make_plan(model.specs, Rules.default(), MeshSpec(fsdp=2), world=2)
+        mesh = plan.mesh.build()
+        step = make_train_step(model, plan, mesh, traffic=_zero(zero), **optimizer_args())
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(KeptWeights, "_reduce", recorded_reduce)
+            patch.setattr(KeptWeights, "gather", recorded_gather)
+            step(TrainState.create(init_params(plan, mesh, seed=0)), next(batches(MICRO)))
+    finally:
+        dist.destroy_process_group()
+    assert gathered_before == [0]
+    buckets = CFG.n_layers + 2
+    in_backward = [b for b, inside, _ in calls if inside]
+    assert len(in_backward) == buckets * (MICRO if zero == 2 else 1)
+    # after the backward, release finds every bucket reduced already
+    assert all(inside or not pending for _, inside, pending in calls)
 
 
 def test_the_plan_shows_each_stage_as_its_own_dry_run_would():

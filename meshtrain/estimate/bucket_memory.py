@@ -18,15 +18,16 @@ class BucketBytes:
     transients: compute-local elements, their compute copies, and the gathered part."""
 
     def __init__(self, kept: bool):
-        self.kept = kept  # parallel.pp_keep_gathered: gathered once per step, reduced at its end
+        self.kept = kept  # parallel.zero 1/2, pp_keep_gathered: gathered once per step, reduced at its end
         self.copies = self.grads = self.gathered = self.replica_grads = 0
         self.ways = 1
 
     def add(self, plan: Plan, name: str, n: int, width: int, gathered: bool) -> None:
         # The weight gradient autograd makes, in the compute dtype, and its fp32 copy for
         # the reductions (BucketRun._normalise) where that differs; a gathered one is cast
-        # as it is packed for its reduce-scatter, with no copy.
-        self.grads += n * width + (n * FP32 if width != FP32 and not gathered else 0)
+        # as it is packed for its reduce-scatter, with no copy. Kept weights are held in
+        # the compute dtype: their gradients' fp32 sums are state (`kept_grads`).
+        self.grads += n * width + (n * FP32 if width != FP32 and not gathered and not self.kept else 0)
         if gathered:
             p = plan.params[name]
             ways = math.prod(p.mesh.size(a) for a, q in zip(p.mesh.axes, p.placements)

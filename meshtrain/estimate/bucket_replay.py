@@ -40,16 +40,16 @@ def bucket_traffic(w: Walker, events, names, policy: Policy, traffic: Traffic,
       Partial over the data dims. Those all-reduces go into `step` when given: a plain
       step holds them back on every micro-step but the last and issues them once; with
       fsdp_accumulate unsharded the reduce-scatters too.
-    - `keep` (`step_collectives` parameters "kept": a pp rank under
-      parallel.pp_keep_gathered, with a walker that is neither eager nor recomputing): a
-      bucket once gathered stays gathered, so it is gathered once however its lookups
+    - `keep` (`step_collectives` parameters "kept": parallel.zero 1 and 2, a pp rank
+      under parallel.pp_keep_gathered, with a walker that is neither eager nor
+      recomputing): buckets of the rank's own parameters; a bucket once gathered stays gathered, so it is gathered once however its lookups
       interleave with other buckets', and the gradients of all its lookups are reduced
       together, once.
 
     Returns the eager backward's gathers again, in the order backward issues them:
     (bucket index, {(phase, op, axis): [count, bytes]}) each."""
     replay = _BucketReplay(w, check_bucket(traffic.bucket), names, policy, step,
-                           traffic.fsdp_accumulate == "unsharded")
+                           traffic.fsdp_accumulate == "unsharded", keep)
     replay.forward(events, traffic.prefetch, keep)
     return replay.backward()
 
@@ -57,9 +57,11 @@ def bucket_traffic(w: Walker, events, names, policy: Policy, traffic: Traffic,
 class _BucketReplay:
     """The plan's buckets, and the gathers a forward's lookups took of them."""
 
-    def __init__(self, w: Walker, unit, names, policy: Policy, step: CollectiveTally | None, unsharded: bool):
+    def __init__(self, w: Walker, unit, names, policy: Policy, step: CollectiveTally | None, unsharded: bool,
+                 keep: bool = False):
         self.w, self.plan, self.policy, self.step, self.unsharded = w, w.plan, policy, step, unsharded
-        self.buckets, _ = plan_buckets(w.plan, unit)
+        # Kept weights are bucketed among the rank's own, in forward order (parallel/keep_gathered.py).
+        self.buckets, _ = plan_buckets(w.plan, unit, [n for n in w.plan.params if n in names] if keep else None)
         self.groups = {mesh: group_dims(self.buckets, w.plan, mesh) for mesh in {b.mesh for b in self.buckets}}
         self.bucket_of = {n: b.index for b in self.buckets for n in b.names}
         self.complete = {b.index for b in self.buckets if all(n in names for n in b.names)}

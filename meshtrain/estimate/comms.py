@@ -23,7 +23,7 @@ and equal placements nothing, S(i)->S(j) all-to-all):
 | parameter lookup, bucket="block" or MB (`_BoundParams`, `BucketGather`; buckets of layout/buckets.py `plan_buckets`, each on one mesh: expert weights' on the expert mesh, over its groups) | the first lookup of a bucket, unless it is the bucket gathered last, gathers all of it: one all-gather per gather set (members with the same gathered mesh dims and compute dtype), over those dims as one group, of the shards padded to the largest rank's in one buffer (ways x padded shards x c bytes); and issues the next `prefetch` buckets' gathers (taken by their first lookup). A `reused` table is kept from its first lookup | per gather of a bucket with a trainable member used: one reduce-scatter per gather set (parameter dtype), then one all-reduce of what is still partial (dp replicas; tp, for weights used whole under sequence parallelism), one per distinct set of mesh dims, over them as one group; a member without gradient counts as Partial over the data dims |
 | the same, eager with reshard_after_forward | | the bucket gathered again (every set) once per run of saved uses of its gathered members, in the order autograd saved them |
 | the same, compiled (`traced_gather`) | the same gathers (issued `prefetch` gathers ahead by a pass on the compiled graph, parallel/overlap.py) | the same reductions: the reduce-scatters in the graph on every micro-step, the all-reduces once per step after the last backward (`ShardedContext.reduce_held`, the same calls as the eager step's last micro-step); with reshard_after_forward each bucket with a saved gathered member gathered again once (recomputed) |
-| the same, on a pp rank under parallel.pp_keep_gathered (parallel/keep_gathered.py; eager or compiled) | once per step, before the first micro-batch: each bucket gathered once, one all-gather per gather set, the sets by parameter dtype (fp32, whatever the compute dtype); a parameter in no bucket by its own redistribute, once; nothing per micro-batch | nothing per micro-batch; after the last backward, the step's summed gradients: per bucket one reduce-scatter per gather set (fp32), then one all-reduce per distinct set of dims still partial; none gathered again (`parameters="kept"`) |
+| the same, kept gathered: parallel.zero 1 and 2, or a pp rank under parallel.pp_keep_gathered (parallel/keep_gathered.py; eager or compiled) | once per step, at the bucket's first lookup in the first micro-batch (compiled: all before it): each bucket gathered once, one all-gather per gather set (compute dtype; the router fp32); a parameter in no bucket by its own redistribute, once; nothing per micro-batch | the step's fp32 gradient sums, once per step (zero 2: per micro-batch), each bucket's in the last backward once its gradients are complete (eager) or after it: per bucket one reduce-scatter per gather set (fp32), then one all-reduce per distinct set of dims still partial; none gathered again (`parameters="kept"`) |
 | `constrain(x)` | source -> target placements | incoming gradient -> source, its Partials taken as Replicate |
 | `embedding` (vocab split) | output Partial over the table's vocab dims | none (the table gradient is Partial over token-sharding dims) |
 | `attention` (sequence split over cp) | allgather: one all-gather of K/V; a2a: two all-to-alls; ring: cp-1 sends (and receives) of a K/V block | allgather: one fp32 reduce-scatter of dK/dV; a2a: two all-to-alls; ring: cp-1 K/V blocks and cp fp32 dK/dV blocks sent |
@@ -226,10 +226,10 @@ def _parameter_tallies(plan: Plan, walker, events, held: set[str], parameters: s
     """The parameters' traffic as (tally, times per step): `parameters` "kept" once per
     step; "each" per micro-step, with what a plain step reduces once per step apart;
     "none" nothing."""
-    if parameters == "kept":  # fp32 (c None: each parameter's own dtype), gathered once: none again
-        params = walker(c=None, eager=False, recompute=False)
-        # Each bucket gathered once, before the first micro-batch: counted in lookup order.
-        bucket_traffic(params, events, held, Policy.of("fp32"), replace(traffic, prefetch=0), keep=True)
+    if parameters == "kept":  # in the compute dtype, gathered once: none again
+        params = walker(eager=False, recompute=False)
+        # Each bucket gathered once, at its first lookup in the first micro-batch.
+        bucket_traffic(params, events, held, Policy.of(precision), replace(traffic, prefetch=0), keep=True)
         if traffic.zero != 2:
             return [(params.tally, 1)]
         # ZeRO-2: the reductions after every micro-batch's backward.

@@ -34,7 +34,7 @@ import torch
 from ..layout.plan import Plan
 from ..layout.traffic import Traffic
 from ..models.cost_terms import cost_terms
-from ..models.policy import ACTIVATION_MODES
+from ..models.policy import ACTIVATION_MODES, keeps_fp32
 from ..train.muon import muon_name
 from .activation_memory import (MicroBatch, attention_half, block_tables, checkpointed_layer, loss_transient,
                                 mask_tensors, mlp_half, mtp_extras, offload_stays, once_per_micro_batch)
@@ -87,7 +87,7 @@ def per_rank_memory(plan: Plan, model, *, micro_batch: int, seq_len: int, precis
     mtp = _mtp_modules(mb, layer) if head else 0
     layers_bytes, per_layer, ran = _layers(model.cfg, layers, layer)
     weights = weight_bytes(plan, model, names, mb.c, activation_checkpointing, traffic)
-    state = _state(plan, names, traffic, optimizer)
+    state = _state(plan, names, traffic, optimizer, mb.c)
     host = _offloaded(plan, model, names, mb, traffic, layers, layer, weights, head)
     if optimizer_offload:
         host["host_optimizer"], state = state.optimizer, replace(state, optimizer=0)
@@ -109,9 +109,12 @@ def per_rank_memory(plan: Plan, model, *, micro_batch: int, seq_len: int, precis
         "unsharded_grads": state.unsharded_grads, "kept_weights": state.kept_weights, "kept_grads": state.kept_grads,
         "micro_grads": state.micro_grads,
         "transient_forward": forward, "transient_backward": backward, "comm_buffers": comm_buffers,
-        # Kept gathered: the step's end, beside the kept weights and gradients: the shards'
-        # gradients as they are reduced into and the reductions' buffers.
-        "release": state.grads + state.micro_grads + comm_buffers if traffic.keep_gathered else 0,
+        # Kept gathered: a release, beside the kept weights and the sums: its reductions'
+        # buffers, and under zero 2 the shards' gradients and one micro-batch's sums (zero 1
+        # drops each bucket's sums as its shards' gradients are made: at most one bucket's
+        # more, the first, whose shards had none).
+        "release": (state.grads + state.micro_grads if traffic.zero == 2 else 0) + comm_buffers
+        if traffic.keep_gathered else 0,
         "transient_layer_weights": weights.layer_copies, "logits": loss_logits,
         "attention_kernel": attention, "document_masks": masks, "tiles_joined_per_layer": layer.joined,
         "window_pads_per_layer": layer.pads,
@@ -238,14 +241,16 @@ class _State:
     micro_grads: int
 
 
-def _state(plan: Plan, names: set[str], traffic: Traffic, optimizer: str = "adamw") -> _State:
+def _state(plan: Plan, names: set[str], traffic: Traffic, optimizer: str = "adamw", c: int = FP32) -> _State:
     """Parameters, gradients (the trainable ones') and the optimizer's state of `names`
-    (AdamW's two moments; under Muon its matrices' one momentum buffer); and the
-    gathered parameters whole, fp32: under parallel.fsdp_accumulate unsharded (with micro-steps) their
-    gradients, held from the first micro-step to the reduce-scatter; kept gathered
-    (parallel.zero 1, parallel.pp_keep_gathered) the weights held for the step, and their
-    gradients summed over its micro-batches beside them; under parallel.zero 2 the
-    weights, and one micro-batch's whole gradients (`micro_grads`) until its reduction."""
+    (AdamW's two moments; under Muon its matrices' one momentum buffer); under
+    parallel.fsdp_accumulate unsharded (with micro-steps) the gathered parameters' whole
+    fp32 gradients, held from the first micro-step to the reduce-scatter. Kept gathered
+    (parallel.zero 1 and 2, parallel.pp_keep_gathered; parallel/keep_gathered.py): the
+    weights held for the step in the compute dtype c (the router fp32; an fp32 weight
+    not gathered is the parameter itself), and every trainable one's fp32 gradient sum
+    beside them: over the step's micro-batches (`kept_grads`), or under zero 2 one
+    micro-batch's until its reduction (`micro_grads`)."""
     params = sum(p.bytes_per_rank for n, p in plan.params.items() if n in names)
     # State the step updates itself (the aux-free expert bias) has no gradient; AdamW's
     # state keeps (zero) moments for every parameter (train/optim.py init_state).
@@ -253,10 +258,15 @@ def _state(plan: Plan, names: set[str], traffic: Traffic, optimizer: str = "adam
                   if n in names)
     grads = sum(math.prod(p.local_shape) * FP32 for n, p in plan.params.items() if n in names and p.spec.trainable)
     whole = sum(compute_numel(plan, n) * FP32 for n in plan.params if n in names and is_gathered(plan, n))
-    kept = whole if traffic.keep_gathered else 0
+    kept = sums = 0
+    if traffic.keep_gathered:
+        for n in names:
+            width = FP32 if keeps_fp32(n) else c
+            kept += compute_numel(plan, n) * width if is_gathered(plan, n) or width != FP32 else 0
+            sums += compute_numel(plan, n) * FP32 if plan.params[n].spec.trainable else 0
     per_micro = traffic.zero == 2
     return _State(params, grads, moments, whole if traffic.fsdp_accumulate == "unsharded" else 0, kept,
-                  0 if per_micro else kept, kept if per_micro else 0)
+                  0 if per_micro else sums, sums if per_micro else 0)
 
 
 def _buffers(optimizer: str, name: str, spec) -> int:

@@ -17,8 +17,8 @@ so memory and collectives are estimated per pp rank and the most loaded one is r
   the backward gathers its schedule saves (a backward that starts with the bucket the
   rank's last backward gathered again, with no forward between, takes that); with
   parallel.pp_keep_gathered (`keep_gathered`) that traffic once per step instead
-  (`step_collectives` parameters "kept": every bucket gathered in fp32 before the first
-  micro-batch, the gradients reduced after the last backward; its memory in
+  (`step_collectives` parameters "kept": every bucket gathered in the compute dtype before
+  the first micro-batch, the fp32 gradient sums reduced after the last backward; its memory in
   `per_rank_memory`'s `kept_weights` and `kept_grads`); plus the
   point-to-point traffic on pp: per micro-batch, per stage boundary the rank touches, one
   activation forward and one gradient backward, each this rank's shard of the

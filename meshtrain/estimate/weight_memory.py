@@ -11,16 +11,12 @@ and compiled): nothing kept. Without resharding every gathered weight autograd s
 kept from forward to backward (`gathered_weights`), except a block's under full or
 selective checkpointing, whose recompute gathers again.
 
-A pp rank under parallel.pp_keep_gathered (`keep_gathered`; parallel/keep_gathered.py)
-gathers its parameters once per step in fp32 and holds them over the micro-batches
-(`kept_weights`: the gathered ones' compute-local elements, x 4), their gradients adding
-up unsharded beside them (`kept_grads`, as many bytes) until one reduction after the last
-backward. Autograd keeps none of them: under fp32 a step uses the kept weights as they
-are (`Tensor.to` of their own dtype is the tensor itself, and a bucket with nothing left
-to gather hands out its members: no copy, so no transient either); under bf16 each
-bucket is cast per use and cast again in backward (a `held` ShardedContext), so the
-casts are a transient as a layer's gathered weights are today, and a bucketed
-parameter's cast is never saved.
+Kept gathered (parallel.zero 1 and 2, parallel.pp_keep_gathered: `keep_gathered`;
+parallel/keep_gathered.py) a rank gathers its parameters once per step in the compute
+dtype and holds them over the micro-batches (memory.py's `kept_weights` and the fp32 sums
+of their gradients, `kept_grads`). The step uses the kept weights as they are (`Tensor.to`
+of their own dtype is the tensor itself): no copy, no transient, and what autograd saves
+of them is the kept weight itself.
 """
 
 from __future__ import annotations
@@ -32,7 +28,6 @@ import torch
 
 from ..models.cost_terms import cost_terms
 from ..models.policy import keeps_fp32
-from ..layout.buckets import plan_buckets
 from ..layout.mesh import GATHERED_AXES
 from ..layout.plan import Plan
 from ..layout.traffic import Traffic
@@ -68,13 +63,11 @@ class WeightBytes:
 
 def weight_bytes(plan: Plan, model, names: set[str], c: int, checkpointing: str, traffic: Traffic) -> WeightBytes:
     """The weights of the parameters in `names` (a pipeline rank's), with compute dtype c,
-    under `traffic`'s reshard_after_forward and keep_gathered. Kept gathered, the fp32
-    weights are held (`kept_weights`): only a cast is new, and it is made again in
-    backward for every bucketed parameter."""
+    under `traffic`'s reshard_after_forward and keep_gathered (the weights held in the
+    compute dtype: nothing new)."""
     # Which weights an op keeps for backward does not depend on the sequence: read at 1.
     kept_by_ops = cost_terms(model, 1, torch.float32 if c == FP32 else torch.bfloat16)
     keep_gathered = traffic.keep_gathered
-    alone = plan_buckets(plan)[1] if keep_gathered else set()
     saved_weights = gathered_weights = 0
     layer_weights: dict[str, int] = {}
     buckets: dict[str, BucketBytes] = {}
@@ -83,7 +76,8 @@ def weight_bytes(plan: Plan, model, names: set[str], c: int, checkpointing: str,
             continue
         gathered, n = is_gathered(plan, name), compute_numel(plan, name)
         width = FP32 if keeps_fp32(name) else c  # the router stays fp32
-        new_copy = (gathered and not keep_gathered) or width != FP32  # otherwise the parameter itself is used
+        # Otherwise the parameter itself (or the kept weight) is used.
+        new_copy = not keep_gathered and (gathered or width != FP32)
         group = name.split(".")[1] if name.startswith("layers.") else name
         if new_copy:
             layer_weights[group] = layer_weights.get(group, 0) + n * width
@@ -93,9 +87,8 @@ def weight_bytes(plan: Plan, model, names: set[str], c: int, checkpointing: str,
         if not new_copy or not kept_by_ops.weight_saved(name):
             continue
         # A block's checkpoint gathers or casts its weights again in the recompute.
-        recast = (checkpointing != "none" and name.startswith("layers.")
-                  or keep_gathered and name not in alone)
-        if gathered and not keep_gathered:
+        recast = checkpointing != "none" and name.startswith("layers.")
+        if gathered:
             kept = not traffic.reshard_after_forward and not recast
             gathered_weights += n * width if kept else 0
         elif not recast:

@@ -234,13 +234,17 @@ def without_pp(plan: Plan) -> Plan:
     return make_plan({n: p.spec for n, p in plan.params.items()}, plan.rules, mesh, mesh.world, plan.cp_comm)
 
 
-def gathered(plan: Plan) -> Plan:
+def gathered(plan: Plan, policy=None) -> Plan:
     """The plan with every parameter stored where it is used (`compute_placements`: fsdp
-    and cp shards whole, tensor- and expert-parallel shards kept): the layout of a
-    pipeline stage's weights held gathered over a step (parallel.pp_keep_gathered)."""
+    and cp shards whole, tensor- and expert-parallel shards kept): the layout of the
+    weights held gathered over a step (parallel.zero 1 and 2, pp_keep_gathered), in the
+    dtype `policy` (models/policy.py) uses each in, as they are held."""
     params = {}
     for name, p in plan.params.items():
         axes = tuple(tuple(a for a in dim if a not in GATHERED_AXES) for dim in p.layout.dim_axes)
         layout = Layout(axes, p.compute_placements())
-        params[name] = dataclasses.replace(p, layout=layout, local_shape=layout.local_shape(p.spec.shape, p.mesh))
+        dtype = policy.param_dtype(name) if policy is not None else None
+        spec = dataclasses.replace(p.spec, dtype=dtype) if dtype is not None else p.spec
+        params[name] = dataclasses.replace(p, spec=spec, layout=layout,
+                                           local_shape=layout.local_shape(p.spec.shape, p.mesh))
     return dataclasses.replace(plan, params=params)

@@ -5,8 +5,8 @@ ZeRO-3 eager: each micro-batch's backward reduce-scatters as it goes, holding wh
 partial over the replica dims (dp) until the last micro-batch; compiled: the graphs
 leave it partial and `ShardedContext.reduce_held` reduces it once. Kept weights
 (parallel.zero 1 and 2, parallel/keep_gathered.py): the micro-batches run on weights
-gathered once, their gradients partial throughout, released once after the last backward
-(zero 1) or after every one (zero 2).
+gathered once, their gradients summed locally, released in and after the last backward
+(zero 1) or every one (zero 2).
 """
 
 from __future__ import annotations
@@ -28,24 +28,27 @@ class GradientSchedule:
 
     def weights(self, params: Mapping) -> Mapping:
         """What the micro-batches run on: the parameters, or their kept gathered copies."""
-        return params if self.kept is None else self.kept.gather(params)
+        return params if self.kept is None else self.kept.gather(params, lazy=not self.compiled)
 
     def before_backward(self, micro: int, last: int) -> None:
-        """ZeRO-3 eager: hold the replica reductions on all but the last micro-batch (kept
-        weights hold everything: their release reduces it)."""
-        if self.kept is None and self.ctx is not None and hasattr(self.ctx, "hold_reductions"):
+        """ZeRO-3 eager: hold the replica reductions on all but the last micro-batch. Kept
+        weights: the backward that releases (zero 1: the last; zero 2: each) reduces the
+        buckets it completes as it goes."""
+        if self.kept is not None:
+            self.kept.arm(self.per_micro_batch or micro == last)
+        elif self.ctx is not None and hasattr(self.ctx, "hold_reductions"):
             self.ctx.hold_reductions(micro < last)
 
     def after_backward(self, weights: Mapping, micro: int, last: int) -> None:
         """ZeRO-2: this micro-batch's gradients reduced into the shards'."""
         if self.per_micro_batch:
-            self.kept.release(weights, retain=micro < last)
+            self.kept.release()
 
     def after_last(self, weights: Mapping, params: Mapping) -> None:
         """ZeRO-1: the step's summed gradients reduced once; compiled ZeRO-3: what the
         graphs left partial, reduced once."""
         if self.kept is not None:
             if not self.per_micro_batch:
-                self.kept.release(weights)
+                self.kept.release()
         elif self.compiled and self.ctx is not None and hasattr(self.ctx, "reduce_held"):
             self.ctx.reduce_held(params)

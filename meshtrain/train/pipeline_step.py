@@ -198,7 +198,7 @@ def _run(pipe: _Pipe, actions, params: dict, tokens, targets, n_tokens: int, *, 
     `mtp` multi-token prediction's (the last stage adds them to its objective). `seed`:
     fp16's loss scale, which the backward starts from (the gradients that cross stages
     carry it). `weights_done`: called after every action that completes a micro-batch's
-    weight gradients of a stage (B, BW; ZeRO-2 reduces them there)."""
+    weight gradients of a stage (B, BW; kept weights collect them there, ZeRO-2 reduces them)."""
     stages, last = pipe.stages, len(pipe.stages) - 1
     rows, seq = tokens[0].shape
     local_shape, spec = pipe.boundary(rows, seq)
@@ -347,10 +347,11 @@ def make_pipeline_step(model: ModelDef, stages: list[Stage], pipeline_schedule: 
         params = state.params if pipe.kept is None else pipe.kept.gather(state.params)
         loss = _run(pipe, actions, params, tokens, targets, n_tokens, train=True, timings=timings, moe=moe,
                     docs=documents(batch), mtp=ahead, seed=loss_seed(state, scaling),
-                    weights_done=(lambda: pipe.kept.release(params, retain=True)) if per_micro_batch else None)
+                    weights_done=None if pipe.kept is None else
+                    pipe.kept.release if per_micro_batch else pipe.kept.collect)
         update_start = time.perf_counter()
         if pipe.kept is not None:  # the step's summed gradients, reduced once (ZeRO-2: done; the gathers dropped)
-            pipe.kept.release(params)
+            pipe.kept.release()
             del params
         if pipe.holds_partials:  # what the graphs left partial (dp replicas, sp norms), reduced once
             pipe.ctx.reduce_held(state.params)

@@ -59,6 +59,18 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def _in_release() -> bool:
+    """True inside KeptWeights.release (parallel.zero 1/2, pp_keep_gathered): the gradient
+    reductions of backward, called after it."""
+    f = sys._getframe(2)
+    while f is not None:
+        if f.f_code.co_name == "release" and \
+                Path(f.f_code.co_filename).as_posix().endswith("meshtrain/parallel/keep_gathered.py"):
+            return True
+        f = f.f_back
+    return False
+
+
 def _in_optimizer() -> bool:
     """True inside the step's `norm_of`, `update` or `apply` (grad norm, the optimizer's
     update: AdamW, Muon's gathers), found on the Python stack."""
@@ -103,7 +115,7 @@ class CollectiveRecorder(TorchDispatchMode):
         return func(*args, **kwargs)
 
     def _describe(self, ns: str, name: str, args) -> Msg:
-        if torch._C._current_autograd_node() is not None:
+        if torch._C._current_autograd_node() is not None or _in_release():
             phase = "bwd"
         elif _in_optimizer():
             phase = "opt"

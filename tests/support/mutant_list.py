@@ -50,7 +50,6 @@ MOE_BALANCE = RUNTIME + "test_moe_balance_mode_equals_by_hand"
 LAYER_MEMORY = "tests/test_bench_layer_memory.py::test_a_layer_keeps_what_the_planner_and_the_textbook_say"
 SECOND_BACKWARD = "tests/test_policies.py::test_selective_checkpointing_serves_a_second_backward_when_asked[True]"
 KEPT_PIPELINES = "tests/test_pipeline_exec.py::test_pipeline_equals_one_process[4]"  # its *_kept cases
-KEPT_BF16 = "tests/test_keep_gathered.py::test_kept_equals_sharded[False]"
 ZERO = "tests/test_zero.py::"
 
 MUTANTS = [
@@ -245,19 +244,25 @@ MUTANTS = [
            "keep-gathered: the summed gradients wrapped in the gathered leaf's placements, not their partial layout",
            "meshtrain/parallel/keep_gathered.py",
            "self._layouts[n], run_check=False",
-           "leaf.placements, run_check=False", (KEPT_PIPELINES,)),
-    Mutant("kept_gathered_in_compute_dtype",
-           "keep-gathered: the stage weights gathered in the compute dtype, gradients summed in it (bf16)",
+           "s[1].placements, run_check=False", (KEPT_PIPELINES,)),
+    Mutant("kept_sums_in_compute_dtype",
+           "keep-gathered: the kept bf16 weights' gradients summed in bf16, not in fp32 (main_grad)",
            "meshtrain/parallel/keep_gathered.py",
-           "self._gatherer = ShardedContext(plan, device_mesh, Policy(),",
-           "self._gatherer = ShardedContext(plan, device_mesh, policy,", (KEPT_BF16,)),
+           "self._main[name] = (g.float() if have is None",
+           "self._main[name] = (g.clone() if have is None", (ZERO + "test_zero_1_and_2_equal_one_process[2]",)),
 
     # --- parallel.zero 1 and 2 (parallel/gradient_schedule.py) ---
     Mutant("zero_reduces_twice",
            "zero 1/2: the step's own replica reductions also run on the last micro-batch, then the release's",
            "meshtrain/parallel/gradient_schedule.py",
-           "if self.kept is None and self.ctx is not None",
-           "if self.ctx is not None", (ZERO + "test_zero_1_and_2_equal_one_process[2]",)),
+           "        elif self.ctx is not None and hasattr(self.ctx, \"hold_reductions\"):",
+           "        if self.ctx is not None and hasattr(self.ctx, \"hold_reductions\"):",
+           (ZERO + "test_zero_1_and_2_equal_one_process[2]",)),
+    Mutant("zero_reduces_after_backward", "zero 1/2: no bucket reduced inside backward, all after it (no overlap)",
+           "meshtrain/parallel/gradient_schedule.py",
+           "self.kept.arm(self.per_micro_batch or micro == last)",
+           "self.kept.arm(False)",
+           (ZERO + "test_an_eager_step_overlaps_gathers_with_forward_and_reductions_with_backward[1]",)),
     Mutant("zero2_reduces_once", "zero 2 reduces once per step, as zero 1",
            "meshtrain/parallel/gradient_schedule.py",
            "self.per_micro_batch = kept is not None and traffic.zero == 2",
