@@ -4,6 +4,8 @@
     meshtrain fit --config configs/tiny.yaml --print_config
     meshtrain preprocess --input docs.jsonl --output_prefix data/docs --tokenizer bytes --append_eod
     meshtrain plan --config configs/llama3-405b.yaml --world 16384 --gpu h100 --json plan.json
+    meshtrain plan --config configs/llama3-8b.yaml --world 64 --hardware my-cluster.yaml
+    meshtrain calibrate --out this-machine.yaml [--nproc 2] [--quick]
     meshtrain export --checkpoint runs/tiny --out runs/tiny/hf [--dtype bf16|fp16|fp32]
     meshtrain generate --checkpoint runs/tiny --prompt "Four score" --max_new_tokens 40 --temperature 0
     meshtrain plot runs/tiny [runs/other ...] --out tiny.png
@@ -37,6 +39,7 @@ def build_parser():
     from jsonargparse import ActionConfigFile, ArgumentParser, set_parsing_settings
 
     from .config import RunConfig
+    from .estimate.hardware_builtins import BUILTINS
 
     # A class_path in a config value must not import anything (a module's import runs its
     # code): the only classes a config may name are model.moe's, model.mla's and model.mtp's
@@ -58,8 +61,11 @@ def build_parser():
                       help="Ranks to plan for (default: the smallest of the worlds the config's first line names, "
                            "'# ...: worlds 8, 64', as the GPU presets do; else the smallest whole number of nodes "
                            "the fixed parallel.* sizes fit).")
-    plan.add_argument("--gpu", default=None, choices=["h100", "h200", "a100"],
-                      help="Check the peak memory against this device's capacity.")
+    plan.add_argument("--gpu", default=None, choices=list(BUILTINS),
+                      help="Check the peak memory against this built-in device's capacity.")
+    plan.add_argument("--hardware", default=None,
+                      help="A hardware file (meshtrain calibrate writes one; docs/plan.md): check the peak memory "
+                           "against its memory_bytes, as --gpu does.")
     plan.add_argument("--json", default=None, help="Also write the plan as JSON to this file.")
     plan.add_class_arguments(RunConfig, as_group=False)
     preprocess = ArgumentParser(**_STRICT, description="Tokenize a JSON-lines file into a Megatron-LM indexed dataset "
@@ -108,9 +114,16 @@ def build_parser():
                                       "(pip install \"meshtrain[plot]\").")
     plot.add_argument("run_dirs", nargs="+", help="Run directories (each with its metrics.jsonl).")
     plot.add_argument("--out", required=True, help="The image to write (.png; .svg and .pdf work too).")
+    calibrate = ArgumentParser(**_STRICT, description="Measure this machine (matmuls, attention, memory bandwidth, "
+                                           "the local backend's collectives among --nproc ranks) and write a "
+                                           "hardware file for meshtrain plan --hardware.")
+    calibrate.add_argument("--out", required=True, help="The hardware YAML file to write.")
+    calibrate.add_argument("--nproc", type=int, default=2, help="Ranks the collectives are measured among (>= 2).")
+    calibrate.add_argument("--quick", action="store_true", help="Few shapes and sizes, few repeats: seconds, rough.")
     subcommands = parser.add_subcommands(dest="command")
     subcommands.add_subcommand("fit", fit, help="Train a model (one process, self-launched ranks, or under torchrun).")
     subcommands.add_subcommand("plan", plan, help="Dry-run a layout: sharding, memory and collectives per rank.")
+    subcommands.add_subcommand("calibrate", calibrate, help="Measure this machine and write a hardware file.")
     subcommands.add_subcommand("preprocess", preprocess, help="Tokenize text into a Megatron-LM indexed dataset.")
     subcommands.add_subcommand("export", export, help="Export a checkpoint to Hugging Face safetensors.")
     subcommands.add_subcommand("generate", generate, help="Generate text from a checkpoint or a Hugging Face model.")
@@ -177,6 +190,10 @@ def main(argv: list[str] | None = None) -> int:
             fit(_run_config(args.fit, _given(parser, argv, "fit")))
         elif args.command == "plan":
             _plan(args.plan, _given(parser, argv, "plan"))
+        elif args.command == "calibrate":
+            from .run.calibrate import calibrate
+
+            print(calibrate(args.calibrate.out, nproc=args.calibrate.nproc, quick=args.calibrate.quick))
         elif args.command == "preprocess":
             _preprocess(args.preprocess)
         elif args.command == "export":
@@ -281,13 +298,17 @@ def _plan(a, given=None) -> None:
     from rich.console import Console
 
     from .estimate.dryrun import dry_run
+    from .estimate.hardware import Hardware
 
     start = time.perf_counter()
     values = a.clone()
-    for key in ("world", "gpu", "json"):
+    for key in ("world", "gpu", "hardware", "json"):
         delattr(values, key)
+    if a.gpu and a.hardware:
+        raise ConfigError(f"--gpu {a.gpu} and --hardware {a.hardware}: give one (a built-in device or a file)")
+    device = Hardware.load(a.hardware) if a.hardware else a.gpu
     world = a.world if a.world is not None else _preset_world(a.config or [])
-    run = dry_run(_run_config(values, given).validate(), world, a.gpu)
+    run = dry_run(_run_config(values, given).validate(), world, device)
     console = Console(highlight=False)
     if not console.is_terminal and "COLUMNS" not in os.environ:  # files and pipes: long lines stay whole
         console = Console(highlight=False, width=160)

@@ -94,7 +94,7 @@ def test_a_config_file_without_config_gets_the_flag(capsys, command):
 
 
 @pytest.mark.parametrize("argv, expected", [
-    (["plan", "--config", str(TINY), "--gpu", "h1000"], "--gpu 'h1000': choose from h100, h200, a100 (did you mean "
+    (["plan", "--config", str(TINY), "--gpu", "h1000"], "--gpu 'h1000': choose from h100, h200, b200, a100 (did you mean "
                                                         "h100?)"),
     (["export", "--checkpoint", "x", "--out", "y", "--dtype", "bf61"],
      "--dtype 'bf61': choose from bf16, fp16, fp32 (did you mean bf16?)"),

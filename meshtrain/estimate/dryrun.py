@@ -30,8 +30,13 @@ from ..layout.plan_table import human_bytes
 from .advice import Fit, layouts_that_fit, nothing_fits, search_space, what_would_fit
 from .comms import expert_exchange, step_collectives
 from .compute import step_compute
+from .hardware import Hardware
+from .hardware_builtins import BUILTINS
 from .dryrun_view import renderables
 from .step_memory import GPU_MEMORY, MEMORY_KEYS, step_memory
+
+# GPU_MEMORY is read from here too (tests, scripts): the built-ins' capacities.
+__all__ = ["DryRun", "GPU_MEMORY", "bucket_summary", "default_world", "dry_run", "keep_gathered_sides", "zero_sides"]
 
 
 @dataclass
@@ -42,7 +47,8 @@ class DryRun:
     memory: dict
     collectives: list[dict]
     axis_nodes: dict[str, int]  # mesh axis -> nodes one group of that axis spans
-    gpu: str | None = None
+    gpu: str | None = None  # the device's name (a built-in, or a --hardware file's name)
+    gpu_memory: int | None = None  # its memory in bytes, the peak's bound
     warnings: list[str] = field(default_factory=list)
     error: str | None = None  # why the layout cannot run (peak memory over the GPU's), with layouts that fit
     pipeline: object | None = None  # PipelineEstimate when parallel.pp > 1: memory and collectives are its most loaded rank's
@@ -63,7 +69,7 @@ class DryRun:
     @property
     def fits(self) -> bool | None:
         """Does the peak fit the GPU (None without one)?"""
-        return None if self.gpu is None else self.memory["peak"] <= GPU_MEMORY[self.gpu]
+        return None if self.gpu_memory is None else self.memory["peak"] <= self.gpu_memory
 
     def check(self) -> "DryRun":
         if self.error:
@@ -133,13 +139,16 @@ def default_world(cfg: RunConfig) -> int:
     return math.lcm(fixed * (p.ep // math.gcd(p.ep, p.cp)), p.nproc_per_node)
 
 
-def dry_run(cfg: RunConfig, world: int | None = None, gpu: str | None = None, *, suggest: bool = True) -> DryRun:
+def dry_run(cfg: RunConfig, world: int | None = None, gpu: str | Hardware | None = None, *,
+            suggest: bool = True) -> DryRun:
     """Plan `cfg` (a validated RunConfig) at `world` ranks (default: `default_world`). With
-    `gpu` (h100, h200, a100), a peak over the device's memory sets `error` and `advice`,
-    the layouts that fit (`check()` raises the error). Layouts that cannot be built at all
-    raise ConfigError here."""
-    if gpu is not None and gpu not in GPU_MEMORY:
-        raise ConfigError(f"--gpu {gpu!r}: choose one of {', '.join(GPU_MEMORY)}")
+    `gpu` (a built-in's name: h100, h200, b200, a100; or a Hardware, e.g. a --hardware
+    file's), a peak over the device's memory sets `error` and `advice`, the layouts that
+    fit (`check()` raises the error). Layouts that cannot be built at all raise
+    ConfigError here."""
+    if isinstance(gpu, str) and gpu not in BUILTINS:
+        raise ConfigError(f"--gpu {gpu!r}: choose one of {', '.join(BUILTINS)}")
+    device = BUILTINS[gpu] if isinstance(gpu, str) else gpu
     world = default_world(cfg) if world is None else world
     if not isinstance(world, int) or world < 1:
         raise ConfigError(f"--world {world!r}: give a positive number of ranks")
@@ -167,7 +176,8 @@ def dry_run(cfg: RunConfig, world: int | None = None, gpu: str | None = None, *,
         zero = zero_sides(cfg, plan, model, memory, collectives)
     axis_nodes = {a: _nodes_spanned(plan.mesh, a, gpus_per_node) for a in plan.mesh.axes}
     total, active = _param_counts(model)
-    run = DryRun(world, gpus_per_node, plan, memory, collectives, axis_nodes, gpu, pipeline=pipeline,
+    run = DryRun(world, gpus_per_node, plan, memory, collectives, axis_nodes,
+                 device.name if device else None, device.memory_bytes if device else None, pipeline=pipeline,
                  expert_exchange=experts, keep_gathered=keep_gathered, zero_stages=zero, model=_describe(cfg.model),
                  setup=_setup(t),
                  total_params=total, active_params=active, buckets=bucket_summary(plan, p.bucket),
@@ -181,11 +191,11 @@ def dry_run(cfg: RunConfig, world: int | None = None, gpu: str | None = None, *,
             run.warnings.append(f"parallel.{axis}={plan.mesh.size(axis)} spans {axis_nodes[axis]} nodes: its "
                                 f"per-layer collectives will run over the inter-node network; keep {axis} within "
                                 f"a node (at most {gpus_per_node} ranks)")
-    if gpu and suggest and not run.fits:
-        run.advice, run.lowest = layouts_that_fit(cfg, world, GPU_MEMORY[gpu])
+    if device and suggest and not run.fits:
+        run.advice, run.lowest = layouts_that_fit(cfg, world, device.memory_bytes)
         run.search = search_space(cfg, world)
         if not run.advice:
-            run.would_fit = what_would_fit(cfg, world, GPU_MEMORY[gpu])
+            run.would_fit = what_would_fit(cfg, world, device.memory_bytes)
         run.error = _over_capacity(run)
     return run
 
@@ -269,7 +279,7 @@ def _setup(t) -> str:
 
 def _over_capacity(run: DryRun) -> str:
     """The one-line error of a layout over the GPU's memory, with the layouts that fit."""
-    capacity = GPU_MEMORY[run.gpu]
+    capacity = run.gpu_memory
     head = (f"peak memory {human_bytes(run.memory['peak'])} per rank exceeds the {run.gpu} "
             f"({human_bytes(capacity)}) at world {run.world}")
     if run.advice:

@@ -11,7 +11,7 @@ from rich.table import Table
 from .advice import nothing_fits
 from ..layout.plan import without_pp
 from ..layout.plan_table import activation_table, human_bytes, param_table
-from .step_memory import GPU_MEMORY, HOST_KEYS, MEMORY_KEYS
+from .step_memory import HOST_KEYS, MEMORY_KEYS
 
 
 def renderables(run) -> list:
@@ -46,8 +46,9 @@ def verdict(run) -> list:
     if run.compute:
         lines.append(_compute_line(run.compute))
     if run.gpu is None:
-        return ["\n".join(lines + ["add --gpu h100 (or h200, a100) to check it against a device"])]
-    capacity = GPU_MEMORY[run.gpu]
+        return ["\n".join(lines + ["add --gpu h100 (or h200, b200, a100), or --hardware FILE, to check it "
+                                   "against a device"])]
+    capacity = run.gpu_memory
     device = f"{run.gpu} ({capacity / 1e9:.0f} GB)"
     if run.fits:
         return ["\n".join(lines + [f"[bold green]fits on {device}[/]: peak {human_bytes(peak)} of "
@@ -134,7 +135,7 @@ def _memory_table(run) -> Table:
         if run.memory.get(host):
             memory.add_row(f"{host} (host memory)", human_bytes(run.memory[host]))
     if run.gpu:
-        memory.add_row(f"{run.gpu} capacity", human_bytes(GPU_MEMORY[run.gpu]))
+        memory.add_row(f"{run.gpu} capacity", human_bytes(run.gpu_memory))
     return memory
 
 

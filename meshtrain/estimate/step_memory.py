@@ -12,14 +12,15 @@ from dataclasses import replace
 
 from ..config import RunConfig
 from .compute import mask_keys
+from .hardware_builtins import BUILTINS
 from .memory import per_rank_memory
 from .pipeline import pipeline_estimate
 
 MEMORY_KEYS = ("params", "grads", "optimizer", "activations", "peak")  # what a plan reports per rank
 # What offload moved to host memory (train.activation_checkpointing offload, train.optimizer_offload).
 HOST_KEYS = ("host_activations", "host_saved_weights", "host_optimizer")
-# Device memory in bytes (data sheet capacities).
-GPU_MEMORY = {"h100": 80 * 10**9, "h200": 141 * 10**9, "a100": 80 * 10**9}
+# Device memory in bytes of the built-in devices (hardware_builtins.py: data-sheet capacities).
+GPU_MEMORY = {name: hw.memory_bytes for name, hw in BUILTINS.items()}
 
 
 def step_memory(cfg: RunConfig, plan, model, keep_gathered: bool | None = None,

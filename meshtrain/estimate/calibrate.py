@@ -1,0 +1,177 @@
+"""Measure the device this process runs on, and fit the hardware model's curves and links
+to what was measured (`meshtrain calibrate`; run/calibrate.py launches the ranks).
+
+Every timing is the median of repeats after warm-up runs (on CUDA, synchronised). Fits:
+- matmul: time = a + flops / P by least squares on relative error (small products weigh
+  as much as large ones), a >= 0; that is the curve tflops = P f / (f + a P), so
+  max_tflops = P and half_flops = a P;
+- attention: 1 / tflops = 1 / M + h / (M s), a line in 1 / s, so max_tflops = M and
+  half_seq = h;
+- collectives: per op, time = a + bytes / b; the ring's latency steps and share of the
+  buffer (hardware.collective_terms) turn a and b into one link's latency and per-rank
+  bandwidth, and the link is the median over the ops.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from .hardware import COLLECTIVES, Curve, Link, collective_terms
+
+TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def median_seconds(fn, device: torch.device, repeats: int, warmup: int = 2) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measure_matmul(device: torch.device, dtypes, shapes, repeats: int) -> list[list]:
+    """[m, n, k, dtype, TFLOP/s] for each shape and dtype."""
+    out = []
+    for dtype in dtypes:
+        for m, n, k in shapes:
+            a = torch.randn(m, k, device=device, dtype=TORCH_DTYPES[dtype])
+            b = torch.randn(k, n, device=device, dtype=TORCH_DTYPES[dtype])
+            seconds = median_seconds(lambda: a @ b, device, repeats)
+            out.append([m, n, k, dtype, 2.0 * m * n * k / seconds / 1e12])
+    return out
+
+
+def attention_flops(heads: int, seq: int, head_dim: int) -> float:
+    """Forward + backward (3 x forward) of the causal half of the square, one sequence."""
+    return 3.0 * 4.0 * heads * seq * seq * head_dim / 2
+
+
+def measure_attention(device: torch.device, dtypes, seqs, repeats: int, heads: int = 4,
+                      head_dim: int = 64) -> list[list]:
+    """[seq, dtype, TFLOP/s] of causal SDPA, forward and backward, one sequence."""
+    out = []
+    for dtype in dtypes:
+        for seq in seqs:
+            q, k, v = (torch.randn(1, heads, seq, head_dim, device=device, dtype=TORCH_DTYPES[dtype],
+                                   requires_grad=True) for _ in range(3))
+
+            def step():
+                F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+
+            seconds = median_seconds(step, device, repeats)
+            out.append([seq, dtype, attention_flops(heads, seq, head_dim) / seconds / 1e12])
+    return out
+
+
+def measure_memory(device: torch.device, nbytes: int, repeats: int) -> float:
+    """Bytes/s of a large copy, counting bytes read and written."""
+    src = torch.ones(nbytes // 4, device=device)
+    dst = torch.empty_like(src)
+    return 2 * src.numel() * 4 / median_seconds(lambda: dst.copy_(src), device, repeats)
+
+
+# The fitted ceiling may exceed the best throughput measured by this much at most: a fit
+# of small products alone (--quick) would otherwise extrapolate a peak nothing reached.
+_EXTRAPOLATE = 1.25
+
+
+def fit_matmul(points: list[list], dtype: str) -> Curve:
+    flops = np.array([2.0 * m * n * k for m, n, k, d, _ in points if d == dtype])
+    tflops = np.array([t for *_, d, t in points if d == dtype])
+    seconds = flops / (tflops * 1e12)
+    a, inverse = _fit_line(flops, seconds)
+    top = min(1.0 / inverse / 1e12, _EXTRAPOLATE * float(tflops.max()))
+    if top < 1.0 / inverse / 1e12:  # the ceiling capped: the fixed cost that best explains the rest
+        a = max(0.0, float(np.median(seconds - flops / (top * 1e12))))
+    return Curve(float(top), float(a * top * 1e12))
+
+
+def fit_attention(points: list[list], dtype: str) -> Curve:
+    seqs = np.array([s for s, d, _ in points if d == dtype], dtype=float)
+    inverse_tflops = 1.0 / np.array([t for _, d, t in points if d == dtype])
+    a, slope = _fit_line(1.0 / seqs, inverse_tflops, relative=False)
+    return Curve(float(1.0 / a), float(slope / a)) if a > 0 else Curve(float(1.0 / inverse_tflops.min()), 0.0)
+
+
+def _fit_line(x: np.ndarray, y: np.ndarray, relative: bool = True) -> tuple[float, float]:
+    """(intercept >= 0, slope > 0) of y = intercept + slope x, least squares (on y's
+    relative error when `relative`); a negative intercept is refitted as 0."""
+    w = 1.0 / y if relative else np.ones_like(y)
+    design = np.stack([w, x * w], axis=1)
+    intercept, slope = np.linalg.lstsq(design, y * w, rcond=None)[0]
+    if intercept < 0 or slope <= 0:
+        intercept = 0.0
+        slope = float(np.sum(x * w * y * w) / np.sum((x * w) ** 2))
+    return float(intercept), float(slope)
+
+
+def collective_fits(times: dict[str, dict[int, float]], n: int) -> dict[str, dict]:
+    """Per op, {latency_s, bandwidth} of the link that explains `times` (op -> bytes ->
+    seconds) through the ring's terms for n ranks."""
+    out = {}
+    for op, by_size in times.items():
+        sizes = np.array(sorted(by_size), dtype=float)
+        a, slope = _fit_line(sizes, np.array([by_size[int(s)] for s in sizes]))
+        steps, share = collective_terms(op, n)
+        out[op] = {"latency_s": float(a / steps), "bandwidth": float(share / slope)}
+    return out
+
+
+def link_from(fits: dict[str, dict]) -> Link:
+    return Link(statistics.median(f["latency_s"] for f in fits.values()),
+                statistics.median(f["bandwidth"] for f in fits.values()))
+
+
+def time_collectives(sizes, repeats: int, device: torch.device) -> dict[str, dict[int, list[float]]]:
+    """In a process group: this rank's seconds per repeat of each op (COLLECTIVES) at each
+    buffer size in bytes (the whole buffer, as Hardware.collective_seconds takes it).
+    send_recv pairs ranks 0-1, 2-3, ...; a last unpaired rank waits at the barriers."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    out: dict[str, dict[int, list[float]]] = {op: {} for op in COLLECTIVES}
+    for size in sizes:
+        elems = max(n, size // 4 // n * n)  # fp32, a multiple of n so shards are equal
+        full = torch.ones(elems, device=device)
+        shard = torch.ones(elems // n, device=device)
+        received = torch.empty_like(full)
+        peer = rank ^ 1
+        ops = {"all_gather": lambda: dist.all_gather_single(full, shard),
+               "reduce_scatter": lambda: dist.reduce_scatter_single(shard, full),
+               "all_reduce": lambda: dist.all_reduce(full),
+               "all_to_all": lambda: dist.all_to_all_single(received, full),
+               "send_recv": lambda: (dist.send(full, peer) if rank % 2 == 0 else dist.recv(full, peer))
+               if peer < n else None}
+        for op, fn in ops.items():
+            times = []
+            for i in range(repeats + 2):  # the first two warm up
+                dist.barrier()
+                _sync(device)
+                start = time.perf_counter()
+                fn()
+                _sync(device)
+                times.append(time.perf_counter() - start)
+            out[op][elems * 4] = times[2:]
+    return out
+
+
+def slowest_medians(per_rank: list[dict]) -> dict[str, dict[int, float]]:
+    """Per op and size, the median over repeats of the slowest rank's time (a collective
+    ends when its last rank does)."""
+    return {op: {size: statistics.median(max(r[op][size][i] for r in per_rank) for i in range(len(times)))
+                 for size, times in by_size.items()}
+            for op, by_size in per_rank[0].items()}

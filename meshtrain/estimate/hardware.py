@@ -1,0 +1,200 @@
+"""What a device and its network can do: the clock a step-time model reads.
+
+A `Hardware` is a small YAML file (`Hardware.load` / `dump`; docs/plan.md lists the keys)
+or one of the built-ins (`BUILTINS`: h100, h200, b200, a100, SXM parts in nodes of 8).
+Its methods give seconds for the pieces of a step:
+
+- `matmul_seconds(m, n, k, dtype)`: achieved throughput saturates with the product's
+  FLOPs f = 2mnk, tflops(f) = max_tflops * f / (f + half_flops), i.e. a fixed cost per
+  product (half_flops / max) plus f / max: monotone in size and never above the peak.
+  Shape enters through f only (a skinny product is modelled like a square one of equal
+  FLOPs);
+- `attention_seconds(flops, seq_len, dtype)`: causal attention, forward and backward, with
+  `flops` the causal half actually computed; throughput max_tflops * s / (s + half_seq);
+- `memory_seconds(nbytes)`: bytes read plus written at the memory bandwidth (element-wise,
+  norms, the optimizer update);
+- `collective_seconds(op, nbytes, group_size, spans_nodes)`: the link level's latency and
+  per-rank bandwidth through the ring algorithm (all_reduce optionally by tree).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+import yaml
+
+from ..errors import ConfigError
+
+DTYPES = ("fp32", "bf16", "fp16", "fp8")
+COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "send_recv")
+LINK_LEVELS = ("intra_node", "inter_node")
+ALGORITHMS = ("ring", "tree")
+KEYS = ("name", "memory_bytes", "ranks_per_node", "peak_tflops", "matmul", "attention", "memory_bandwidth",
+        "links", "collective_algorithm", "notes", "measured")
+
+
+@dataclass(frozen=True)
+class Curve:
+    """Achieved TFLOP/s saturating in `x`: max_tflops * x / (x + half) (half 0: flat)."""
+    max_tflops: float
+    half: float
+
+    def tflops(self, x: float) -> float:
+        return self.max_tflops * x / (x + self.half) if x > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class Link:
+    latency_s: float  # per algorithm step
+    bandwidth: float  # bytes/s each rank sends (one direction)
+
+
+@dataclass(frozen=True)
+class Hardware:
+    name: str
+    memory_bytes: int
+    ranks_per_node: int
+    peak_tflops: dict[str, float]  # dense datasheet peak per dtype; a dtype absent: the device has none
+    matmul: dict[str, Curve]  # over FLOPs per product (half_flops)
+    attention: dict[str, Curve]  # over sequence length (half_seq)
+    memory_bandwidth: float  # bytes/s
+    links: dict[str, Link]  # intra_node, inter_node
+    collective_algorithm: str = "ring"  # how all_reduce scales: ring, or tree (log2 latency steps)
+    notes: str = ""
+    measured: dict = field(default_factory=dict)  # calibrate's raw points, kept for the record
+
+    def matmul_seconds(self, m: int, n: int, k: int, dtype: str) -> float:
+        flops = 2.0 * m * n * k
+        return flops / (self._curve(self.matmul, dtype, "matmul").tflops(flops) * 1e12) if flops else 0.0
+
+    def attention_seconds(self, flops: float, seq_len: int, dtype: str) -> float:
+        return flops / (self._curve(self.attention, dtype, "attention").tflops(seq_len) * 1e12) if flops else 0.0
+
+    def memory_seconds(self, nbytes: float) -> float:
+        return nbytes / self.memory_bandwidth
+
+    def collective_seconds(self, op: str, nbytes: float, group_size: int, spans_nodes: bool) -> float:
+        """One collective over `group_size` ranks. `nbytes`: the whole buffer (all_gather's
+        output, reduce_scatter's input, all_reduce's buffer, what one rank's all_to_all
+        sends in all, one send_recv's message)."""
+        steps, share = collective_terms(op, group_size, self.collective_algorithm)
+        link = self.links["inter_node" if spans_nodes else "intra_node"]
+        return steps * link.latency_s + nbytes * share / link.bandwidth if steps else 0.0
+
+    def _curve(self, curves: dict, dtype: str, what: str) -> Curve:
+        if dtype not in curves:
+            raise ValueError(f"{self.name} has no {what} throughput for {dtype!r}: it has {', '.join(curves)}")
+        return curves[dtype]
+
+    @classmethod
+    def load(cls, path) -> "Hardware":
+        try:
+            with open(path) as f:
+                data = yaml.safe_load(f)
+        except OSError as e:
+            raise ConfigError(f"--hardware {path}: {e.strerror or e}") from None
+        except yaml.YAMLError as e:
+            raise ConfigError(f"--hardware {path}: not valid YAML: {e}") from None
+        return from_dict(data, where=f"--hardware {path}")
+
+    def dump(self, path) -> None:
+        with open(path, "w") as f:
+            yaml.safe_dump(to_dict(self), f, sort_keys=False)
+
+
+def collective_terms(op: str, n: int, algorithm: str = "ring") -> tuple[int, float]:
+    """(latency steps, share of the buffer each rank sends) of `op` on n ranks. Ring:
+    all_gather / reduce_scatter / all_to_all n-1 steps moving (n-1)/n, all_reduce (a
+    reduce-scatter then an all-gather) 2(n-1) steps moving 2(n-1)/n; tree all_reduce the
+    same bytes in 2 ceil(log2 n) steps; send_recv one step moving the message."""
+    if op not in COLLECTIVES:
+        raise ValueError(f"unknown collective {op!r}: choose from {', '.join(COLLECTIVES)}")
+    if op == "send_recv":
+        return 1, 1.0
+    if n <= 1:
+        return 0, 0.0
+    if op == "all_reduce":
+        steps = 2 * math.ceil(math.log2(n)) if algorithm == "tree" else 2 * (n - 1)
+        return steps, 2.0 * (n - 1) / n
+    return n - 1, (n - 1) / n
+
+
+def to_dict(hw: Hardware) -> dict:
+    d = asdict(hw)
+    d["matmul"] = {k: {"max_tflops": c.max_tflops, "half_flops": c.half} for k, c in hw.matmul.items()}
+    d["attention"] = {k: {"max_tflops": c.max_tflops, "half_seq": c.half} for k, c in hw.attention.items()}
+    return d
+
+
+def _positive(value, key: str, where: str, unit: str, zero: bool = False) -> float:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and \
+        (value >= 0 if zero else value > 0)
+    if not ok:
+        raise ConfigError(f"{where}: {key}={value!r}: give a {'non-negative' if zero else 'positive'} number ({unit})")
+    return float(value)
+
+
+def _mapping(value, key: str, where: str, allowed: tuple[str, ...], what: str) -> dict:
+    if not isinstance(value, dict):
+        raise ConfigError(f"{where}: {key} must be a mapping of {what} ({', '.join(allowed)})")
+    for k in value:
+        if k not in allowed:
+            raise ConfigError(f"{where}: {key}.{k}: unknown {what}; choose from {', '.join(allowed)}")
+    return value
+
+
+def _curves(value, key: str, where: str, half_key: str, half_unit: str, dtypes) -> dict[str, Curve]:
+    out = {}
+    for dtype, c in _mapping(value, key, where, DTYPES, "dtype").items():
+        if dtype not in dtypes:
+            raise ConfigError(f"{where}: {key}.{dtype}: no peak_tflops.{dtype} to bound it; add one")
+        c = _mapping(c, f"{key}.{dtype}", where, ("max_tflops", half_key), "key")
+        for name in ("max_tflops", half_key):
+            if name not in c:
+                raise ConfigError(f"{where}: {key}.{dtype}.{name} is missing")
+        top = _positive(c["max_tflops"], f"{key}.{dtype}.max_tflops", where, "TFLOP/s")
+        if top > dtypes[dtype] * (1 + 1e-9):
+            raise ConfigError(f"{where}: {key}.{dtype}.max_tflops={c['max_tflops']} is above peak_tflops.{dtype}="
+                              f"{dtypes[dtype]}: no kernel beats the peak; lower it or raise the peak")
+        out[dtype] = Curve(top, _positive(c[half_key], f"{key}.{dtype}.{half_key}", where, half_unit, zero=True))
+    return out
+
+
+def from_dict(data, where: str = "hardware") -> Hardware:
+    """A Hardware from the mapping of a YAML file, each bad key named in a ConfigError."""
+    data = _mapping(data, "the file", where, KEYS, "key")
+    required = [k for k in KEYS if k not in ("collective_algorithm", "notes", "measured", "attention")]
+    for key in required:
+        if key not in data:
+            raise ConfigError(f"{where}: {key} is missing (docs/plan.md lists the keys)")
+    peak = {d: _positive(v, f"peak_tflops.{d}", where, "TFLOP/s")
+            for d, v in _mapping(data["peak_tflops"], "peak_tflops", where, DTYPES, "dtype").items()}
+    matmul = _curves(data["matmul"], "matmul", where, "half_flops", "FLOPs", peak)
+    if set(matmul) != set(peak):
+        raise ConfigError(f"{where}: matmul has no curve for {', '.join(sorted(set(peak) - set(matmul)))}: "
+                          "give one for every dtype of peak_tflops")
+    links = _mapping(data["links"], "links", where, LINK_LEVELS, "link level")
+    for level in LINK_LEVELS:
+        link = _mapping(links.get(level), f"links.{level}", where, ("latency_s", "bandwidth"), "key")
+        if "latency_s" not in link or "bandwidth" not in link:
+            raise ConfigError(f"{where}: links.{level} needs latency_s and bandwidth")
+    algorithm = data.get("collective_algorithm", "ring")
+    if algorithm not in ALGORITHMS:
+        raise ConfigError(f"{where}: collective_algorithm={algorithm!r}: choose from {', '.join(ALGORITHMS)}")
+    if not isinstance(data["name"], str) or not data["name"]:
+        raise ConfigError(f"{where}: name={data['name']!r}: give the device a name")
+    ranks = data["ranks_per_node"]
+    if not isinstance(ranks, int) or isinstance(ranks, bool) or ranks < 1:
+        raise ConfigError(f"{where}: ranks_per_node={ranks!r}: give a positive whole number")
+    return Hardware(
+        name=data["name"], memory_bytes=int(_positive(data["memory_bytes"], "memory_bytes", where, "bytes")),
+        ranks_per_node=ranks, peak_tflops=peak, matmul=matmul,
+        attention=_curves(data.get("attention") or {}, "attention", where, "half_seq", "tokens", peak),
+        memory_bandwidth=_positive(data["memory_bandwidth"], "memory_bandwidth", where, "bytes/s"),
+        links={lv: Link(_positive(links[lv]["latency_s"], f"links.{lv}.latency_s", where, "seconds", zero=True),
+                        _positive(links[lv]["bandwidth"], f"links.{lv}.bandwidth", where, "bytes/s per rank"))
+               for lv in LINK_LEVELS},
+        collective_algorithm=algorithm, notes=str(data.get("notes") or ""),
+        measured=_mapping(data.get("measured") or {}, "measured", where, ("matmul", "attention", "memory",
+                                                                          "collectives"), "record"))

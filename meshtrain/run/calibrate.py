@@ -1,0 +1,105 @@
+"""`meshtrain calibrate`: measure this machine and write a hardware file.
+
+Compute and memory are measured in this process (the first CUDA device, else the CPU);
+the collectives among `nproc` ranks that `launch.launch` starts the way `meshtrain fit`
+self-launches (gloo on CPU, NCCL on CUDA, one device per rank). The fits are
+estimate/calibrate.py's. A single machine has one link level: inter_node is written
+equal to intra_node, and the notes say so.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+
+from ..errors import ConfigError
+from ..estimate import calibrate as measure
+from ..estimate.hardware import Hardware
+from . import launch
+
+# (matmul shapes, attention sequence lengths, copy bytes, collective bytes, repeats)
+_FULL = ([(s, s, s) for s in (128, 256, 512, 1024, 1536)] + [(2048, 256, 512), (256, 1024, 2048)],
+         (256, 512, 1024, 2048), 256 * 2**20, [2**p for p in range(12, 25, 2)], 7)
+_QUICK = ([(64, 64, 64), (128, 128, 128), (256, 256, 256)], (64, 128, 256), 16 * 2**20,
+          [2**12, 2**16, 2**19], 3)
+
+
+def _device() -> torch.device:
+    return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _dtypes(device: torch.device) -> tuple[str, ...]:
+    """What this device multiplies: fp16 is slow emulation on CPU, not a training dtype there."""
+    return ("fp32", "bf16", "fp16") if device.type == "cuda" else ("fp32", "bf16")
+
+
+def _collective_rank(sizes, repeats: int) -> dict:
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=120))
+    try:
+        return measure.time_collectives(sizes, repeats, device)
+    finally:
+        dist.destroy_process_group()
+
+
+def calibrate(out: str, nproc: int = 2, quick: bool = False) -> str:
+    """Measure, fit, write `out` (a file Hardware.load reads); returns a one-line summary."""
+    if not isinstance(nproc, int) or nproc < 2:
+        raise ConfigError(f"--nproc {nproc!r}: collectives need at least 2 ranks")
+    if torch.cuda.is_available() and nproc > torch.cuda.device_count():
+        raise ConfigError(f"--nproc {nproc}: this machine has {torch.cuda.device_count()} GPUs; give at most that")
+    shapes, seqs, copy_bytes, sizes, repeats = _QUICK if quick else _FULL
+    device = _device()
+    dtypes = _dtypes(device)
+    threads = int(os.environ.get("OMP_NUM_THREADS", 1))
+    matmul, attention, bandwidth = _compute(device, dtypes, threads, shapes, seqs, copy_bytes, repeats)
+    per_rank = launch.launch(_collective_rank, (sizes, repeats), nproc)
+    times = measure.slowest_medians(per_rank)
+    fits = measure.collective_fits(times, nproc)
+    link = measure.link_from(fits)
+    curves = {d: measure.fit_matmul(matmul, d) for d in dtypes}
+    best = {d: max(t for *_, dd, t in matmul if dd == d) for d in dtypes}
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({os.cpu_count()} cores)"
+    hw = Hardware(
+        name=f"calibrated {name}", memory_bytes=_memory_bytes(device), ranks_per_node=nproc,
+        # No data sheet here: the peak is the best this process reached (or the fit's ceiling).
+        peak_tflops={d: max(best[d], curves[d].max_tflops) for d in dtypes}, matmul=curves,
+        attention={d: measure.fit_attention(attention, d) for d in dtypes}, memory_bandwidth=bandwidth,
+        links={"intra_node": link, "inter_node": link},
+        notes=f"meshtrain calibrate{' --quick' if quick else ''} --nproc {nproc} on {name}, "
+              f"{'nccl' if device.type == 'cuda' else f'gloo, {threads} thread(s) per rank'}; "
+              f"{datetime.date.today()}. One machine: inter_node "
+              "is a copy of intra_node (not measured). peak_tflops is the best measured, not a data sheet's.",
+        measured={"matmul": matmul, "attention": attention, "memory": {"copy_bytes": copy_bytes,
+                                                                       "bytes_per_s": bandwidth},
+                  "collectives": {op: {"fit": fits[op], "seconds_by_bytes": times[op]} for op in times}})
+    hw.dump(out)
+    top = ", ".join(f"{d} {curves[d].max_tflops:.3g}" for d in dtypes)
+    return (f"wrote {out}: matmul max TFLOP/s {top}; memory {bandwidth / 1e9:.3g} GB/s; link latency "
+            f"{link.latency_s * 1e6:.3g} us, {link.bandwidth / 1e9:.3g} GB/s per rank ({nproc} ranks)")
+
+
+def _compute(device, dtypes, threads: int, shapes, seqs, copy_bytes: int, repeats: int):
+    """Matmul and attention points and the copy bandwidth, on CPU with the threads a
+    self-launched rank gets (launch.launch: OMP_NUM_THREADS, 1 unless set): on 2 shared
+    cores, 2 threads made small products 100x slower than 1."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return (measure.measure_matmul(device, dtypes, shapes, repeats),
+                measure.measure_attention(device, dtypes, seqs, repeats),
+                measure.measure_memory(device, copy_bytes, repeats))
+    finally:
+        torch.set_num_threads(before)
+
+
+def _memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -1,0 +1,160 @@
+"""Hardware descriptions (meshtrain/estimate/hardware.py): the YAML file and its errors,
+the built-ins and their data-sheet numbers, the closed forms of the collective and matmul
+models, `meshtrain plan --gpu / --hardware`, and `meshtrain calibrate`."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import yaml
+
+from meshtrain.errors import ConfigError
+from meshtrain.estimate.dryrun import GPU_MEMORY
+from meshtrain.estimate.hardware import Hardware, collective_terms, to_dict
+from meshtrain.estimate.hardware_builtins import BUILTINS
+from meshtrain.train.metrics import PEAK_TFLOPS
+from support.cli import ROOT, run_cli
+
+H100 = BUILTINS["h100"]
+TINY_PLAN = ["plan", "--config", str(ROOT / "configs" / "tiny.yaml"), "--world", "1"]
+
+
+def test_a_hardware_file_round_trips(tmp_path):
+    for hw in BUILTINS.values():
+        hw.dump(tmp_path / "hw.yaml")
+        assert Hardware.load(tmp_path / "hw.yaml") == hw
+
+
+# name -> (memory bytes, peak TFLOP/s fp32 (TF32) / bf16 / fp8, HBM bytes/s, NVLink and NIC bytes/s per rank)
+DATASHEETS = {"h100": (80e9, 494.7, 989.4, 1978.9, 3.35e12, 450e9, 50e9),
+              "h200": (141e9, 494.7, 989.4, 1978.9, 4.8e12, 450e9, 50e9),
+              "b200": (180e9, 1100, 2250, 4500, 8e12, 900e9, 50e9),
+              "a100": (80e9, 156, 312, None, 2.039e12, 300e9, 25e9)}
+
+
+@pytest.mark.parametrize("name", DATASHEETS)
+def test_each_builtin_has_its_data_sheet_numbers(name):
+    hw, (memory, fp32, bf16, fp8, hbm, nvlink, nic) = BUILTINS[name], DATASHEETS[name]
+    assert hw.name == name and hw.memory_bytes == memory == GPU_MEMORY[name] and hw.ranks_per_node == 8
+    assert (hw.peak_tflops["fp32"], hw.peak_tflops["bf16"], hw.peak_tflops["fp16"]) == (fp32, bf16, bf16)
+    assert hw.peak_tflops.get("fp8") == fp8
+    assert hw.memory_bandwidth == hbm
+    assert (hw.links["intra_node"].bandwidth, hw.links["inter_node"].bandwidth) == (nvlink, nic)
+
+
+def test_gpu_memory_is_what_it_was_and_the_mfu_peaks_agree():
+    assert {k: GPU_MEMORY[k] for k in ("h100", "h200", "a100")} == {"h100": 80 * 10**9, "h200": 141 * 10**9,
+                                                                     "a100": 80 * 10**9}
+    for ours, theirs in (("h100", "H100 SXM"), ("h200", "H200"), ("a100", "A100")):
+        assert {d: BUILTINS[ours].peak_tflops[d] for d in PEAK_TFLOPS[theirs]} == PEAK_TFLOPS[theirs]
+
+
+def _bad(tmp_path, change) -> str:
+    data = to_dict(H100)
+    change(data)
+    (tmp_path / "bad.yaml").write_text(yaml.safe_dump(data))
+    with pytest.raises(ConfigError) as e:
+        Hardware.load(tmp_path / "bad.yaml")
+    return str(e.value)
+
+
+@pytest.mark.parametrize("change, named", [
+    (lambda d: d.pop("memory_bandwidth"), "memory_bandwidth is missing"),
+    (lambda d: d["links"]["inter_node"].update(bandwidth=-1), "links.inter_node.bandwidth=-1"),
+    (lambda d: d["links"]["intra_node"].pop("latency_s"), "links.intra_node needs latency_s"),
+    (lambda d: d["peak_tflops"].update(fp64=60.0), "peak_tflops.fp64: unknown dtype"),
+    (lambda d: d["matmul"].update(int4={"max_tflops": 1, "half_flops": 0}), "matmul.int4: unknown dtype"),
+    (lambda d: d["matmul"]["bf16"].update(max_tflops=2000), "matmul.bf16.max_tflops=2000 is above peak"),
+    (lambda d: d["matmul"].pop("fp8"), "matmul has no curve for fp8"),
+    (lambda d: d.update(ranks_per_node=0), "ranks_per_node=0"),
+    (lambda d: d.update(collective_algorithm="mesh"), "collective_algorithm='mesh'"),
+    (lambda d: d.update(memory_byte=1), "memory_byte: unknown key"),
+])
+def test_a_bad_file_names_the_key(tmp_path, change, named):
+    assert named in _bad(tmp_path, change)
+
+
+def test_ring_collectives_have_their_closed_forms():
+    lat, bw, b = H100.links["intra_node"].latency_s, H100.links["intra_node"].bandwidth, 3e8
+    for n in (2, 4, 8):
+        gather = lat * (n - 1) + b * (n - 1) / n / bw
+        assert H100.collective_seconds("all_gather", b, n, False) == pytest.approx(gather, rel=1e-12)
+        assert H100.collective_seconds("reduce_scatter", b, n, False) == pytest.approx(gather, rel=1e-12)
+        assert H100.collective_seconds("all_to_all", b, n, False) == pytest.approx(gather, rel=1e-12)
+        reduce = lat * 2 * (n - 1) + b * 2 * (n - 1) / n / bw
+        assert H100.collective_seconds("all_reduce", b, n, False) == pytest.approx(reduce, rel=1e-12)
+    inter = H100.links["inter_node"]
+    assert H100.collective_seconds("all_gather", b, 16, True) == \
+        pytest.approx(inter.latency_s * 15 + b * 15 / 16 / inter.bandwidth, rel=1e-12)
+    assert H100.collective_seconds("send_recv", b, 2, True) == pytest.approx(inter.latency_s + b / inter.bandwidth)
+    assert H100.collective_seconds("all_reduce", b, 1, False) == 0
+    assert collective_terms("all_reduce", 16, "tree") == (2 * 4, 2 * 15 / 16)
+    with pytest.raises(ValueError, match="unknown collective 'broadcast'"):
+        H100.collective_seconds("broadcast", b, 2, False)
+
+
+def test_matmul_time_grows_with_size_and_never_beats_the_peak():
+    for hw in BUILTINS.values():
+        for dtype, peak in hw.peak_tflops.items():
+            last = 0.0
+            for s in (16, 64, 256, 1024, 4096, 16384, 65536):
+                seconds = hw.matmul_seconds(s, s, s, dtype)
+                assert seconds > last
+                assert 2.0 * s**3 / seconds <= peak * 1e12
+                last = seconds
+            big = 2.0 * 65536**3 / hw.matmul_seconds(65536, 65536, 65536, dtype) / 1e12
+            assert big == pytest.approx(hw.matmul[dtype].max_tflops, rel=1e-3)  # saturates at max
+    # The curve's fixed cost: f / tflops(f) = f / max + half / max.
+    c = H100.matmul["bf16"]
+    assert H100.matmul_seconds(4096, 4096, 4096, "bf16") == \
+        pytest.approx((2 * 4096**3 + c.half) / (c.max_tflops * 1e12), rel=1e-12)
+    with pytest.raises(ValueError, match="a100 has no matmul throughput for 'fp8'"):
+        BUILTINS["a100"].matmul_seconds(8, 8, 8, "fp8")
+
+
+def test_attention_and_memory_seconds():
+    c = H100.attention["bf16"]
+    assert H100.attention_seconds(1e12, 4096, "bf16") == pytest.approx(1e12 / (c.max_tflops * 1e12 * 4096 /
+                                                                              (4096 + c.half)), rel=1e-12)
+    assert H100.attention_seconds(1e12, 8192, "bf16") < H100.attention_seconds(1e12, 1024, "bf16")
+    assert H100.memory_seconds(3.35e12) == pytest.approx(1.0)
+
+
+def test_plan_takes_b200_and_a_hardware_file(tmp_path):
+    proc = run_cli(*TINY_PLAN, "--gpu", "b200", timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "fits on b200 (180 GB)" in proc.stdout
+    small = to_dict(H100) | {"name": "small-box", "memory_bytes": 2 * 10**9}
+    (tmp_path / "hw.yaml").write_text(yaml.safe_dump(small))
+    proc = run_cli(*TINY_PLAN, "--hardware", str(tmp_path / "hw.yaml"), timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "fits on small-box (2 GB)" in proc.stdout
+
+
+def test_plan_with_a_bad_hardware_file_exits_2_naming_the_key(tmp_path):
+    data = to_dict(H100)
+    data["links"]["intra_node"]["bandwidth"] = -5
+    (tmp_path / "bad.yaml").write_text(yaml.safe_dump(data))
+    proc = run_cli(*TINY_PLAN, "--hardware", str(tmp_path / "bad.yaml"), timeout=120)
+    assert proc.returncode == 2
+    assert "links.intra_node.bandwidth=-5" in proc.stderr and "Traceback" not in proc.stderr
+    proc = run_cli(*TINY_PLAN, "--hardware", str(tmp_path / "bad.yaml"), "--gpu", "h100", timeout=120)
+    assert proc.returncode == 2 and "give one" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_calibrate_quick_writes_a_file_that_loads(tmp_path):
+    out = tmp_path / "here.yaml"
+    proc = run_cli("calibrate", "--quick", "--nproc", "2", "--out", str(out), timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    hw = Hardware.load(out)
+    assert hw.ranks_per_node == 2 and set(hw.peak_tflops) == {"fp32", "bf16"} == set(hw.attention)
+    numbers = [hw.memory_bandwidth, *hw.peak_tflops.values(), *(c.max_tflops for c in hw.matmul.values()),
+               *(c.max_tflops for c in hw.attention.values()), hw.links["intra_node"].bandwidth,
+               hw.links["intra_node"].latency_s]
+    assert all(math.isfinite(x) and x > 0 for x in numbers), numbers
+    assert set(hw.measured["collectives"]) == {"all_gather", "reduce_scatter", "all_reduce", "all_to_all",
+                                               "send_recv"}
+    # The model reproduces its own fit where it was measured: within 2x of each timed point.
+    for m, n, k, dtype, tflops in hw.measured["matmul"]:
+        assert 0.5 < hw.matmul_seconds(m, n, k, dtype) / (2.0 * m * n * k / (tflops * 1e12)) < 2
