@@ -270,18 +270,23 @@ def test_an_eager_step_overlaps_gathers_with_forward_and_reductions_with_backwar
     micro-batch's forward asks for it (Megatron's --overlap-param-gather: each gather
     issued where it is first used, the next ones ahead), and every bucket's gradients are
     reduced inside the backward that completes them (--overlap-grad-reduce: zero 1 the
-    last micro-batch's, zero 2 each one's), none left for after it."""
+    last micro-batch's, zero 2 each one's), none left for after it. The kept weights go
+    with the step (the step drops them before the update)."""
+    import gc
+    import weakref
+
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from meshtrain.parallel.keep_gathered import KeptWeights
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
-    calls, gathered_before = [], []
+    calls, gathered_before, kept_weight = [], [], []
     reduce, gather = KeptWeights._reduce, KeptWeights.gather
 
     def recorded_reduce(self, b):
         calls.append((b, torch._C._current_autograd_node() is not None, bool(self.sums())))
+        kept_weight.extend(weakref.ref(leaf) for leaf in self._leaves.values())
         return reduce(self, b)
 
     def recorded_gather(self, params, lazy=False):
@@ -306,6 +311,8 @@ def test_an_eager_step_overlaps_gathers_with_forward_and_reductions_with_backwar
     assert len(in_backward) == buckets * (MICRO if zero == 2 else 1)
     # after the backward, release finds every bucket reduced already
     assert all(inside or not pending for _, inside, pending in calls)
+    gc.collect()
+    assert kept_weight and all(ref() is None for ref in kept_weight)  # freed with the step, not held to the next
 
 
 def test_the_plan_shows_each_stage_as_its_own_dry_run_would():

@@ -50,5 +50,6 @@ class GradientSchedule:
         if self.kept is not None:
             if not self.per_micro_batch:
                 self.kept.release()
+            self.kept.end_step()
         elif self.compiled and self.ctx is not None and hasattr(self.ctx, "reduce_held"):
             self.ctx.reduce_held(params)

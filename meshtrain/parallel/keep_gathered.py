@@ -138,6 +138,11 @@ class KeptWeights:
             self._reduce(b)
         self._armed = False
 
+    def end_step(self) -> None:
+        """After the step's last release: its leaves let go, so the kept weights are freed
+        with the step's own reference (before the update, not at the next gather)."""
+        self._leaves, self._params, self._main = {}, {}, {}
+
     def _reduce(self, b: int) -> None:
         run = self._gatherer._runs[b]
         names = run.bucket.names

@@ -352,6 +352,7 @@ def make_pipeline_step(model: ModelDef, stages: list[Stage], pipeline_schedule: 
         update_start = time.perf_counter()
         if pipe.kept is not None:  # the step's summed gradients, reduced once (ZeRO-2: done; the gathers dropped)
             pipe.kept.release()
+            pipe.kept.end_step()
             del params
         if pipe.holds_partials:  # what the graphs left partial (dp replicas, sp norms), reduced once
             pipe.ctx.reduce_held(state.params)
