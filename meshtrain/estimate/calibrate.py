@@ -79,6 +79,18 @@ def measure_attention(device: torch.device, dtypes, seqs, repeats: int, heads: i
     return out
 
 
+def measure_launch(device: torch.device, repeats: int, ops: int = 200) -> float:
+    """Seconds per kernel of a stream of tiny ones (a one-element add): the host's dispatch
+    and launch, which no kernel can beat."""
+    x = torch.zeros(1, device=device)
+
+    def stream():
+        for _ in range(ops):
+            x.add_(1.0)
+
+    return median_seconds(stream, device, repeats) / ops
+
+
 def measure_memory(device: torch.device, nbytes: int, repeats: int) -> float:
     """Bytes/s of a large copy, counting bytes read and written."""
     src = torch.ones(nbytes // 4, device=device)

@@ -34,6 +34,7 @@ from .hardware import Hardware
 from .hardware_builtins import BUILTINS
 from .dryrun_view import renderables
 from .step_memory import GPU_MEMORY, MEMORY_KEYS, step_memory
+from .step_time import step_time
 
 # GPU_MEMORY is read from here too (tests, scripts): the built-ins' capacities.
 __all__ = ["DryRun", "GPU_MEMORY", "bucket_summary", "default_world", "dry_run", "keep_gathered_sides", "zero_sides"]
@@ -65,6 +66,7 @@ class DryRun:
     search: str = ""  # what the advice tried, in words
     buckets: dict | None = None  # bucket_summary: parallel.bucket's unit, count, largest bucket's bytes
     compute: dict = field(default_factory=dict)  # compute.step_compute: the step's model FLOPs
+    time: dict | None = None  # step_time.step_time on the device (h100 when none is given)
 
     @property
     def fits(self) -> bool | None:
@@ -93,6 +95,7 @@ class DryRun:
             "collectives": self.collectives,
             "buckets": self.buckets,
             "compute": self.compute,
+            "time": self.time,
             "params": [{"name": p.name, "shape": list(p.spec.shape),
                         "placements": [placement_str(x) for x in p.placements],
                         "local_shape": list(p.local_shape)} for p in self.plan.params.values()],
@@ -163,14 +166,16 @@ def dry_run(cfg: RunConfig, world: int | None = None, gpu: str | Hardware | None
     micro_steps = cfg.accumulation_steps(dp_size)
     memory, pipeline = step_memory(cfg, plan, model)
     keep_gathered = zero = None
+    params = None
     if pipeline is not None:
         collectives, experts = pipeline.busiest["collectives"], None
         keep_gathered = keep_gathered_sides(cfg, plan, model, pipeline)
     else:
-        collectives = step_collectives(plan, model, micro_batch_rows=t.micro_batch * dp_size, seq_len=t.seq_len,
-                                       micro_steps=micro_steps, precision=t.precision, compiled=bool(t.compile),
-                                       traffic=p.traffic(), activation_checkpointing=t.activation_checkpointing,
-                                       optimizer=t.optimizer)
+        step = dict(micro_batch_rows=t.micro_batch * dp_size, seq_len=t.seq_len, micro_steps=micro_steps,
+                    precision=t.precision, compiled=bool(t.compile), traffic=p.traffic(),
+                    activation_checkpointing=t.activation_checkpointing, optimizer=t.optimizer)
+        collectives = step_collectives(plan, model, **step)
+        params = step_collectives(plan, model, **step, activations=False)
         experts = expert_exchange(plan, model, micro_batch_rows=t.micro_batch * dp_size, seq_len=t.seq_len,
                                   precision=t.precision)
         zero = zero_sides(cfg, plan, model, memory, collectives)
@@ -182,6 +187,8 @@ def dry_run(cfg: RunConfig, world: int | None = None, gpu: str | Hardware | None
                  setup=_setup(t),
                  total_params=total, active_params=active, buckets=bucket_summary(plan, p.bucket),
                  compute=step_compute(cfg, model, world))
+    run.time = {**step_time(cfg, model, plan, device or BUILTINS["h100"], world=world, gpus_per_node=gpus_per_node,
+                            collectives=collectives, params=params, pipeline=pipeline), "hardware_given": bool(device)}
     run.warnings += [note.removeprefix("note: ") for note in cfg.notes(plan.mesh)]  # what does nothing here
     if cfg.data.mean_doc_len and not cfg.data.document_mask:
         run.warnings.append(f"data.mean_doc_len={cfg.data.mean_doc_len} counts for nothing without "

@@ -29,6 +29,8 @@ def renderables(run) -> list:
         out.append(_buckets_line(run.buckets))
     if run.expert_exchange is not None:
         out.append(_expert_line(run.expert_exchange))
+    if run.time is not None:
+        out.append(_time_table(run.time))
     return out
 
 
@@ -45,6 +47,8 @@ def verdict(run) -> list:
              f"peak memory {human_bytes(peak)} per rank ({where})"]
     if run.compute:
         lines.append(_compute_line(run.compute))
+    if run.time is not None:
+        lines.append(_time_line(run.time))
     if run.gpu is None:
         return ["\n".join(lines + ["add --gpu h100 (or h200, b200, a100), or --hardware FILE, to check it "
                                    "against a device"])]
@@ -63,6 +67,35 @@ def verdict(run) -> list:
     for fit in run.advice:
         advice.add_row(f"  {human_bytes(fit.peak)}", fit.flags)
     return ["\n".join(lines), advice]
+
+
+def _time_line(t: dict) -> str:
+    """The modelled step: seconds, tokens/s per GPU, MFU, on which device."""
+    mfu = f", MFU {t['mfu']:.0%}" if t["mfu"] is not None else ""
+    where = t["hardware"] if t["hardware_given"] else f"{t['hardware']}, assumed: give --gpu or --hardware"
+    return (f"step time {_seconds(t['step_s'])} ({where}): {t['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU"
+            f"{mfu}")
+
+
+def _seconds(s: float) -> str:
+    return f"{s:.3g} s" if s >= 1 else f"{s * 1e3:.3g} ms"
+
+
+def _time_table(t: dict) -> Table:
+    """Where the modelled step's time goes (step_time.py), adding up to the step."""
+    table = Table(title=f"step time on {t['hardware']} (modelled)", title_justify="left")
+    table.add_column("part")
+    table.add_column("time", justify="right")
+    table.add_column("share", justify="right")
+    step = t["step_s"]
+    for part, value in t["breakdown"].items():
+        rows = [(f"exposed comm {a}", s) for a, s in value.items()] if isinstance(value, dict) else \
+            [(part.replace("_", " "), value)]
+        for name, s in rows:
+            if s > 0:
+                table.add_row(name, _seconds(s), f"{s / step:.1%}")
+    table.add_row("[bold]step[/]", f"[bold]{_seconds(step)}[/]", "100%")
+    return table
 
 
 def _compute_line(c: dict) -> str:

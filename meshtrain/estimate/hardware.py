@@ -13,6 +13,8 @@ Its methods give seconds for the pieces of a step:
   `flops` the causal half actually computed; throughput max_tflops * s / (s + half_seq);
 - `memory_seconds(nbytes)`: bytes read plus written at the memory bandwidth (element-wise,
   norms, the optimizer update);
+- `launch_s`: what the host spends per kernel (dispatch and launch); the step-time model
+  counts it where kernels are shorter (the host runs ahead of the device otherwise);
 - `collective_seconds(op, nbytes, group_size, spans_nodes)`: the link level's latency and
   per-rank bandwidth through the ring algorithm (all_reduce optionally by tree).
 """
@@ -31,7 +33,8 @@ COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "send
 LINK_LEVELS = ("intra_node", "inter_node")
 ALGORITHMS = ("ring", "tree")
 KEYS = ("name", "memory_bytes", "ranks_per_node", "peak_tflops", "matmul", "attention", "memory_bandwidth",
-        "links", "collective_algorithm", "notes", "measured")
+        "links", "collective_algorithm", "launch_s", "notes", "measured")
+LAUNCH_S = 5e-6  # host seconds per eager kernel when a file gives none (PyTorch's dispatch and launch, assumed)
 
 
 @dataclass(frozen=True)
@@ -61,6 +64,7 @@ class Hardware:
     memory_bandwidth: float  # bytes/s
     links: dict[str, Link]  # intra_node, inter_node
     collective_algorithm: str = "ring"  # how all_reduce scales: ring, or tree (log2 latency steps)
+    launch_s: float = LAUNCH_S  # host seconds per kernel (dispatch and launch): hidden behind longer kernels
     notes: str = ""
     measured: dict = field(default_factory=dict)  # calibrate's raw points, kept for the record
 
@@ -164,7 +168,7 @@ def _curves(value, key: str, where: str, half_key: str, half_unit: str, dtypes) 
 def from_dict(data, where: str = "hardware") -> Hardware:
     """A Hardware from the mapping of a YAML file, each bad key named in a ConfigError."""
     data = _mapping(data, "the file", where, KEYS, "key")
-    required = [k for k in KEYS if k not in ("collective_algorithm", "notes", "measured", "attention")]
+    required = [k for k in KEYS if k not in ("collective_algorithm", "launch_s", "notes", "measured", "attention")]
     for key in required:
         if key not in data:
             raise ConfigError(f"{where}: {key} is missing (docs/plan.md lists the keys)")
@@ -195,6 +199,8 @@ def from_dict(data, where: str = "hardware") -> Hardware:
         links={lv: Link(_positive(links[lv]["latency_s"], f"links.{lv}.latency_s", where, "seconds", zero=True),
                         _positive(links[lv]["bandwidth"], f"links.{lv}.bandwidth", where, "bytes/s per rank"))
                for lv in LINK_LEVELS},
-        collective_algorithm=algorithm, notes=str(data.get("notes") or ""),
+        collective_algorithm=algorithm,
+        launch_s=_positive(data.get("launch_s", LAUNCH_S), "launch_s", where, "seconds per kernel", zero=True),
+        notes=str(data.get("notes") or ""),
         measured=_mapping(data.get("measured") or {}, "measured", where, ("matmul", "attention", "memory",
                                                                           "collectives"), "record"))

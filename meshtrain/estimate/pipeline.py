@@ -50,7 +50,7 @@ class PipelineEstimate:
     stages: list[Stage]
     schedule: PipelineSchedule
     timing: Result
-    ranks: list[dict]  # per pp rank: pp_rank, stages, layers, memory, collectives, param_bytes
+    ranks: list[dict]  # per pp rank: pp_rank, stages, layers, memory, collectives, param_collectives, param_bytes
 
     @property
     def most_loaded(self) -> dict:
@@ -158,7 +158,7 @@ def pipeline_estimate(plan: Plan, model, *, pp_schedule: str, virtual: int, layo
         memory = _rank_memory(sub, model, mine, sched.ranks[r], common, device)
         if memory_only:
             ranks.append({"pp_rank": r, "stages": [st.index for st in mine], "layers": sum(st.n_layers for st in mine),
-                          "memory": memory, "collectives": [], "param_bytes": 0})
+                          "memory": memory, "collectives": [], "param_collectives": [], "param_bytes": 0})
             continue
         # The last stage reduces each micro-step's loss over the token-splitting dims (the
         # pipeline step's cross_entropy_sum), not the step's once.
@@ -182,7 +182,8 @@ def pipeline_estimate(plan: Plan, model, *, pp_schedule: str, virtual: int, layo
         order = ("forward", "backward", "optimizer")
         collectives.sort(key=lambda e: (order.index(e["phase"]), e["axis"] == "world", e["axis"], e["op"]))
         ranks.append({"pp_rank": r, "stages": [st.index for st in mine], "layers": sum(st.n_layers for st in mine),
-                      "memory": memory, "collectives": collectives, "param_bytes": sum(e["bytes"] for e in params)})
+                      "memory": memory, "collectives": collectives, "param_collectives": params,
+                      "param_bytes": sum(e["bytes"] for e in params)})
     return PipelineEstimate(stages, sched, timing, ranks)
 
 

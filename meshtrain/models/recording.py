@@ -37,6 +37,8 @@ from .family import RESIDUAL, ModelDef
 from .policy import keeps_fp32
 
 QUERY = ("batch", "seq", "q_heads", None)
+_aten = torch.ops.aten
+_MATMULS = {_aten.mm, _aten.addmm, _aten.bmm, _aten.baddbmm}  # the step-time model counts these from ctx.linear
 
 
 @dataclass(eq=False)
@@ -140,6 +142,7 @@ class Recording:
     saved: tuple = ()
     linears: tuple = ()
     outs: tuple = ()  # further outputs' layouts (the multi-token prediction modules' logits)
+    kernels: tuple = ()  # per op but matmuls and views: the activations it reads and writes (shape, itemsize, layout)
 
 
 @dataclass
@@ -178,6 +181,7 @@ class _Provenance(TorchDispatchMode):
             info = self.rec.follow(func, ins) if ins else _Info()
             for t in outs:
                 self.rec.mark(t, info if info.base is not None else replace(info, base=t))
+            self.rec.kernel(func, ins, outs)
         return out
 
 
@@ -192,6 +196,7 @@ class RecordingContext:
         self.events: list = []
         self.saved: dict[int, tuple[torch.Tensor, Saved]] = {}
         self.linears: list[Product] = []
+        self.kernels: list[tuple] = []
         self._attends = 0  # ctx.attention calls so far
         self._info: dict[int, tuple[torch.Tensor, _Info]] = {}
         self._first: dict[str, Use] = {}
@@ -283,14 +288,26 @@ class RecordingContext:
         self.events.append(record)
         return self._new(x.shape, ("act", axes), x.dtype, origin=record)
 
-    def recording(self, out: torch.Tensor, since: tuple[int, int, int] = (0, 0, 0)) -> Recording:
+    def recording(self, out: torch.Tensor, since: tuple[int, ...] = (0, 0, 0, 0)) -> Recording:
         """What was recorded after `since` (a `mark_point()`), `out` being what it returned."""
-        events, saved, linears = since
+        events, saved, linears, kernels = since
         return Recording(tuple(self.events[events:]), self.info(out).layout,
-                         tuple(s for _, s in list(self.saved.values())[saved:]), tuple(self.linears[linears:]))
+                         tuple(s for _, s in list(self.saved.values())[saved:]), tuple(self.linears[linears:]),
+                         kernels=tuple(self.kernels[kernels:]))
 
-    def mark_point(self) -> tuple[int, int, int]:
-        return len(self.events), len(self.saved), len(self.linears)
+    def mark_point(self) -> tuple[int, ...]:
+        return len(self.events), len(self.saved), len(self.linears), len(self.kernels)
+
+    def kernel(self, func, ins, outs):
+        """An op other than a view or a matmul: the activations it reads and writes, for the
+        step-time model's element-wise work (estimate/step_work.py); parameters and
+        constants (tables the forward builds) are left out."""
+        if getattr(func, "is_view", False) or func.overloadpacket in _MATMULS:
+            return
+        touched = tuple((tuple(t.shape), t.dtype.itemsize, self.info(t).layout) for t in (*ins, *outs)
+                        if self.info(t).layout is not None)
+        if touched:
+            self.kernels.append(touched)
 
     def linear(self, x, params, name, bias=None):
         w = params[name]

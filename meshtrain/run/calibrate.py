@@ -58,7 +58,7 @@ def calibrate(out: str, nproc: int = 2, quick: bool = False) -> str:
     device = _device()
     dtypes = _dtypes(device)
     threads = int(os.environ.get("OMP_NUM_THREADS", 1))
-    matmul, attention, bandwidth = _compute(device, dtypes, threads, shapes, seqs, copy_bytes, repeats)
+    matmul, attention, bandwidth, launch_s = _compute(device, dtypes, threads, shapes, seqs, copy_bytes, repeats)
     per_rank = launch.launch(_collective_rank, (sizes, repeats), nproc)
     times = measure.slowest_medians(per_rank)
     fits = measure.collective_fits(times, nproc)
@@ -71,7 +71,7 @@ def calibrate(out: str, nproc: int = 2, quick: bool = False) -> str:
         # No data sheet here: the peak is the best this process reached (or the fit's ceiling).
         peak_tflops={d: max(best[d], curves[d].max_tflops) for d in dtypes}, matmul=curves,
         attention={d: measure.fit_attention(attention, d) for d in dtypes}, memory_bandwidth=bandwidth,
-        links={"intra_node": link, "inter_node": link},
+        links={"intra_node": link, "inter_node": link}, launch_s=launch_s,
         notes=f"meshtrain calibrate{' --quick' if quick else ''} --nproc {nproc} on {name}, "
               f"{'nccl' if device.type == 'cuda' else f'gloo, {threads} thread(s) per rank'}; "
               f"{datetime.date.today()}. One machine: inter_node "
@@ -82,11 +82,12 @@ def calibrate(out: str, nproc: int = 2, quick: bool = False) -> str:
     hw.dump(out)
     top = ", ".join(f"{d} {curves[d].max_tflops:.3g}" for d in dtypes)
     return (f"wrote {out}: matmul max TFLOP/s {top}; memory {bandwidth / 1e9:.3g} GB/s; link latency "
-            f"{link.latency_s * 1e6:.3g} us, {link.bandwidth / 1e9:.3g} GB/s per rank ({nproc} ranks)")
+            f"{link.latency_s * 1e6:.3g} us, {link.bandwidth / 1e9:.3g} GB/s per rank ({nproc} ranks); "
+            f"{launch_s * 1e6:.3g} us per kernel launch")
 
 
 def _compute(device, dtypes, threads: int, shapes, seqs, copy_bytes: int, repeats: int):
-    """Matmul and attention points and the copy bandwidth, on CPU with the threads a
+    """Matmul and attention points, the copy bandwidth and the seconds per tiny kernel, on CPU with the threads a
     self-launched rank gets (launch.launch: OMP_NUM_THREADS, 1 unless set): on 2 shared
     cores, 2 threads made small products 100x slower than 1."""
     before = torch.get_num_threads()
@@ -94,7 +95,7 @@ def _compute(device, dtypes, threads: int, shapes, seqs, copy_bytes: int, repeat
     try:
         return (measure.measure_matmul(device, dtypes, shapes, repeats),
                 measure.measure_attention(device, dtypes, seqs, repeats),
-                measure.measure_memory(device, copy_bytes, repeats))
+                measure.measure_memory(device, copy_bytes, repeats), measure.measure_launch(device, repeats))
     finally:
         torch.set_num_threads(before)
 
