@@ -118,7 +118,8 @@ def build_parser():
                                            "the local backend's collectives among --nproc ranks) and write a "
                                            "hardware file for meshtrain plan --hardware.")
     calibrate.add_argument("--out", required=True, help="The hardware YAML file to write.")
-    calibrate.add_argument("--nproc", type=int, default=2, help="Ranks the collectives are measured among (>= 2).")
+    calibrate.add_argument("--nproc", type=int, default=2, help="Ranks a run puts on this machine: they compute at once while "
+                           "measured (CPU ranks share the cores); collectives among max(nproc, 2).")
     calibrate.add_argument("--quick", action="store_true", help="Few shapes and sizes, few repeats: seconds, rough.")
     subcommands = parser.add_subcommands(dest="command")
     subcommands.add_subcommand("fit", fit, help="Train a model (one process, self-launched ranks, or under torchrun).")

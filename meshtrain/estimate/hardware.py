@@ -13,8 +13,11 @@ Its methods give seconds for the pieces of a step:
   `flops` the causal half actually computed; throughput max_tflops * s / (s + half_seq);
 - `memory_seconds(nbytes)`: bytes read plus written at the memory bandwidth (element-wise,
   norms, the optimizer update);
-- `launch_s`: what the host spends per kernel (dispatch and launch); the step-time model
-  counts it where kernels are shorter (the host runs ahead of the device otherwise);
+- `launch_s`, `sharded_launch_s`: what the host spends per kernel (dispatch and launch),
+  of a plain op and of an eager step's op on a sharded mesh (DTensor's dispatch and the
+  runtime's hooks); with `host_overlap` (a GPU: the host issues kernels ahead) the
+  step-time model counts it only where a kernel is shorter, else (a CPU, where the host
+  runs the kernels) in full;
 - `collective_seconds(op, nbytes, group_size, spans_nodes)`: the link level's latency and
   per-rank bandwidth through the ring algorithm (all_reduce optionally by tree).
 """
@@ -33,8 +36,10 @@ COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "send
 LINK_LEVELS = ("intra_node", "inter_node")
 ALGORITHMS = ("ring", "tree")
 KEYS = ("name", "memory_bytes", "ranks_per_node", "peak_tflops", "matmul", "attention", "memory_bandwidth",
-        "links", "collective_algorithm", "launch_s", "notes", "measured")
-LAUNCH_S = 5e-6  # host seconds per eager kernel when a file gives none (PyTorch's dispatch and launch, assumed)
+        "links", "collective_algorithm", "launch_s", "sharded_launch_s", "host_overlap", "notes", "measured")
+# When a file gives none (assumed): PyTorch's dispatch and launch of a plain op, and of an
+# op of an eager step on a sharded mesh (DTensor's dispatch, the runtime's hooks).
+LAUNCH_S, SHARDED_LAUNCH_S = 5e-6, 40e-6
 
 
 @dataclass(frozen=True)
@@ -64,7 +69,9 @@ class Hardware:
     memory_bandwidth: float  # bytes/s
     links: dict[str, Link]  # intra_node, inter_node
     collective_algorithm: str = "ring"  # how all_reduce scales: ring, or tree (log2 latency steps)
-    launch_s: float = LAUNCH_S  # host seconds per kernel (dispatch and launch): hidden behind longer kernels
+    launch_s: float = LAUNCH_S  # host seconds per kernel (dispatch and launch)
+    sharded_launch_s: float = SHARDED_LAUNCH_S  # the same in an eager step on a sharded mesh
+    host_overlap: bool = True  # the host issues kernels ahead of the device (a GPU); False: it runs them (a CPU)
     notes: str = ""
     measured: dict = field(default_factory=dict)  # calibrate's raw points, kept for the record
 
@@ -139,6 +146,12 @@ def _positive(value, key: str, where: str, unit: str, zero: bool = False) -> flo
     return float(value)
 
 
+def _flag(value, key: str, where: str) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{where}: {key}={value!r}: give true or false")
+    return value
+
+
 def _mapping(value, key: str, where: str, allowed: tuple[str, ...], what: str) -> dict:
     if not isinstance(value, dict):
         raise ConfigError(f"{where}: {key} must be a mapping of {what} ({', '.join(allowed)})")
@@ -168,7 +181,8 @@ def _curves(value, key: str, where: str, half_key: str, half_unit: str, dtypes) 
 def from_dict(data, where: str = "hardware") -> Hardware:
     """A Hardware from the mapping of a YAML file, each bad key named in a ConfigError."""
     data = _mapping(data, "the file", where, KEYS, "key")
-    required = [k for k in KEYS if k not in ("collective_algorithm", "launch_s", "notes", "measured", "attention")]
+    optional = ("collective_algorithm", "launch_s", "sharded_launch_s", "host_overlap", "notes", "measured", "attention")
+    required = [k for k in KEYS if k not in optional]
     for key in required:
         if key not in data:
             raise ConfigError(f"{where}: {key} is missing (docs/plan.md lists the keys)")
@@ -201,6 +215,9 @@ def from_dict(data, where: str = "hardware") -> Hardware:
                for lv in LINK_LEVELS},
         collective_algorithm=algorithm,
         launch_s=_positive(data.get("launch_s", LAUNCH_S), "launch_s", where, "seconds per kernel", zero=True),
+        sharded_launch_s=_positive(data.get("sharded_launch_s", SHARDED_LAUNCH_S), "sharded_launch_s", where,
+                                   "seconds per kernel", zero=True),
+        host_overlap=_flag(data.get("host_overlap", True), "host_overlap", where),
         notes=str(data.get("notes") or ""),
         measured=_mapping(data.get("measured") or {}, "measured", where, ("matmul", "attention", "memory",
                                                                           "collectives"), "record"))

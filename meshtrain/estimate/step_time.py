@@ -42,7 +42,10 @@ from .walker import Walker
 # (each reads and writes its operands) with the clip and the norm; compiled, one pass
 # reading parameter, gradient and moments and writing parameter and moments.
 ADAMW_BYTES = {False: 108, True: 32}
-ADAMW_KERNELS = 13  # foreach ops per tensor, eager
+ADAMW_KERNELS = 13  # foreach ops, eager
+# Tensors one foreach kernel takes on a GPU (multi_tensor_apply's lists, assumed); a CPU
+# (no host overlap) runs a foreach op tensor by tensor.
+FOREACH_TENSORS = 24
 NEWTON_SCHULZ_STEPS = 5
 
 
@@ -77,11 +80,11 @@ def _recompute(cfg: RunConfig, blocks: Work) -> Work:
     """What backward recomputes of one micro-batch's blocks: full, their forward;
     selective, their element-wise ops (matmul and attention outputs are kept)."""
     mode = cfg.train.activation_checkpointing
-    if mode == "full":
-        return Work(matmul_fwd=blocks.matmul_fwd, attention=blocks.attention / 3,
+    if mode == "full":  # Work.forward takes a third of `attention`: its forward
+        return Work(matmul_fwd=blocks.matmul_fwd, attention=blocks.attention,
                     elementwise_fwd=blocks.elementwise_fwd, host_fwd=blocks.host_fwd)
     if mode == "selective":
-        return Work(elementwise_fwd=blocks.elementwise_fwd, host_fwd=blocks.host_fwd)
+        return Work(elementwise_fwd=blocks.elementwise_fwd, host_fwd=blocks.host_elementwise_fwd)
     return Work()
 
 
@@ -140,8 +143,9 @@ def optimizer_seconds(cfg: RunConfig, plan: Plan, hw: Hardware, names: set[str])
         elements += local
         tensors += 1
     update = hw.memory_seconds(ADAMW_BYTES[compiled] * elements)
-    launches = (1 if compiled else ADAMW_KERNELS) * (tensors if not compiled else 1) * hw.launch_s
-    return max(update, launches) + products
+    per_op = math.ceil(tensors / FOREACH_TENSORS) if hw.host_overlap else tensors
+    launches = (1 if compiled else ADAMW_KERNELS * per_op) * hw.launch_s
+    return (max(update, launches) if hw.host_overlap else update + launches) + products
 
 
 def _pipelined(cfg: RunConfig, model, plan: Plan, hw: Hardware, clock: Clock, pipeline) -> dict:
@@ -180,13 +184,16 @@ def _pipelined(cfg: RunConfig, model, plan: Plan, hw: Hardware, clock: Clock, pi
         parts = _compute_parts(work, again, micro)
         parts["exposed_comm"] = _summed(exposed["forward"], exposed["backward"], rest)
         parts["optimizer"] = optimizer_seconds(cfg, sub, hw, names)
-        ranks[r["pp_rank"]] = (parts, 0.0 if not p.traffic().keep_gathered else
-                               sum(exposed["forward"].values()) + sum(exposed["backward"].values()))
+        # After its last backward: the update, and kept weights' reductions.
+        ranks[r["pp_rank"]] = (parts, parts["optimizer"] + (0.0 if not p.traffic().keep_gathered else
+                                                            sum(exposed["forward"].values())
+                                                            + sum(exposed["backward"].values())))
     boundary = _boundary_bytes(cfg, model, sub)
     result = simulate(pipeline.schedule, stage_costs=costs, cost_comm=clock.p2p(boundary))
-    busiest = max(range(len(result.busy)), key=lambda r: result.busy[r] + ranks[r][0]["optimizer"] + ranks[r][1])
-    parts, _ = ranks[busiest]
-    parts["pipeline_bubble"] = result.step_time - result.busy[busiest]
+    # The step ends with the rank that ends last; its idle time is the bubble.
+    last = max(range(len(result.finish)), key=lambda r: result.finish[r] + ranks[r][1])
+    parts, after = ranks[last]
+    parts["pipeline_bubble"] = result.finish[last] - result.busy[last]
     return parts
 
 

@@ -19,8 +19,9 @@ Per recorded stretch (one block, the embedding, the head):
   its saved input and the incoming gradient and writes one). A compiled step fuses
   them: COMPILED_BYTES of the bytes in COMPILED_KERNELS of the kernels (assumed, checked
   on CPU by bench/step_time_cpu.py);
-- host: a kernel shorter than the host's launch (`Hardware.launch_s`) takes the launch:
-  the device waits for the next one (`host_fwd`, `host_bwd`: what that adds).
+- host: each kernel's launch (`Hardware.launch_s`; in an eager step on a sharded mesh
+  `sharded_launch_s`), in full where the host runs the kernels (a CPU), else where a
+  kernel is shorter than it: the device waits for the next (`host_fwd`, `host_bwd`).
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ class Work:
     elementwise_bwd: float = 0.0
     host_fwd: float = 0.0
     host_bwd: float = 0.0
+    host_elementwise_fwd: float = 0.0  # of host_fwd, the element-wise kernels' (selective checkpointing reruns them)
     kernels: int = 0  # forward kernel launches (matmuls, attention, element-wise)
     flops: float = 0.0  # executed FLOPs, forward and backward
 
@@ -94,6 +96,14 @@ class WorkWalk:
         self.rules, self.hw, self.precision, self.span, self.compiled = rules, hw, precision, span, compiled
         self.policy = policy
         self._layouts: dict = {}
+        # An eager step on a sharded mesh dispatches each op through DTensor and the
+        # runtime's hooks; a compiled one runs its graph's kernels.
+        self.launch = hw.sharded_launch_s if rules.mesh.world > 1 and not compiled else hw.launch_s
+
+    def late(self, seconds: float) -> float:
+        """What the host adds to a kernel of `seconds` on the device: its launch where the
+        host runs the kernels (a CPU), else whatever the launch outlasts the kernel."""
+        return max(0.0, self.launch - seconds) if self.hw.host_overlap else self.launch
 
     def _local(self, shape, layout) -> int:
         pls = self._layouts.get(layout)
@@ -115,15 +125,16 @@ class WorkWalk:
     def _elementwise(self, kernels) -> Work:
         """The ops' bytes at the memory bandwidth, each kernel at least a launch; backward
         BACKWARD_BYTES x the bytes in twice the kernels. Compiled: fused (module docstring)."""
-        hw, launch = self.hw, self.hw.launch_s
+        hw = self.hw
         seconds = [hw.memory_seconds(sum(i * self._local(shape, lay) for shape, i, lay in k)) for k in kernels]
         if self.compiled and seconds:
             fused = max(1, math.ceil(len(seconds) * COMPILED_KERNELS))
             seconds = [sum(seconds) * COMPILED_BYTES / fused] * fused
         fwd, bwd = sum(seconds), BACKWARD_BYTES * sum(seconds)
-        late = sum(max(0.0, launch - t) for t in seconds)
-        late_bwd = sum(2 * max(0.0, launch - t * BACKWARD_BYTES / 2) for t in seconds)
-        return Work(elementwise_fwd=fwd, elementwise_bwd=bwd, host_fwd=late, host_bwd=late_bwd, kernels=len(seconds))
+        late = sum(self.late(t) for t in seconds)
+        late_bwd = sum(2 * self.late(t * BACKWARD_BYTES / 2) for t in seconds)
+        return Work(elementwise_fwd=fwd, elementwise_bwd=bwd, host_fwd=late, host_bwd=late_bwd,
+                    host_elementwise_fwd=late, kernels=len(seconds))
 
     def _linear(self, p) -> Work:
         pp = self.plan.params[p.name]
@@ -137,12 +148,12 @@ class WorkWalk:
         return self.rules.plan
 
     def _gemm(self, m: int, n: int, k: int, dtype: str, trainable: bool = True, times: int = 1) -> Work:
-        mm, launch = self.hw.matmul_seconds, self.hw.launch_s
+        mm = self.hw.matmul_seconds
         fwd, dgrad = mm(m, n, k, dtype), mm(m, k, n, dtype)
         wgrad = mm(n, k, m, dtype) if trainable else 0.0
-        late_bwd = max(0.0, launch - dgrad) + (max(0.0, launch - wgrad) if trainable else 0.0)
+        late_bwd = self.late(dgrad) + (self.late(wgrad) if trainable else 0.0)
         return Work(matmul_fwd=times * fwd, matmul_bwd=times * (dgrad + wgrad), wgrad=times * wgrad,
-                    host_fwd=times * max(0.0, launch - fwd), host_bwd=times * late_bwd, kernels=times,
+                    host_fwd=times * self.late(fwd), host_bwd=times * late_bwd, kernels=times,
                     flops=times * 2.0 * m * n * k * (3 if trainable else 2))
 
     def _attention(self, e: Attend) -> Work:
@@ -150,9 +161,8 @@ class WorkWalk:
         keys = min(self.span, e.k[1])
         flops = 3 * 2.0 * rows * keys / 2 * (e.k[-1] + e.v[-1])
         seconds = self.hw.attention_seconds(flops, keys, dtype_on(self.hw, self.precision))
-        launch = self.hw.launch_s
-        return Work(attention=seconds, host_fwd=max(0.0, launch - seconds / 3),
-                    host_bwd=max(0.0, launch - seconds * 2 / 3), kernels=1, flops=flops)
+        return Work(attention=seconds, host_fwd=self.late(seconds / 3), host_bwd=self.late(seconds * 2 / 3), kernels=1,
+                    flops=flops)
 
     def _experts(self, e: Experts) -> Work:
         """The local experts' SwiGLUs on the rows routed to them, and the fp32 router."""

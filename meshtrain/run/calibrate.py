@@ -1,8 +1,10 @@
 """`meshtrain calibrate`: measure this machine and write a hardware file.
 
-Compute and memory are measured in this process (the first CUDA device, else the CPU);
-the collectives among `nproc` ranks that `launch.launch` starts the way `meshtrain fit`
-self-launches (gloo on CPU, NCCL on CUDA, one device per rank). The fits are
+Everything is measured in ranks that `launch.launch` starts the way `meshtrain fit`
+self-launches (gloo on CPU, NCCL on CUDA, one device per rank): compute and memory in
+`nproc` ranks at once, as a run of that many ranks per machine computes (on a CPU the
+ranks share its cores: two ranks of this 2-core box each multiply at about half the speed
+of one alone), then the collectives among max(nproc, 2) ranks. The fits are
 estimate/calibrate.py's. A single machine has one link level: inter_node is written
 equal to intra_node, and the notes say so.
 """
@@ -19,6 +21,7 @@ from ..errors import ConfigError
 from ..estimate import calibrate as measure
 from ..estimate.hardware import Hardware
 from . import launch
+from .calibrate_host import sharded_launch_seconds
 
 # (matmul shapes, attention sequence lengths, copy bytes, collective bytes, repeats)
 _FULL = ([(s, s, s) for s in (128, 256, 512, 1024, 1536)] + [(2048, 256, 512), (256, 1024, 2048)],
@@ -36,32 +39,41 @@ def _dtypes(device: torch.device) -> tuple[str, ...]:
     return ("fp32", "bf16", "fp16") if device.type == "cuda" else ("fp32", "bf16")
 
 
-def _collective_rank(sizes, repeats: int) -> dict:
+def _rank(busy: int, compute: tuple, sizes, repeats: int) -> dict:
+    """Rank work: the first `busy` ranks measure compute at once (`_compute`'s arguments
+    after the device), then all time the collectives."""
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=120))
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=600))
     try:
-        return measure.time_collectives(sizes, repeats, device)
+        dist.barrier()
+        out = {"compute": _compute(device, *compute) if dist.get_rank() < busy else None}
+        dist.barrier()
+        out["collectives"] = measure.time_collectives(sizes, repeats, device)
+        out["sharded_launch_s"] = sharded_launch_seconds(device, repeats)
+        return out
     finally:
         dist.destroy_process_group()
 
 
 def calibrate(out: str, nproc: int = 2, quick: bool = False) -> str:
     """Measure, fit, write `out` (a file Hardware.load reads); returns a one-line summary."""
-    if not isinstance(nproc, int) or nproc < 2:
-        raise ConfigError(f"--nproc {nproc!r}: collectives need at least 2 ranks")
+    if not isinstance(nproc, int) or isinstance(nproc, bool) or nproc < 1:
+        raise ConfigError(f"--nproc {nproc!r}: give the ranks a run puts on this machine (1 or more)")
     if torch.cuda.is_available() and nproc > torch.cuda.device_count():
         raise ConfigError(f"--nproc {nproc}: this machine has {torch.cuda.device_count()} GPUs; give at most that")
     shapes, seqs, copy_bytes, sizes, repeats = _QUICK if quick else _FULL
     device = _device()
     dtypes = _dtypes(device)
     threads = int(os.environ.get("OMP_NUM_THREADS", 1))
-    matmul, attention, bandwidth, launch_s = _compute(device, dtypes, threads, shapes, seqs, copy_bytes, repeats)
-    per_rank = launch.launch(_collective_rank, (sizes, repeats), nproc)
-    times = measure.slowest_medians(per_rank)
-    fits = measure.collective_fits(times, nproc)
+    ranks = max(nproc, 2)  # one rank has no collectives: they are measured between two
+    per_rank = launch.launch(_rank, (nproc, (dtypes, threads, shapes, seqs, copy_bytes, repeats), sizes, repeats),
+                             ranks)
+    matmul, attention, bandwidth, launch_s = per_rank[0]["compute"]
+    times = measure.slowest_medians([r["collectives"] for r in per_rank])
+    fits = measure.collective_fits(times, ranks)
     link = measure.link_from(fits)
     curves = {d: measure.fit_matmul(matmul, d) for d in dtypes}
     best = {d: max(t for *_, dd, t in matmul if dd == d) for d in dtypes}
@@ -72,8 +84,10 @@ def calibrate(out: str, nproc: int = 2, quick: bool = False) -> str:
         peak_tflops={d: max(best[d], curves[d].max_tflops) for d in dtypes}, matmul=curves,
         attention={d: measure.fit_attention(attention, d) for d in dtypes}, memory_bandwidth=bandwidth,
         links={"intra_node": link, "inter_node": link}, launch_s=launch_s,
+        sharded_launch_s=max(r["sharded_launch_s"] for r in per_rank), host_overlap=device.type == "cuda",
         notes=f"meshtrain calibrate{' --quick' if quick else ''} --nproc {nproc} on {name}, "
-              f"{'nccl' if device.type == 'cuda' else f'gloo, {threads} thread(s) per rank'}; "
+              f"{'nccl' if device.type == 'cuda' else f'gloo, {threads} thread(s) per rank'}, compute measured in "
+              f"{nproc} rank(s) at once, collectives among {ranks}; "
               f"{datetime.date.today()}. One machine: inter_node "
               "is a copy of intra_node (not measured). peak_tflops is the best measured, not a data sheet's.",
         measured={"matmul": matmul, "attention": attention, "memory": {"copy_bytes": copy_bytes,
@@ -82,8 +96,8 @@ def calibrate(out: str, nproc: int = 2, quick: bool = False) -> str:
     hw.dump(out)
     top = ", ".join(f"{d} {curves[d].max_tflops:.3g}" for d in dtypes)
     return (f"wrote {out}: matmul max TFLOP/s {top}; memory {bandwidth / 1e9:.3g} GB/s; link latency "
-            f"{link.latency_s * 1e6:.3g} us, {link.bandwidth / 1e9:.3g} GB/s per rank ({nproc} ranks); "
-            f"{launch_s * 1e6:.3g} us per kernel launch")
+            f"{link.latency_s * 1e6:.3g} us, {link.bandwidth / 1e9:.3g} GB/s per rank ({ranks} ranks); "
+            f"{launch_s * 1e6:.3g} us per kernel launch, {hw.sharded_launch_s * 1e6:.3g} us on a sharded mesh")
 
 
 def _compute(device, dtypes, threads: int, shapes, seqs, copy_bytes: int, repeats: int):
