@@ -70,6 +70,8 @@ def _bad(tmp_path, change) -> str:
     (lambda d: d.update(ranks_per_node=0), "ranks_per_node=0"),
     (lambda d: d.update(collective_algorithm="mesh"), "collective_algorithm='mesh'"),
     (lambda d: d.update(memory_byte=1), "memory_byte: unknown key"),
+    (lambda d: d.update(host_overlap="yes"), "host_overlap='yes': give true or false"),
+    (lambda d: d.update(sharded_launch_s=-1), "sharded_launch_s=-1"),
 ])
 def test_a_bad_file_names_the_key(tmp_path, change, named):
     assert named in _bad(tmp_path, change)
