@@ -62,10 +62,15 @@ def build_parser():
                            "'# ...: worlds 8, 64', as the GPU presets do; else the smallest whole number of nodes "
                            "the fixed parallel.* sizes fit).")
     plan.add_argument("--gpu", default=None, choices=list(BUILTINS),
-                      help="Check the peak memory against this built-in device's capacity.")
+                      help="Check the peak memory against this built-in device's capacity and model the step's "
+                           "time on it (default for the time: h100).")
     plan.add_argument("--hardware", default=None,
-                      help="A hardware file (meshtrain calibrate writes one; docs/plan.md): check the peak memory "
-                           "against its memory_bytes, as --gpu does.")
+                      help="A hardware file (meshtrain calibrate writes one; docs/plan.md): the device to check "
+                           "memory against and model the step's time on, as --gpu does.")
+    plan.add_argument("--search", action="store_true",
+                      help="Also rank the layouts that fit the device (mesh, pp schedule, checkpointing, "
+                           "micro-batch, kept weights) by modelled tokens/s per GPU and print the ten fastest "
+                           "as flags to add.")
     plan.add_argument("--json", default=None, help="Also write the plan as JSON to this file.")
     plan.add_class_arguments(RunConfig, as_group=False)
     preprocess = ArgumentParser(**_STRICT, description="Tokenize a JSON-lines file into a Megatron-LM indexed dataset "
@@ -303,13 +308,13 @@ def _plan(a, given=None) -> None:
 
     start = time.perf_counter()
     values = a.clone()
-    for key in ("world", "gpu", "hardware", "json"):
+    for key in ("world", "gpu", "hardware", "json", "search"):
         delattr(values, key)
     if a.gpu and a.hardware:
         raise ConfigError(f"--gpu {a.gpu} and --hardware {a.hardware}: give one (a built-in device or a file)")
     device = Hardware.load(a.hardware) if a.hardware else a.gpu
     world = a.world if a.world is not None else _preset_world(a.config or [])
-    run = dry_run(_run_config(values, given).validate(), world, device)
+    run = dry_run(_run_config(values, given).validate(), world, device, search=a.search)
     console = Console(highlight=False)
     if not console.is_terminal and "COLUMNS" not in os.environ:  # files and pipes: long lines stay whole
         console = Console(highlight=False, width=160)

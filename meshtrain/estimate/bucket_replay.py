@@ -54,6 +54,17 @@ def bucket_traffic(w: Walker, events, names, policy: Policy, traffic: Traffic,
     return replay.backward()
 
 
+def buckets_of(plan, unit, names=None) -> tuple[list, dict]:
+    """plan_buckets' buckets of `names` and each mesh's group dims (group_dims), once per
+    plan: a pipeline's estimate and a layout search ask for them per rank and candidate."""
+    memo = plan.__dict__.setdefault("_buckets_memo", {})
+    key = (unit, None if names is None else tuple(names))
+    if key not in memo:
+        buckets, _ = plan_buckets(plan, unit, names)
+        memo[key] = (buckets, {mesh: group_dims(buckets, plan, mesh) for mesh in {b.mesh for b in buckets}})
+    return memo[key]
+
+
 class _BucketReplay:
     """The plan's buckets, and the gathers a forward's lookups took of them."""
 
@@ -61,8 +72,7 @@ class _BucketReplay:
                  keep: bool = False):
         self.w, self.plan, self.policy, self.step, self.unsharded = w, w.plan, policy, step, unsharded
         # Kept weights are bucketed among the rank's own, in forward order (parallel/keep_gathered.py).
-        self.buckets, _ = plan_buckets(w.plan, unit, [n for n in w.plan.params if n in names] if keep else None)
-        self.groups = {mesh: group_dims(self.buckets, w.plan, mesh) for mesh in {b.mesh for b in self.buckets}}
+        self.buckets, self.groups = buckets_of(w.plan, unit, [n for n in w.plan.params if n in names] if keep else None)
         self.bucket_of = {n: b.index for b in self.buckets for n in b.names}
         self.complete = {b.index for b in self.buckets if all(n in names for n in b.names)}
         self._sets: dict[int, list] = {}

@@ -32,6 +32,7 @@ from .comms import expert_exchange, step_collectives
 from .compute import step_compute
 from .hardware import Hardware
 from .hardware_builtins import BUILTINS
+from .layout_search import fastest_layouts
 from .dryrun_view import renderables
 from .step_memory import GPU_MEMORY, MEMORY_KEYS, step_memory
 from .step_time import step_time
@@ -67,6 +68,8 @@ class DryRun:
     buckets: dict | None = None  # bucket_summary: parallel.bucket's unit, count, largest bucket's bytes
     compute: dict = field(default_factory=dict)  # compute.step_compute: the step's model FLOPs
     time: dict | None = None  # step_time.step_time on the device (h100 when none is given)
+    fastest: list | None = None  # --search: layout_search.fastest_layouts' Ranked, and what it tried (`searched`)
+    searched: dict | None = None
 
     @property
     def fits(self) -> bool | None:
@@ -106,6 +109,8 @@ class DryRun:
             **({"expert_all_to_all": self.expert_exchange} if self.expert_exchange is not None else {}),
             **({"zero_stages": self.zero_stages} if self.zero_stages is not None else {}),
             **(self._search_dict() if self.lowest is not None else {}),
+            **({"search": {"fastest": [r.to_dict() for r in self.fastest], **self.searched}}
+               if self.fastest is not None else {}),
         }
 
     def _search_dict(self) -> dict:
@@ -143,11 +148,12 @@ def default_world(cfg: RunConfig) -> int:
 
 
 def dry_run(cfg: RunConfig, world: int | None = None, gpu: str | Hardware | None = None, *,
-            suggest: bool = True) -> DryRun:
+            suggest: bool = True, search: bool = False) -> DryRun:
     """Plan `cfg` (a validated RunConfig) at `world` ranks (default: `default_world`). With
     `gpu` (a built-in's name: h100, h200, b200, a100; or a Hardware, e.g. a --hardware
     file's), a peak over the device's memory sets `error` and `advice`, the layouts that
-    fit (`check()` raises the error). Layouts that cannot be built at all raise
+    fit (`check()` raises the error). `search`: also the ten fastest layouts that fit the
+    device (h100 without one; layout_search.py). Layouts that cannot be built at all raise
     ConfigError here."""
     if isinstance(gpu, str) and gpu not in BUILTINS:
         raise ConfigError(f"--gpu {gpu!r}: choose one of {', '.join(BUILTINS)}")
@@ -187,8 +193,11 @@ def dry_run(cfg: RunConfig, world: int | None = None, gpu: str | Hardware | None
                  setup=_setup(t),
                  total_params=total, active_params=active, buckets=bucket_summary(plan, p.bucket),
                  compute=step_compute(cfg, model, world))
-    run.time = {**step_time(cfg, model, plan, device or BUILTINS["h100"], world=world, gpus_per_node=gpus_per_node,
+    hw = device or BUILTINS["h100"]
+    run.time = {**step_time(cfg, model, plan, hw, world=world, gpus_per_node=gpus_per_node,
                             collectives=collectives, params=params, pipeline=pipeline), "hardware_given": bool(device)}
+    if search:
+        run.fastest, run.searched = fastest_layouts(cfg, world, hw)
     run.warnings += [note.removeprefix("note: ") for note in cfg.notes(plan.mesh)]  # what does nothing here
     if cfg.data.mean_doc_len and not cfg.data.document_mask:
         run.warnings.append(f"data.mean_doc_len={cfg.data.mean_doc_len} counts for nothing without "

@@ -31,6 +31,8 @@ def renderables(run) -> list:
         out.append(_expert_line(run.expert_exchange))
     if run.time is not None:
         out.append(_time_table(run.time))
+    if run.fastest is not None:
+        out.append(_search_table(run))
     return out
 
 
@@ -95,6 +97,23 @@ def _time_table(t: dict) -> Table:
             if s > 0:
                 table.add_row(name, _seconds(s), f"{s / step:.1%}")
     table.add_row("[bold]step[/]", f"[bold]{_seconds(step)}[/]", "100%")
+    return table
+
+
+def _search_table(run) -> Table | str:
+    """--search: the fastest layouts that fit, as the flags that make them."""
+    s = run.searched
+    title = (f"fastest layouts on {run.time['hardware']} at world {run.world} (modelled; {s['candidates']} "
+             f"planned, {s['fitting']} fit, {s['timed']} timed in full)")
+    if not run.fastest:
+        return f"{title}: none fits"
+    table = Table(title=title, title_justify="left")
+    for name, justify in (("tokens/s/GPU", "right"), ("MFU", "right"), ("step", "right"), ("peak", "right"),
+                          ("flags to add", "left")):
+        table.add_column(name, justify=justify, overflow="fold")
+    for r in run.fastest:
+        table.add_row(f"{r.tokens_per_s_per_gpu:,.0f}", f"{r.mfu:.0%}" if r.mfu is not None else "-",
+                      _seconds(r.step_s), human_bytes(r.peak), r.flags or "(the layout given)")
     return table
 
 

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from .comms import backward_regathers, step_collectives
 from .memory import per_rank_memory, total_peak
 from ..models.family import RESIDUAL
+from ..models.recording import cached
 from ..layout.plan import Plan, without_pp
 from ..layout.traffic import Traffic
 from ..pipeline.partition import Stage, partition
@@ -128,15 +129,18 @@ def pipeline_estimate(plan: Plan, model, *, pp_schedule: str, virtual: int, layo
                       compiled: bool = False, activation_checkpointing: str = "none",
                       device: str = "cuda", traffic: Traffic = Traffic(), mask_keys=None,
                       memory_only: bool = False, optimizer: str = "adamw",
-                      optimizer_offload: bool = False) -> PipelineEstimate:
+                      optimizer_offload: bool = False, collectives_only: bool = False) -> PipelineEstimate:
     """traffic: the stages' parameter traffic, as make_pipeline_step takes it (its
     keep_gathered: parallel.pp_keep_gathered); mask_keys: as per_rank_memory's. Each
     rank's `param_bytes`: its parameters' gathers and reductions over the stage mesh per
     step (not the tied table's exchange).
-    memory_only: no collectives (most of the cost; for the advice's search). optimizer:
+    memory_only: no collectives (most of the cost; for the advice's search); collectives_only:
+    no memory (each rank's is {"peak": 0}; for the layout search, which planned it). optimizer:
     train.optimizer (its state's bytes; Muon's gathers)."""
     pp = plan.mesh.pp
-    stages = partition(model, pp, virtual, layout, seq_len=seq_len, micro_batch=micro_batch)
+    # Once per model and split: the layout search asks again for every candidate on this pp.
+    stages = cached((model.family.name, model.cfg, "partition", pp, virtual, tuple(layout or ()), seq_len, micro_batch),
+                    lambda: partition(model, pp, virtual, layout, seq_len=seq_len, micro_batch=micro_batch))
     sched = build_pipeline_schedule(pp_schedule, pp, micro_steps, virtual)
     timing = simulate(sched, stage_costs=stage_costs_from_partition(stages))
     sub = without_pp(plan)
@@ -155,7 +159,7 @@ def pipeline_estimate(plan: Plan, model, *, pp_schedule: str, virtual: int, layo
         common = dict(micro_batch=micro_batch, seq_len=seq_len, precision=precision,
                       activation_checkpointing=activation_checkpointing, traffic=traffic, device=device, names=names,
                       mask_keys=mask_keys, optimizer=optimizer, optimizer_offload=optimizer_offload)
-        memory = _rank_memory(sub, model, mine, sched.ranks[r], common, device)
+        memory = {"peak": 0} if collectives_only else _rank_memory(sub, model, mine, sched.ranks[r], common, device)
         if memory_only:
             ranks.append({"pp_rank": r, "stages": [st.index for st in mine], "layers": sum(st.n_layers for st in mine),
                           "memory": memory, "collectives": [], "param_collectives": [], "param_bytes": 0})

@@ -24,11 +24,12 @@ GPU_MEMORY = {name: hw.memory_bytes for name, hw in BUILTINS.items()}
 
 
 def step_memory(cfg: RunConfig, plan, model, keep_gathered: bool | None = None,
-                memory_only: bool = False) -> tuple[dict, object | None]:
+                memory_only: bool = False, collectives_only: bool = False) -> tuple[dict, object | None]:
     """(memory of the most loaded rank, PipelineEstimate or None) of `cfg` (validated) on
     `plan`; under pp the memory also names its `pp_rank`. `keep_gathered`: under pp, in
     place of parallel.pp_keep_gathered (the plan weighs both). `memory_only`: under pp, a
-    PipelineEstimate without collectives (cheaper)."""
+    PipelineEstimate without collectives (cheaper); `collectives_only`, without memory
+    (the layout search's timing of a layout it planned)."""
     t, p, traffic = cfg.train, cfg.parallel, cfg.parallel.traffic()
     micro_steps = cfg.accumulation_steps(plan.mesh.dp * plan.mesh.fsdp)
     if plan.mesh.pp > 1:  # ranks differ by stage: report the most loaded
@@ -39,6 +40,7 @@ def step_memory(cfg: RunConfig, plan, model, keep_gathered: bool | None = None,
                                      precision=t.precision, compiled=bool(t.compile),
                                      activation_checkpointing=t.activation_checkpointing, traffic=traffic,
                                      mask_keys=mask_keys(cfg, plan.mesh.cp), memory_only=memory_only,
+                                     collectives_only=collectives_only,
                                      optimizer=t.optimizer, optimizer_offload=t.optimizer_offload)
         return {**pipeline.most_loaded["memory"], "pp_rank": pipeline.most_loaded["pp_rank"]}, pipeline
     if micro_steps <= 1:  # one micro-step: no whole gradients to hold between micro-steps

@@ -96,6 +96,7 @@ class WorkWalk:
         self.rules, self.hw, self.precision, self.span, self.compiled = rules, hw, precision, span, compiled
         self.policy = policy
         self._layouts: dict = {}
+        self._works: dict[int, tuple] = {}  # id(recording) -> (the recording, held so the id stays its own; Work)
         # An eager step on a sharded mesh dispatches each op through DTensor and the
         # runtime's hooks; a compiled one runs its graph's kernels.
         self.launch = hw.sharded_launch_s if rules.mesh.world > 1 and not compiled else hw.launch_s
@@ -112,6 +113,12 @@ class WorkWalk:
         return local_numel(shape, pls, self.rules.mesh)
 
     def recording(self, rec) -> Work:
+        """One recorded stretch's work (each once: a pipeline's stages share their blocks')."""
+        if id(rec) not in self._works:
+            self._works[id(rec)] = (rec, self._work(rec))
+        return self._works[id(rec)][1]
+
+    def _work(self, rec) -> Work:
         work = Work()
         for p in rec.linears:
             work += self._linear(p)

@@ -50,7 +50,10 @@ def compute_numel(plan: Plan, name: str) -> int:
 
 def is_gathered(plan: Plan, name: str) -> bool:
     p = plan.params[name]
-    return tuple(p.compute_placements()) != tuple(p.placements)
+    made = p.__dict__.get("_gathered")  # once per parameter plan (frozen): asked per rank and layout
+    if made is None:
+        made = p.__dict__["_gathered"] = tuple(p.compute_placements()) != tuple(p.placements)
+    return made
 
 
 @dataclass

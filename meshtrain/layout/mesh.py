@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import asdict, dataclass
 from typing import ClassVar
@@ -82,12 +83,13 @@ class MeshSpec:
     def world(self) -> int:
         return math.prod(getattr(self, a) for a in self.ORDER)
 
-    @property
+    # Cached (the spec is frozen): the planners ask for them a hundred thousand times a plan.
+    @functools.cached_property
     def axes(self) -> tuple[str, ...]:
         """The mesh dims that exist: axes of size > 1 in mesh order (a 1-rank mesh keeps dp)."""
         return tuple(a for a in self.ORDER if getattr(self, a) > 1) or ("dp",)
 
-    @property
+    @functools.cached_property
     def shape(self) -> tuple[int, ...]:
         return tuple(getattr(self, a) for a in self.axes)
 

@@ -86,8 +86,13 @@ class ParamPlan:
 
     def compute_placements(self) -> tuple[Placement, ...]:
         """Placements where the parameter is used: shards on gathered axes (fsdp) are
-        replicated; tensor- and expert-parallel shards stay."""
-        return tuple(Replicate() if a in GATHERED_AXES else p for a, p in zip(self.mesh.axes, self.placements))
+        replicated; tensor- and expert-parallel shards stay. (Made once: the planners ask
+        for them per lookup, per rank, per candidate layout.)"""
+        made = self.__dict__.get("_compute_placements")
+        if made is None:
+            made = tuple(Replicate() if a in GATHERED_AXES else p for a, p in zip(self.mesh.axes, self.placements))
+            self.__dict__["_compute_placements"] = made
+        return made
 
     def to_dict(self) -> dict:
         out = {"name": self.name, "shape": list(self.spec.shape), "axes": list(self.spec.axes),

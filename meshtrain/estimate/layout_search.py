@@ -1,0 +1,187 @@
+"""`meshtrain plan --search`: the layouts of a run config that fit the device, fastest first.
+
+At the world given, it turns the knobs a user can change without touching the model: the
+mesh (tp within a node, with sequence parallelism as Megatron runs it; cp; pp; ep for
+MoE; fsdp takes the rest), the pipeline schedule (1F1B, or interleaved with 2 virtual
+stages; not zb, whose split backward's traffic the estimate does not count), activation
+checkpointing, the micro-batch (halved down to 1), and
+keeping weights gathered over the micro-batches (parallel.pp_keep_gathered under pp,
+parallel.zero 1 without). Buckets, prefetch and precision stay as given.
+
+Each candidate is planned for memory alone first (`step_memory` without collectives:
+milliseconds); one over the device is dropped, and so is every candidate that keeps at
+least its memory on each knob (the same mesh and schedule, less recompute or a larger
+micro-batch). The rest are timed in two passes: a lower bound (the step-time model with
+no communication: compute, optimizer and, under pp, the bubble of those stage times),
+then, best bound first, the full model (`step_time`, collectives included) until the
+next bound is slower than the `limit`-th fastest timed. So the answer is the model's
+ranking, not a heuristic's, at a fraction of its cost.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from dataclasses import dataclass
+
+from ..config import RunConfig
+from ..errors import ConfigError
+from ..models.policy import CHECKPOINTING
+from .comms import step_collectives
+from .hardware import Hardware
+from .step_memory import step_memory
+from .step_time import step_time
+
+TP_SIZES, CP_SIZES, PP_SIZES = (1, 2, 4, 8), (1, 2, 4), (1, 2, 4, 8, 16)
+# Under pp. Not zb: the collective estimate leaves out its split backward's second
+# gathers (comms.py), so its time would be flattered.
+SCHEDULES = (("1f1b", 1), ("interleaved", 2))
+EP_SIZES = (1, 2, 4, 8, 16, 32, 64)  # MoE only: those that divide the experts
+
+
+@dataclass(frozen=True)
+class Layout:
+    tp: int
+    cp: int
+    pp: int
+    ep: int
+    schedule: tuple[str, int]  # (parallel.pp_schedule, parallel.pp_virtual); the given one without pp
+    keep: bool  # pp_keep_gathered under pp, zero 1 without
+    checkpointing: str
+    micro_batch: int
+
+
+@dataclass(frozen=True)
+class Ranked:
+    flags: str  # to add to the command line; "" is the layout as given
+    tokens_per_s_per_gpu: float
+    step_s: float
+    mfu: float | None
+    peak: float
+
+    def to_dict(self) -> dict:
+        return {"flags": self.flags, "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu, "step_s": self.step_s,
+                "mfu": self.mfu, "peak_bytes": int(self.peak)}
+
+
+def fastest_layouts(cfg: RunConfig, world: int, hw: Hardware, *, limit: int = 10) -> tuple[list[Ranked], dict]:
+    """Up to `limit` layouts of `cfg` (validated) that fit `hw` at `world` ranks, fastest
+    first; and what the search did (candidates, fitting, timed)."""
+    gpus_per_node = min(cfg.parallel.nproc_per_node, world)
+    given = _given(cfg)
+    fitting, over, tried = [], [], 0
+    for layout in sorted(_candidates(cfg, world, gpus_per_node), key=_saving_first):
+        if any(_saves_at_least(o, layout) for o in over):
+            continue
+        planned = _planned(cfg, layout, world)
+        tried += 1
+        if planned is None:
+            continue
+        alt, plan, model, memory, pipeline = planned
+        if memory["peak"] > hw.memory_bytes:
+            over.append(layout)
+            continue
+        bound = step_time(alt, model, plan, hw, world=world, gpus_per_node=gpus_per_node, collectives=[],
+                          params=[], pipeline=pipeline)["step_s"]
+        fitting.append((bound, layout, alt, plan, model, memory["peak"]))
+    ranked: list[Ranked] = []
+    timed = 0
+    for bound, layout, alt, plan, model, peak in sorted(fitting, key=lambda f: f[0]):
+        if len(ranked) >= limit and bound > ranked[limit - 1].step_s:
+            break
+        t = _timed(alt, plan, model, hw, world, gpus_per_node)
+        timed += 1
+        ranked.append(Ranked(_flags(cfg, layout, given), t["tokens_per_s_per_gpu"], t["step_s"], t["mfu"], peak))
+        ranked.sort(key=lambda r: r.step_s)
+    return ranked[:limit], {"candidates": tried, "fitting": len(fitting), "timed": timed}
+
+
+def _given(cfg: RunConfig) -> Layout:
+    p, t = cfg.parallel, cfg.train
+    keep = p.pp_keep_gathered if p.pp > 1 else p.zero < 3
+    return Layout(p.tp, p.cp, p.pp, p.ep, (p.pp_schedule, p.pp_virtual), keep, t.activation_checkpointing,
+                  t.micro_batch)
+
+
+def _candidates(cfg: RunConfig, world: int, gpus_per_node: int) -> list[Layout]:
+    m, t = cfg.model, cfg.train
+    experts = m.moe.num_experts if m.moe is not None else 1
+    eps = [e for e in EP_SIZES if experts % e == 0 and e <= world] if m.moe is not None else [1]
+    micro = sorted({t.micro_batch >> k for k in range(min(3, t.micro_batch.bit_length()))}, reverse=True)
+    out = []
+    for tp, cp, pp, ep in itertools.product(TP_SIZES, CP_SIZES, PP_SIZES, eps):
+        if tp > gpus_per_node or world % (tp * cp * pp) or pp > m.n_layers:
+            continue
+        schedules = SCHEDULES if pp > 1 else [(cfg.parallel.pp_schedule, 1)]
+        for schedule, keep, ac, mb in itertools.product(schedules, (False, True), CHECKPOINTING, micro):
+            out.append(Layout(tp, cp, pp, ep, schedule, keep, ac, mb))
+    return out
+
+
+def _saving_first(c: Layout) -> tuple:
+    """Most memory-saving first within a mesh and schedule: a bound that is over prunes."""
+    return (c.tp, c.cp, c.pp, c.ep, c.schedule, c.keep, -CHECKPOINTING.index(c.checkpointing), c.micro_batch)
+
+
+def _saves_at_least(over: Layout, c: Layout) -> bool:
+    """Does `over` (over the device) keep at most `c`'s memory on every knob? (Weights kept
+    gathered only add to it.)"""
+    same = (over.tp, over.cp, over.pp, over.ep, over.schedule) == (c.tp, c.cp, c.pp, c.ep, c.schedule)
+    return same and CHECKPOINTING.index(over.checkpointing) >= CHECKPOINTING.index(c.checkpointing) \
+        and over.micro_batch <= c.micro_batch and over.keep <= c.keep
+
+
+def _applied(cfg: RunConfig, c: Layout) -> RunConfig:
+    p = dataclasses.replace(cfg.parallel, tp=c.tp, sp=c.tp > 1 or cfg.parallel.sp, cp=c.cp, pp=c.pp, ep=c.ep,
+                            dp=1, fsdp=-1, pp_schedule=c.schedule[0], pp_virtual=c.schedule[1], pp_layout=None,
+                            pp_keep_gathered=c.keep and c.pp > 1, zero=1 if c.keep and c.pp == 1 else 3)
+    t = dataclasses.replace(cfg.train, activation_checkpointing=c.checkpointing, micro_batch=c.micro_batch)
+    return dataclasses.replace(cfg, parallel=p, train=t)
+
+
+def _planned(cfg: RunConfig, c: Layout, world: int):
+    """(config, plan, model, memory, memory-only pipeline) of layout c, or None when it
+    cannot run."""
+    try:
+        alt = _applied(cfg, c)
+        mesh = alt.mesh_spec().resolve(world)
+        if c.keep and mesh.fsdp * mesh.cp == 1:  # nothing sharded to keep gathered: the layout without
+            return None
+        alt.accumulation_steps(mesh.dp * mesh.fsdp)
+        alt = alt.validate()
+        plan, model = alt.plan(world=world), alt.model_def()
+        memory, pipeline = step_memory(alt, plan, model, memory_only=True)
+    except ConfigError:
+        return None
+    return alt, plan, model, memory, pipeline
+
+
+def _timed(cfg: RunConfig, plan, model, hw: Hardware, world: int, gpus_per_node: int) -> dict:
+    """The full step-time model of a planned layout (collectives included)."""
+    t, p = cfg.train, cfg.parallel
+    if plan.mesh.pp > 1:
+        _, pipeline = step_memory(cfg, plan, model, collectives_only=True)
+        return step_time(cfg, model, plan, hw, world=world, gpus_per_node=gpus_per_node,
+                         collectives=pipeline.busiest["collectives"], params=[], pipeline=pipeline)
+    data = plan.mesh.dp * plan.mesh.fsdp
+    step = dict(micro_batch_rows=t.micro_batch * data, seq_len=t.seq_len, micro_steps=cfg.accumulation_steps(data),
+                precision=t.precision, compiled=bool(t.compile), traffic=p.traffic(),
+                activation_checkpointing=t.activation_checkpointing, optimizer=t.optimizer)
+    return step_time(cfg, model, plan, hw, world=world, gpus_per_node=gpus_per_node,
+                     collectives=step_collectives(plan, model, **step),
+                     params=step_collectives(plan, model, **step, activations=False))
+
+
+def _flags(cfg: RunConfig, c: Layout, given: Layout) -> str:
+    """The command-line flags that turn `cfg` into layout `c`."""
+    alt, p, t = _applied(cfg, c), cfg.parallel, cfg.train
+    flags = []
+    for key in ("tp", "sp", "cp", "pp", "ep", "pp_schedule", "pp_virtual", "pp_keep_gathered", "zero", "dp",
+                "fsdp"):
+        new, old = getattr(alt.parallel, key), getattr(p, key)
+        if new != old and not (key in ("pp_schedule", "pp_virtual", "pp_keep_gathered") and c.pp == 1):
+            flags.append(f"--parallel.{key} {str(new).lower() if isinstance(new, bool) else new}")
+    for key in ("activation_checkpointing", "micro_batch"):
+        if getattr(alt.train, key) != getattr(t, key):
+            flags.append(f"--train.{key} {getattr(alt.train, key)}")
+    return " ".join(flags)

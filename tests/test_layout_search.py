@@ -1,0 +1,80 @@
+"""`meshtrain plan --search`: the layouts that fit, fastest first by the step-time model.
+
+Each layout it lists, applied with its flags and planned again, fits the device and has
+the modelled time it was listed with; the list is sorted; and the search over llama3-405b
+at 16,384 ranks stays within the dry run's budget of 60 s (issue 44)."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from meshtrain import cli
+from meshtrain.config import RunConfig
+from meshtrain.estimate.dryrun import dry_run
+from meshtrain.estimate.hardware_builtins import BUILTINS
+from meshtrain.estimate.layout_search import fastest_layouts
+from support.configs import preset
+
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+
+
+def with_flags(name: str, flags: str) -> RunConfig:
+    """configs/<name>.yaml with command-line flags (`--section.key value`) applied."""
+    values = yaml.safe_load((CONFIGS / f"{name}.yaml").read_text())
+    words = shlex.split(flags)
+    for key, value in zip(words[::2], words[1::2]):
+        section, field = key.removeprefix("--").split(".")
+        values[section][field] = yaml.safe_load(value)
+    return RunConfig.from_dict(values).validate()
+
+
+def test_each_listed_layout_fits_at_the_time_it_was_listed_with():
+    h100 = BUILTINS["h100"]
+    ranked, searched = fastest_layouts(preset("llama3-8b"), 8, h100)
+    assert len(ranked) == 10 and searched["timed"] <= searched["fitting"] <= searched["candidates"]
+    assert [r.step_s for r in ranked] == sorted(r.step_s for r in ranked)
+    assert len({r.flags for r in ranked}) == 10
+    for r in ranked:
+        again = dry_run(with_flags("llama3-8b", r.flags), 8, "h100")
+        assert again.fits and again.memory["peak"] == r.peak, r.flags
+        assert again.time["step_s"] == pytest.approx(r.step_s, rel=1e-12), r.flags
+        assert again.time["tokens_per_s_per_gpu"] == pytest.approx(r.tokens_per_s_per_gpu, rel=1e-12)
+
+
+def test_nothing_slower_than_the_tenth_is_left_unsaid():
+    """Every fitting candidate the search did not time in full has a lower bound (the
+    model without communication) above the tenth fastest: checked by timing them all."""
+    cfg, h100 = preset("llama3-8b"), BUILTINS["h100"]
+    ranked, _ = fastest_layouts(cfg, 8, h100)
+    everything, _ = fastest_layouts(cfg, 8, h100, limit=10_000)
+    assert [r.flags for r in everything[:10]] == [r.flags for r in ranked]
+
+
+def test_search_of_llama3_405b_at_16384_ranks_within_a_minute():
+    start = time.perf_counter()
+    run = dry_run(preset("llama3-405b"), 16384, "h100", search=True)
+    took = time.perf_counter() - start
+    assert took < 60, took
+    assert run.fastest and all(r.peak <= BUILTINS["h100"].memory_bytes for r in run.fastest)
+    assert [r.tokens_per_s_per_gpu for r in run.fastest] == sorted((r.tokens_per_s_per_gpu for r in run.fastest),
+                                                                    reverse=True)
+    best = dry_run(with_flags("llama3-405b", run.fastest[0].flags), 16384, "h100")
+    assert best.time["step_s"] == pytest.approx(run.fastest[0].step_s, rel=1e-12)
+
+
+def test_plan_search_prints_and_writes_the_ranking(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    code = cli.main(["plan", "--config", str(CONFIGS / "llama3-8b.yaml"), "--world", "8", "--gpu", "h100",
+                     "--search", "--json", str(out)])
+    text = capsys.readouterr().out
+    assert code == 0 and "fastest layouts on h100 at world 8" in text and "flags to add" in text
+    got = json.loads(out.read_text())["search"]
+    assert len(got["fastest"]) == 10 and set(got["fastest"][0]) == {"flags", "tokens_per_s_per_gpu", "step_s",
+                                                                     "mfu", "peak_bytes"}
+    assert got["candidates"] >= got["fitting"] >= got["timed"] > 0
