@@ -86,13 +86,16 @@ def test_over_the_gpu_memory_names_layouts_that_fit():
     cfg = preset("llama3-8b", micro_batch=4, global_batch=256, compile=False)
     run = dry_run(cfg, 64, "h100")
     assert run.memory["peak"] > GPU_MEMORY["h100"]
-    assert run.error and "exceeds the h100" in run.error and "--train.micro_batch 1" in run.error
+    assert run.error and "exceeds the h100" in run.error and "fastest first" in run.error
+    assert run.advice and all(f.flags in run.error and f.peak <= GPU_MEMORY["h100"] for f in run.advice)
+    speeds = [f.tokens_per_s_per_gpu for f in run.advice]  # ranked by the step-time model
+    assert speeds == sorted(speeds, reverse=True)
     with pytest.raises(ConfigError):
         run.check()
     proc = run_cli("plan", "--config", str(ROOT / "configs" / "llama3-8b.yaml"), "--world", "64", "--gpu", "h100",
                    "--train.micro_batch", "4", "--train.global_batch", "256", "--train.compile", "false")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
-    assert len(proc.stderr.strip().splitlines()) == 1 and "--train.micro_batch" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and run.advice[0].flags in proc.stderr
     assert "memory of the most loaded rank" in proc.stdout  # the plan is shown before the error
 
 

@@ -4,7 +4,8 @@
 world size: activation checkpointing (none, selective, full), resharding after forward
 (on, where it is off), the micro-batch (halved down to 1), tp (doubled within a node) and
 pp (2, 4, 8 where they divide the layers), and returns the layouts whose peak fits,
-cheapest first, each as the exact flags to add to the command line. The layout given is
+cheapest first (the dry run times the first few with the step-time model and lists the
+fastest), each as the exact flags to add to the command line. The layout given is
 planned too, as one of the candidates for the lowest peak, so the lowest peak named is
 never above its own.
 
@@ -26,7 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..config import RunConfig
 from ..errors import ConfigError
@@ -75,11 +76,14 @@ class Fit:
     flags: str  # to add to the command line; "" is the layout as given
     peak: float  # bytes on the most loaded rank
     world: int | None = None  # what_would_fit's: the ranks it was planned at
+    config: RunConfig | None = field(default=None, compare=False)  # layouts_that_fit's: the layout (validated)
+    tokens_per_s_per_gpu: float | None = None  # the step-time model's, where the dry run ranked it
 
 
 def layouts_that_fit(cfg: RunConfig, world: int, capacity: float, *, limit: int = 3) -> tuple[list[Fit], Fit | None]:
     """Up to `limit` layouts of `cfg` (validated) at `world` ranks whose peak is at most
-    `capacity` bytes, cheapest first (the layout given first where it fits); and the lowest
+    `capacity` bytes, cheapest first by COST (the layout given first where it fits; the dry
+    run ranks them again by the step-time model); and the lowest
     peak planned, the layout given among the candidates and named on a tie (None if no
     candidate could be planned)."""
     fits, lowest, _ = _search(cfg, world, capacity, limit)
@@ -108,7 +112,7 @@ def _search(cfg, world: int, capacity: float, limit: int,
     # The layout given: a candidate for the lowest peak, and a fit as it is (at another world).
     peak = plan(now) if (now.tp, now.pp) not in skip else None
     if peak is not None and peak <= capacity:
-        fits.append(Fit("", peak))
+        fits.append(Fit("", peak, config=cfg))
     for c in candidates:
         if len(fits) >= limit:
             break
@@ -120,7 +124,7 @@ def _search(cfg, world: int, capacity: float, limit: int,
             continue
         peak = plan(c)
         if peak is not None and peak <= capacity:
-            fits.append(Fit(_flags(cfg, c, now), peak))
+            fits.append(Fit(_flags(cfg, c, now), peak, config=_apply(cfg, c).validate()))
     tried = [(m["peak"], c != now, c) for c, m in planned.items() if m is not None]
     floors = {}
     for c, m in planned.items():

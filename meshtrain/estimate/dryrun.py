@@ -32,11 +32,14 @@ from .comms import expert_exchange, step_collectives
 from .compute import step_compute
 from .hardware import Hardware
 from .hardware_builtins import BUILTINS
-from .layout_search import fastest_layouts
+from .layout_search import fastest_first, fastest_layouts
 from .dryrun_view import renderables
 from .step_memory import GPU_MEMORY, MEMORY_KEYS, step_memory
 from .step_time import step_time
 
+# The advice of a layout over the device: the fastest ADVICE by the step-time model of the
+# first ADVICE_POOL that fit, cheapest first by advice.COST.
+ADVICE, ADVICE_POOL = 3, 8
 # GPU_MEMORY is read from here too (tests, scripts): the built-ins' capacities.
 __all__ = ["DryRun", "GPU_MEMORY", "bucket_summary", "default_world", "dry_run", "keep_gathered_sides", "zero_sides"]
 
@@ -61,7 +64,7 @@ class DryRun:
     setup: str = ""  # what sets the activations: micro-batch, sequence, precision, checkpointing, compile
     total_params: int = 0
     active_params: int | None = None  # per token, when experts are routed
-    advice: list[Fit] = field(default_factory=list)  # layouts that fit the GPU, cheapest first
+    advice: list[Fit] = field(default_factory=list)  # layouts that fit the GPU, fastest first (step-time model)
     lowest: Fit | None = None  # the lowest peak the advice planned, the layout given among them
     would_fit: list[Fit] = field(default_factory=list)  # with no layout that fits: more cp, more ranks
     search: str = ""  # what the advice tried, in words
@@ -92,7 +95,8 @@ class DryRun:
             "total_params": self.total_params,
             "active_params": self.active_params,
             "fits": self.fits,
-            "advice": [{"flags": f.flags, "peak": int(f.peak)} for f in self.advice],
+            "advice": [{"flags": f.flags, "peak": int(f.peak), "tokens_per_s_per_gpu": f.tokens_per_s_per_gpu}
+                       for f in self.advice],
             "per_rank_bytes": {k: int(self.memory[k]) for k in MEMORY_KEYS},
             "memory_detail": {k: v for k, v in self.memory.items() if k not in MEMORY_KEYS},
             "collectives": self.collectives,
@@ -208,7 +212,8 @@ def dry_run(cfg: RunConfig, world: int | None = None, gpu: str | Hardware | None
                                 f"per-layer collectives will run over the inter-node network; keep {axis} within "
                                 f"a node (at most {gpus_per_node} ranks)")
     if device and suggest and not run.fits:
-        run.advice, run.lowest = layouts_that_fit(cfg, world, device.memory_bytes)
+        pool, run.lowest = layouts_that_fit(cfg, world, device.memory_bytes, limit=ADVICE_POOL)
+        run.advice = fastest_first(pool, world, hw)[:ADVICE]
         run.search = search_space(cfg, world)
         if not run.advice:
             run.would_fit = what_would_fit(cfg, world, device.memory_bytes)
@@ -299,6 +304,6 @@ def _over_capacity(run: DryRun) -> str:
     head = (f"peak memory {human_bytes(run.memory['peak'])} per rank exceeds the {run.gpu} "
             f"({human_bytes(capacity)}) at world {run.world}")
     if run.advice:
-        return f"{head}; layouts that fit, cheapest first: " + "; ".join(
+        return f"{head}; layouts that fit, fastest first (modelled): " + "; ".join(
             f"{f.flags} ({human_bytes(f.peak)})" for f in run.advice)
     return "; ".join([head, *nothing_fits(run.search, run.lowest, run.would_fit, run.world)])

@@ -62,12 +62,14 @@ def verdict(run) -> list:
     lines.append(f"[bold red]does NOT fit on {device}[/]: peak {human_bytes(peak)} of {human_bytes(capacity)}")
     if not run.advice:
         return ["\n".join(lines + nothing_fits(run.search, run.lowest, run.would_fit, run.world))]
-    lines.append(f"layouts that fit at world {run.world}, cheapest first (add the flags):")
+    lines.append(f"layouts that fit at world {run.world}, fastest first by the modelled step (add the flags):")
     advice = Table(box=None, show_header=False, pad_edge=False, padding=(0, 1))
+    advice.add_column(justify="right", no_wrap=True)
     advice.add_column(justify="right", no_wrap=True)
     advice.add_column(overflow="fold")
     for fit in run.advice:
-        advice.add_row(f"  {human_bytes(fit.peak)}", fit.flags)
+        speed = f"{fit.tokens_per_s_per_gpu:,.0f} tokens/s/GPU" if fit.tokens_per_s_per_gpu is not None else ""
+        advice.add_row(f"  {human_bytes(fit.peak)}", speed, fit.flags or "(the layout given)")
     return ["\n".join(lines), advice]
 
 

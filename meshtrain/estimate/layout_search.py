@@ -96,6 +96,18 @@ def fastest_layouts(cfg: RunConfig, world: int, hw: Hardware, *, limit: int = 10
     return ranked[:limit], {"candidates": tried, "fitting": len(fitting), "timed": timed}
 
 
+def fastest_first(fits: list, world: int, hw: Hardware) -> list:
+    """advice.Fit layouts (with their configs) ranked by the step-time model, each with
+    its tokens/s per GPU: the dry run's advice for a layout over the device."""
+    gpus_per_node = min(fits[0].config.parallel.nproc_per_node, world) if fits else 1
+    timed = []
+    for fit in fits:
+        cfg = fit.config
+        t = _timed(cfg, cfg.plan(world=world), cfg.model_def(), hw, world, gpus_per_node)
+        timed.append(dataclasses.replace(fit, tokens_per_s_per_gpu=t["tokens_per_s_per_gpu"]))
+    return sorted(timed, key=lambda f: -f.tokens_per_s_per_gpu)
+
+
 def _given(cfg: RunConfig) -> Layout:
     p, t = cfg.parallel, cfg.train
     keep = p.pp_keep_gathered if p.pp > 1 else p.zero < 3
