@@ -31,6 +31,7 @@ EOD_ALONE = SWITCHES + "test_eod_mask_loss_alone_is_the_mean_over_targets_not_af
 MASK_ALONE = SWITCHES + "test_document_mask_alone_is_each_document_run_alone"
 RESET_ALONE = SWITCHES + "test_reset_positions_alone_is_the_row_at_positions_restarting_at_each_document"
 DATA_MASK_ALONE = SWITCHES + "test_the_datas_loss_mask_alone_is_the_mean_over_the_targets_the_file_keeps"
+STEP_TIME = "tests/test_step_time.py"
 BY_LOOP = "tests/test_index_properties.py::test_segments_positions_and_eod_masks_match_a_loop_over_tokens"
 WINDOW = "tests/test_index_properties.py::test_the_window_attends_exactly_each_querys_document"
 FIT_MASKED = "tests/test_loss_masks.py::test_fit_loss_is_the_mean_over_the_unmasked_targets_and_resumes_exactly"
@@ -338,6 +339,21 @@ MUTANTS = [
            "meshtrain/estimate/memory.py",
            'm["grads"] + working)',
            'working)', (STEP_PEAK,)),
+
+    # --- the step-time model (estimate/step_work.py, comm_time.py, step_time.py) ---
+    Mutant("time_prefetch_hides_nothing", "step time: parameter gathers and reductions waited for whatever the prefetch",
+           "meshtrain/estimate/comm_time.py",
+           "hide = buckets > 0 and traffic.prefetch > 0",
+           "hide = False", (STEP_TIME,)),
+    Mutant("time_full_recompute_attention_once_more_divided",
+           "step time: full checkpointing recomputes a ninth of the blocks' attention, not its forward third",
+           "meshtrain/estimate/step_time.py",
+           "matmul_fwd=blocks.matmul_fwd, attention=blocks.attention,",
+           "matmul_fwd=blocks.matmul_fwd, attention=blocks.attention / 3,", (STEP_TIME,)),
+    Mutant("time_weight_gradients_free", "step time: the weight-gradient GEMMs of backward cost nothing",
+           "meshtrain/estimate/step_work.py",
+           "wgrad = mm(n, k, m, dtype) if trainable else 0.0",
+           "wgrad = 0.0", (STEP_TIME,)),
 ]
 
 # Realistic bugs no CI test catches yet (docs/mutants.md, "Known survivors"): not in the
