@@ -150,10 +150,10 @@ def optimizer_seconds(cfg: RunConfig, plan: Plan, hw: Hardware, names: set[str])
 
 def _pipelined(cfg: RunConfig, model, plan: Plan, hw: Hardware, clock: Clock, pipeline) -> dict:
     """Each stage's F, B and W from its layers' work and its rank's waited traffic per
-    micro-batch; the schedule simulated with them; the busiest rank's parts, its idle
-    time as the bubble."""
+    micro-batch; the schedule simulated with them; the parts of the rank that ends the
+    step, its idle time as the bubble."""
     t, p = cfg.train, cfg.parallel
-    sub = without_pp(plan)
+    sub, kept = without_pp(plan), p.traffic().keep_gathered
     walk, micro = _walk(cfg, sub, hw), pipeline.schedule.m
     unit = check_bucket(p.bucket)
     all_buckets = [] if unit == "param" else plan_buckets(sub, unit)[0]
@@ -172,22 +172,21 @@ def _pipelined(cfg: RunConfig, model, plan: Plan, hw: Hardware, clock: Clock, pi
                                 backward=work.backward + again.forward, held_once=False)
         rest = activation_exposed(clock, minus(r["collectives"], r["param_collectives"]),
                                   {"forward": micro * work.attention / 3, "backward": micro * work.attention * 2 / 3})
-        once = {a: s for a, s in rest.items()}
-        each_f = sum(exposed["forward"].values()) / micro if not p.traffic().keep_gathered else 0.0
-        each_b = (sum(exposed["backward"].values()) + sum(once.values())) / micro \
-            if not p.traffic().keep_gathered else sum(once.values()) / micro
+        # Per micro-batch on the stages: the activations' waits, and the parameters' unless
+        # kept gathered (those come once, after the rank's last backward).
+        waited = {phase: sum(exposed[phase].values()) for phase in ("forward", "backward")}
+        per_f = 0.0 if kept else waited["forward"] / micro
+        per_b = (sum(rest.values()) + (0.0 if kept else waited["backward"])) / micro
         share = {s: (w.forward + w.backward + a.forward) / max(work.forward + work.backward + again.forward, 1e-30)
                  for s, (w, a) in per.items()}
         for s, (w, a) in per.items():
-            costs[s] = {"F": w.forward + each_f * share[s], "B": w.backward + a.forward + each_b * share[s],
+            costs[s] = {"F": w.forward + per_f * share[s], "B": w.backward + a.forward + per_b * share[s],
                         "W": w.wgrad}
         parts = _compute_parts(work, again, micro)
         parts["exposed_comm"] = _summed(exposed["forward"], exposed["backward"], rest)
         parts["optimizer"] = optimizer_seconds(cfg, sub, hw, names)
-        # After its last backward: the update, and kept weights' reductions.
-        ranks[r["pp_rank"]] = (parts, parts["optimizer"] + (0.0 if not p.traffic().keep_gathered else
-                                                            sum(exposed["forward"].values())
-                                                            + sum(exposed["backward"].values())))
+        # After its last backward: the update, and kept weights' gathers and reductions.
+        ranks[r["pp_rank"]] = (parts, parts["optimizer"] + (waited["forward"] + waited["backward"] if kept else 0.0))
     boundary = _boundary_bytes(cfg, model, sub)
     result = simulate(pipeline.schedule, stage_costs=costs, cost_comm=clock.p2p(boundary))
     # The step ends with the rank that ends last; its idle time is the bubble.
