@@ -47,6 +47,9 @@ LAYOUTS = {
 EXTRA = {  # not in the list: for looking closer (--only)
     "tp2": TWO + ["--parallel.fsdp", "1", "--parallel.tp", "2"],
     "cp2 allgather": TWO + ["--parallel.fsdp", "1", "--parallel.cp", "2", "--parallel.cp_comm", "allgather"],
+    # The compiled step's fusion (step_work.COMPILED_BYTES, COMPILED_KERNELS) against inductor on CPU.
+    "one process compiled": ONE + ["--train.compile", "true"],
+    "fsdp2 compiled": TWO + ["--parallel.fsdp", "2", "--train.compile", "true"],
 }
 # The tiny smoke: a smaller model, fewer steps, one layout; its ratio printed, not judged.
 TINY = ["--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "4", "--model.n_kv_heads", "2",

@@ -8,7 +8,7 @@ Per recorded stretch (one block, the embedding, the head):
   weight's local shapes; backward the input gradient (m, k, n) and, for a trainable
   weight, the weight gradient (n, k, m); fp8 where the precision policy runs the linear in
   fp8. An MoE block's experts: each local expert's three GEMMs on the rows routed to it
-  (the uniform expectation, times the busiest expert's load: `moe_load`), and the router
+  (the uniform expectation, times the busiest expert's load: MOE_LOAD), and the router
   in fp32;
 - attention: each ctx.attention call's causal FLOPs (the calibration's convention: the
   causal half of q k^T and p v, forward and backward = 3 x forward) over the keys a query
@@ -17,8 +17,8 @@ Per recorded stretch (one block, the embedding, the head):
   RoPE, casts) as the bytes it reads and writes on the rank, at the memory bandwidth;
   backward moves twice the forward's bytes in two kernels per op (assumed: each reads
   its saved input and the incoming gradient and writes one). A compiled step fuses
-  them: COMPILED_BYTES of the bytes in COMPILED_KERNELS of the kernels (assumed, checked
-  on CPU by bench/step_time_cpu.py);
+  them: COMPILED_BYTES of the bytes in COMPILED_KERNELS of the kernels (assumed, not yet
+  measured: bench/step_time_cpu.py runs eager steps);
 - host: each kernel's launch (`Hardware.launch_s`; in an eager step on a sharded mesh
   `sharded_launch_s`), in full where the host runs the kernels (a CPU), else where a
   kernel is shorter than it: the device waits for the next (`host_fwd`, `host_bwd`).

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import asdict, dataclass
 from typing import ClassVar
@@ -83,15 +82,30 @@ class MeshSpec:
     def world(self) -> int:
         return math.prod(getattr(self, a) for a in self.ORDER)
 
-    # Cached (the spec is frozen): the planners ask for them a hundred thousand times a plan.
-    @functools.cached_property
-    def axes(self) -> tuple[str, ...]:
-        """The mesh dims that exist: axes of size > 1 in mesh order (a 1-rank mesh keeps dp)."""
+    def __post_init__(self):
+        # Made once, here (the spec is frozen): the planners ask for them a hundred thousand
+        # times a plan, and a lazy cache would be written inside a compiled step's trace,
+        # which dynamo refuses under activation checkpointing. Sizes that do not compare
+        # yet (a config not checked) are left to the properties.
+        try:
+            axes = self._axes_of()
+            shape = tuple(getattr(self, a) for a in axes)
+        except TypeError:
+            axes = shape = None
+        object.__setattr__(self, "_axes", axes)
+        object.__setattr__(self, "_shape", shape)
+
+    def _axes_of(self) -> tuple[str, ...]:
         return tuple(a for a in self.ORDER if getattr(self, a) > 1) or ("dp",)
 
-    @functools.cached_property
+    @property
+    def axes(self) -> tuple[str, ...]:
+        """The mesh dims that exist: axes of size > 1 in mesh order (a 1-rank mesh keeps dp)."""
+        return self._axes if self._axes is not None else self._axes_of()
+
+    @property
     def shape(self) -> tuple[int, ...]:
-        return tuple(getattr(self, a) for a in self.axes)
+        return self._shape if self._shape is not None else tuple(getattr(self, a) for a in self.axes)
 
     def size(self, axis: str) -> int:
         return getattr(self, axis)

@@ -84,15 +84,16 @@ class ParamPlan:
     def bytes_per_rank(self) -> int:
         return math.prod(self.local_shape) * self.spec.dtype.itemsize
 
+    def __post_init__(self):
+        # Made once, here: the planners ask per lookup, rank and candidate layout, and a lazy
+        # cache would be written inside a compiled step's trace (refused under checkpointing).
+        object.__setattr__(self, "_compute", tuple(Replicate() if a in GATHERED_AXES else p
+                                                   for a, p in zip(self.mesh.axes, self.placements)))
+
     def compute_placements(self) -> tuple[Placement, ...]:
         """Placements where the parameter is used: shards on gathered axes (fsdp) are
-        replicated; tensor- and expert-parallel shards stay. (Made once: the planners ask
-        for them per lookup, per rank, per candidate layout.)"""
-        made = self.__dict__.get("_compute_placements")
-        if made is None:
-            made = tuple(Replicate() if a in GATHERED_AXES else p for a, p in zip(self.mesh.axes, self.placements))
-            self.__dict__["_compute_placements"] = made
-        return made
+        replicated; tensor- and expert-parallel shards stay."""
+        return self._compute
 
     def to_dict(self) -> dict:
         out = {"name": self.name, "shape": list(self.spec.shape), "axes": list(self.spec.axes),
