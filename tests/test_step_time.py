@@ -213,6 +213,39 @@ def test_prefetch_waits_only_for_the_first_transfer_of_each_phase_behind_long_co
     assert t["comm"] < priced(run.collectives, hw) / 5
 
 
+@pytest.mark.parametrize("share", [0.0, 0.5, 1.0])
+def test_compute_beside_a_gather_hides_the_hardwares_share_of_it(share):
+    """comm_overlap: behind long compute each transfer after the first adds what the
+    compute does not hide of it, (1 - share) of it; 0 waits for all, as prefetch 0 does."""
+    cfg = tiny(parallel=FSDP2)
+    hw = dataclasses.replace(hand(mm=0.01, intra=(3e-6, 100e9)), comm_overlap=share)
+    t = timed(cfg, 2, hw)
+    run = t["run"]
+    n = run.buckets["count"] * cfg.accumulation_steps(2)
+    phases = [[e for e in run.collectives if e["phase"] == p and e["op"] != "all_reduce_sum"]
+              for p in ("forward", "backward")]
+    reduce = priced([e for e in run.collectives if e["op"] == "all_reduce_sum"], hw)
+    closed = sum(priced(es, hw) / n * (1 + (n - 1) * (1 - share)) for es in phases) + reduce
+    assert t["comm"] == pytest.approx(closed, rel=1e-9)
+    if share == 0:
+        assert t["comm"] == pytest.approx(priced(run.collectives, hw), rel=1e-9)
+
+
+@pytest.mark.parametrize("share", [0.0, 1.0])
+def test_cp_ring_sends_hide_behind_attention_by_the_hardwares_share(share):
+    """cp's ring: its sends beside long attention are hidden (share 1) or waited whole
+    (share 0); the rest of cp's traffic the same either way (prefetch 0: the weights'
+    gathers over cp are all waited)."""
+    cfg = tiny(parallel={"cp": 2, "fsdp": 1, "cp_comm": "ring", "nproc_per_node": 2, "prefetch": 0})
+    base = hand(attention=0.001, intra=(3e-6, 100e9))
+    t = {s: timed(cfg, 2, dataclasses.replace(base, comm_overlap=s)) for s in (share, 1.0)}
+    link = base.links["intra_node"]
+    ring = sum(e["count"] * link.latency_s + e["bytes"] / link.bandwidth
+               for e in t[share]["run"].collectives if e["axis"] == "cp" and e["op"] == "recv")
+    assert ring > 0
+    assert t[share]["comm"] - t[1.0]["comm"] == pytest.approx(ring * (1 - share), rel=1e-9)
+
+
 def _stage_costs(cfg: RunConfig, layout: list[int]) -> dict:
     """Per stage, on matmuls alone: F = 2 T x its weights, B = 2 F, W (weight grads) = F;
     the head on the last stage, the embedding nothing."""

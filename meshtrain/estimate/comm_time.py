@@ -11,7 +11,8 @@ What the runtime hides and what it waits for:
   buckets ahead of their first use, and gradient reductions stay in flight (as many as
   `prefetch`) while backward goes on; each phase is modelled as n equal transfers on a
   stream beside n equal pieces of compute (`overlapped`): the first transfer is waited
-  for, then whatever a transfer outlasts the compute ahead of it. prefetch 0 and bucket
+  for, then whatever a transfer outlasts the compute ahead of it, and of the rest the
+  share the compute does not hide (`Hardware.comm_overlap`, `beside`). prefetch 0 and bucket
   "param" wait for every one. A compiled step's all-reduces held to the last
   micro-batch (and with fsdp_accumulate unsharded its reduce-scatters) run after the
   last backward: waited. Kept weights (parallel.zero 1 and 2, pp_keep_gathered):
@@ -19,7 +20,7 @@ What the runtime hides and what it waits for:
   backward (zero 2: each; compiled: after it);
 - activation traffic (tp and sequence parallelism, cp's all-gather and all-to-all, ep's
   all-to-alls, the loss, the norm): the runtime waits for each; cp's ring sends hide
-  behind the attention of the same phase;
+  behind the attention of the same phase (by the same share);
 - pipeline sends and receives: priced per boundary and given to the schedule simulator.
 """
 
@@ -78,13 +79,21 @@ class Clock:
         return self.hw.collective_seconds("send_recv", nbytes, 2, spans)
 
 
-def overlapped(comm: float, compute: float, n: int, hide: bool) -> float:
+def beside(comm: float, compute: float, share: float) -> float:
+    """What `comm` beside `compute` adds to it when compute hides `share` of what overlaps
+    (Hardware.comm_overlap): the part that outlasts the compute, and the unhidden rest of
+    the overlap."""
+    return max(0.0, comm - compute) + (1.0 - share) * min(comm, compute)
+
+
+def overlapped(comm: float, compute: float, n: int, hide: bool, share: float = 1.0) -> float:
     """Waited seconds of `comm` in n equal transfers issued ahead of n equal pieces of
-    `compute` (module docstring); hide False: all of it."""
+    `compute` (module docstring), compute hiding `share` of what overlaps; hide False:
+    all of it."""
     if not hide or n < 1 or comm <= 0:
         return max(comm, 0.0)
     g, c = comm / n, compute / n
-    return g + (n - 1) * max(0.0, g - c)
+    return g + (n - 1) * beside(g, c, share)
 
 
 def minus(entries: list[dict], part: list[dict]) -> list[dict]:
@@ -119,22 +128,22 @@ def param_exposed(clock: Clock, entries: list[dict], traffic, *, compiled: bool,
     False), beside one micro-batch's `forward` and `backward` compute. `held_once`: a
     plain step's all-reduces (fsdp_accumulate unsharded: and reduce-scatters) issued
     once per step (not a pipeline rank's)."""
-    hide = buckets > 0 and traffic.prefetch > 0
+    hide, share = buckets > 0 and traffic.prefetch > 0, clock.hw.comm_overlap
     fwd = by_axis(clock, entries, lambda e: e["phase"] == "forward")
     if traffic.keep_gathered:
         each = micro_steps if traffic.zero == 2 else 1
         bwd = by_axis(clock, entries, lambda e: e["phase"] == "backward")
-        return {"forward": spread(overlapped(sum(fwd.values()), forward, buckets, hide and not compiled), fwd),
+        return {"forward": spread(overlapped(sum(fwd.values()), forward, buckets, hide and not compiled, share), fwd),
                 "backward": spread(overlapped(sum(bwd.values()), backward * each, buckets * each,
-                                              hide and not compiled), bwd)}
+                                              hide and not compiled, share), bwd)}
     after = (lambda e: e["op"] == "all_reduce_sum" or (traffic.fsdp_accumulate == "unsharded"
                                                       and e["op"] == "reduce_scatter_sum")) \
         if compiled and held_once else (lambda e: False)
     bwd = by_axis(clock, entries, lambda e: e["phase"] == "backward" and not after(e))
     late = by_axis(clock, entries, lambda e: e["phase"] == "backward" and after(e))
     n = buckets * micro_steps
-    out = {"forward": spread(overlapped(sum(fwd.values()), forward * micro_steps, n, hide), fwd),
-           "backward": spread(overlapped(sum(bwd.values()), backward * micro_steps, n, hide), bwd)}
+    out = {"forward": spread(overlapped(sum(fwd.values()), forward * micro_steps, n, hide, share), fwd),
+           "backward": spread(overlapped(sum(bwd.values()), backward * micro_steps, n, hide, share), bwd)}
     for axis, s in late.items():
         out["backward"][axis] = out["backward"].get(axis, 0.0) + s
     return out
@@ -154,5 +163,5 @@ def activation_exposed(clock: Clock, entries: list[dict], attention: dict[str, f
         else:
             out[e["axis"]] += clock.seconds(e)
     for phase, s in ring.items():
-        out["cp"] += max(0.0, s - attention.get(phase, 0.0))
+        out["cp"] += beside(s, attention.get(phase, 0.0), clock.hw.comm_overlap)
     return dict(out)

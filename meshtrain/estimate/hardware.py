@@ -19,7 +19,13 @@ Its methods give seconds for the pieces of a step:
   step-time model counts it only where a kernel is shorter, else (a CPU, where the host
   runs the kernels) in full;
 - `collective_seconds(op, nbytes, group_size, spans_nodes)`: the link level's latency and
-  per-rank bandwidth through the ring algorithm (all_reduce optionally by tree).
+  per-rank bandwidth through the ring algorithm (all_reduce optionally by tree); where
+  `collective_table` holds what calibrate measured for that op on a group of that size
+  inside a node, the measured seconds instead (linear between its points; past the
+  largest, the link's bandwidth for the rest). A backend's time need not be a line in the
+  bytes: gloo's all-gather here after compute costs 0.9 ms up to 256 KiB, 2.2 ms at 1 MiB;
+- `comm_overlap`: the share of a collective beside compute that the compute hides (the
+  step-time model's comm_time.beside).
 """
 
 from __future__ import annotations
@@ -36,7 +42,8 @@ COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "send
 LINK_LEVELS = ("intra_node", "inter_node")
 ALGORITHMS = ("ring", "tree")
 KEYS = ("name", "memory_bytes", "ranks_per_node", "peak_tflops", "matmul", "attention", "memory_bandwidth",
-        "links", "collective_algorithm", "launch_s", "sharded_launch_s", "host_overlap", "notes", "measured")
+        "links", "collective_algorithm", "collective_table", "comm_overlap", "launch_s", "sharded_launch_s",
+        "host_overlap", "notes", "measured")
 # When a file gives none (assumed): PyTorch's dispatch and launch of a plain op, and of an
 # op of an eager step on a sharded mesh (DTensor's dispatch, the runtime's hooks).
 LAUNCH_S, SHARDED_LAUNCH_S = 5e-6, 40e-6
@@ -69,6 +76,11 @@ class Hardware:
     memory_bandwidth: float  # bytes/s
     links: dict[str, Link]  # intra_node, inter_node
     collective_algorithm: str = "ring"  # how all_reduce scales: ring, or tree (log2 latency steps)
+    # op -> {"ranks": n, "seconds_by_bytes": {bytes: s}}: measured inside a node, non-decreasing
+    collective_table: dict = field(default_factory=dict)
+    # Of a collective's time beside compute, the share the compute hides (1: all of it, a
+    # GPU's copy engines and spare SMs, assumed; 0: none, a CPU whose cores the transport needs)
+    comm_overlap: float = 1.0
     launch_s: float = LAUNCH_S  # host seconds per kernel (dispatch and launch)
     sharded_launch_s: float = SHARDED_LAUNCH_S  # the same in an eager step on a sharded mesh
     host_overlap: bool = True  # the host issues kernels ahead of the device (a GPU); False: it runs them (a CPU)
@@ -91,7 +103,12 @@ class Hardware:
         sends in all, one send_recv's message)."""
         steps, share = collective_terms(op, group_size, self.collective_algorithm)
         link = self.links["inter_node" if spans_nodes else "intra_node"]
-        return steps * link.latency_s + nbytes * share / link.bandwidth if steps else 0.0
+        if not steps:
+            return 0.0
+        table = self.collective_table.get(op)
+        if table and table["ranks"] == (2 if op == "send_recv" else group_size) and not spans_nodes:
+            return _interpolate(table["seconds_by_bytes"], nbytes, share / link.bandwidth)
+        return steps * link.latency_s + nbytes * share / link.bandwidth
 
     def _curve(self, curves: dict, dtype: str, what: str) -> Curve:
         if dtype not in curves:
@@ -131,6 +148,18 @@ def collective_terms(op: str, n: int, algorithm: str = "ring") -> tuple[int, flo
     return n - 1, (n - 1) / n
 
 
+def _interpolate(points: dict, nbytes: float, per_byte: float) -> float:
+    """Seconds at `nbytes` from measured {bytes: seconds}: the smallest point's below it,
+    linear between points, the largest's plus `per_byte` for each byte past it."""
+    sizes = sorted(points)
+    if nbytes <= sizes[0]:
+        return points[sizes[0]]
+    for lo, hi in zip(sizes, sizes[1:]):
+        if nbytes <= hi:
+            return points[lo] + (points[hi] - points[lo]) * (nbytes - lo) / (hi - lo)
+    return points[sizes[-1]] + (nbytes - sizes[-1]) * per_byte
+
+
 def to_dict(hw: Hardware) -> dict:
     d = asdict(hw)
     d["matmul"] = {k: {"max_tflops": c.max_tflops, "half_flops": c.half} for k, c in hw.matmul.items()}
@@ -143,6 +172,12 @@ def _positive(value, key: str, where: str, unit: str, zero: bool = False) -> flo
         (value >= 0 if zero else value > 0)
     if not ok:
         raise ConfigError(f"{where}: {key}={value!r}: give a {'non-negative' if zero else 'positive'} number ({unit})")
+    return float(value)
+
+
+def _share(value, key: str, where: str) -> float:
+    if not (isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value <= 1):
+        raise ConfigError(f"{where}: {key}={value!r}: give a share from 0 (hides nothing) to 1 (hides all)")
     return float(value)
 
 
@@ -178,10 +213,36 @@ def _curves(value, key: str, where: str, half_key: str, half_unit: str, dtypes) 
     return out
 
 
+def _table(value, where: str) -> dict:
+    """collective_table: per op, the group size measured and its seconds by bytes, which
+    must not fall as the bytes grow."""
+    out = {}
+    for op, t in _mapping(value, "collective_table", where, COLLECTIVES, "collective").items():
+        key = f"collective_table.{op}"
+        t = _mapping(t, key, where, ("ranks", "seconds_by_bytes"), "key")
+        ranks, points = t.get("ranks"), t.get("seconds_by_bytes")
+        if not isinstance(ranks, int) or isinstance(ranks, bool) or ranks < 2:
+            raise ConfigError(f"{where}: {key}.ranks={ranks!r}: give the group size measured (2 or more)")
+        if not isinstance(points, dict) or not points:
+            raise ConfigError(f"{where}: {key}.seconds_by_bytes must map buffer bytes to seconds (one point or more)")
+        table = {}
+        for b, sec in points.items():
+            if not isinstance(b, int) or isinstance(b, bool) or b < 1:
+                raise ConfigError(f"{where}: {key}.seconds_by_bytes: {b!r} is not a positive whole number of bytes")
+            table[b] = _positive(sec, f"{key}.seconds_by_bytes.{b}", where, "seconds", zero=True)
+        times = [table[b] for b in sorted(table)]
+        if any(later < earlier for earlier, later in zip(times, times[1:])):
+            raise ConfigError(f"{where}: {key}.seconds_by_bytes falls as the bytes grow: a larger buffer never "
+                              "takes less time; make it non-decreasing (calibrate writes it so)")
+        out[op] = {"ranks": ranks, "seconds_by_bytes": table}
+    return out
+
+
 def from_dict(data, where: str = "hardware") -> Hardware:
     """A Hardware from the mapping of a YAML file, each bad key named in a ConfigError."""
     data = _mapping(data, "the file", where, KEYS, "key")
-    optional = ("collective_algorithm", "launch_s", "sharded_launch_s", "host_overlap", "notes", "measured", "attention")
+    optional = ("collective_algorithm", "collective_table", "comm_overlap", "launch_s", "sharded_launch_s",
+        "host_overlap", "notes", "measured", "attention")
     required = [k for k in KEYS if k not in optional]
     for key in required:
         if key not in data:
@@ -214,10 +275,12 @@ def from_dict(data, where: str = "hardware") -> Hardware:
                         _positive(links[lv]["bandwidth"], f"links.{lv}.bandwidth", where, "bytes/s per rank"))
                for lv in LINK_LEVELS},
         collective_algorithm=algorithm,
+        collective_table=_table(data.get("collective_table") or {}, where),
+        comm_overlap=_share(data.get("comm_overlap", 1.0), "comm_overlap", where),
         launch_s=_positive(data.get("launch_s", LAUNCH_S), "launch_s", where, "seconds per kernel", zero=True),
         sharded_launch_s=_positive(data.get("sharded_launch_s", SHARDED_LAUNCH_S), "sharded_launch_s", where,
                                    "seconds per kernel", zero=True),
         host_overlap=_flag(data.get("host_overlap", True), "host_overlap", where),
         notes=str(data.get("notes") or ""),
         measured=_mapping(data.get("measured") or {}, "measured", where, ("matmul", "attention", "memory",
-                                                                          "collectives"), "record"))
+                                                                          "collectives", "overlap", "host"), "record"))

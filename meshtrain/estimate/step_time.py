@@ -16,9 +16,9 @@ measurement) and adds up, for the rank that finishes last:
   busiest is reported, its idle time as the bubble.
 
 `breakdown` adds up to `step_s`. What the model does not see is in docs/plan.md:
-contention between overlapped compute and communication, kernels' efficiency beyond the
-FLOP curve, activation and optimizer offload's host transfers, and routing beyond the
-expected load."""
+contention between overlapped compute and communication beyond the hardware's one
+measured share, kernels' efficiency beyond the FLOP curve, activation and optimizer
+offload's host transfers, and routing beyond the expected load."""
 
 from __future__ import annotations
 
