@@ -4,14 +4,17 @@ models, `meshtrain plan --gpu / --hardware`, and `meshtrain calibrate`."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
 import yaml
 
 from meshtrain.errors import ConfigError
-from meshtrain.estimate.dryrun import GPU_MEMORY
+from meshtrain.estimate.calibrate import non_decreasing, overlap_share
+from meshtrain.estimate.dryrun import GPU_MEMORY, dry_run
 from meshtrain.estimate.hardware import Hardware, collective_terms, to_dict
+from meshtrain.run.calibrate_host import sharded_launch_seconds, tiny_config
 from meshtrain.estimate.hardware_builtins import BUILTINS
 from meshtrain.train.metrics import PEAK_TFLOPS
 from support.cli import ROOT, run_cli
@@ -72,6 +75,16 @@ def _bad(tmp_path, change) -> str:
     (lambda d: d.update(memory_byte=1), "memory_byte: unknown key"),
     (lambda d: d.update(host_overlap="yes"), "host_overlap='yes': give true or false"),
     (lambda d: d.update(sharded_launch_s=-1), "sharded_launch_s=-1"),
+    (lambda d: d.update(comm_overlap=1.5), "comm_overlap=1.5: give a share from 0"),
+    (lambda d: d.update(collective_table={"broadcast": {}}), "collective_table.broadcast: unknown collective"),
+    (lambda d: d.update(collective_table={"all_gather": {"ranks": 1, "seconds_by_bytes": {4: 1e-5}}}),
+     "collective_table.all_gather.ranks=1"),
+    (lambda d: d.update(collective_table={"all_gather": {"ranks": 2, "seconds_by_bytes": {}}}),
+     "collective_table.all_gather.seconds_by_bytes must map"),
+    (lambda d: d.update(collective_table={"all_gather": {"ranks": 2, "seconds_by_bytes": {"4k": 1e-5}}}),
+     "'4k' is not a positive whole number of bytes"),
+    (lambda d: d.update(collective_table={"all_gather": {"ranks": 2, "seconds_by_bytes": {4: 2e-5, 8: 1e-5}}}),
+     "collective_table.all_gather.seconds_by_bytes falls as the bytes grow"),
 ])
 def test_a_bad_file_names_the_key(tmp_path, change, named):
     assert named in _bad(tmp_path, change)
@@ -94,6 +107,53 @@ def test_ring_collectives_have_their_closed_forms():
     assert collective_terms("all_reduce", 16, "tree") == (2 * 4, 2 * 15 / 16)
     with pytest.raises(ValueError, match="unknown collective 'broadcast'"):
         H100.collective_seconds("broadcast", b, 2, False)
+
+
+def test_a_measured_collective_table_prices_its_own_group_size_inside_a_node(tmp_path):
+    """Between points linear; below the smallest, the smallest; past the largest, the
+    link's bandwidth for the rest; other group sizes and other nodes: the ring formula.
+    send_recv is a pair's exchange, whatever the group."""
+    points = {1000: 1e-4, 3000: 5e-4, 5000: 6e-4}
+    table = {op: {"ranks": 2 if op == "send_recv" else 4, "seconds_by_bytes": points}
+             for op in ("all_gather", "send_recv")}
+    hw = dataclasses.replace(H100, collective_table=table)
+    link = hw.links["intra_node"]
+    assert hw.collective_seconds("all_gather", 10, 4, False) == 1e-4
+    assert hw.collective_seconds("all_gather", 2000, 4, False) == pytest.approx(3e-4, rel=1e-12)
+    assert hw.collective_seconds("all_gather", 9000, 4, False) == pytest.approx(6e-4 + 4000 * 3 / 4 / link.bandwidth)
+    assert hw.collective_seconds("send_recv", 4000, 8, False) == pytest.approx(5.5e-4, rel=1e-12)
+    for args in ((2000, 8, False), (2000, 4, True), (2000, 2, False)):
+        assert hw.collective_seconds("all_gather", *args) == H100.collective_seconds("all_gather", *args)
+    assert hw.collective_seconds("all_reduce", 2000, 4, False) == H100.collective_seconds("all_reduce", 2000, 4, False)
+    hw.dump(tmp_path / "t.yaml")
+    assert Hardware.load(tmp_path / "t.yaml") == hw
+
+
+def test_non_decreasing_pools_what_noise_made_fall():
+    assert non_decreasing({1: 1.0, 2: 3.0, 3: 2.0, 4: 5.0}) == {1: 1.0, 2: 2.5, 3: 2.5, 4: 5.0}
+    assert non_decreasing({1: 4.0, 2: 1.0, 3: 1.0}) == {1: 2.0, 2: 2.0, 3: 2.0}
+    assert non_decreasing({1: 1.0, 2: 2.0}) == {1: 1.0, 2: 2.0}
+
+
+def test_overlap_share_is_one_when_together_take_the_longer_and_zero_when_the_sum():
+    """Per repeat (compute, gather, both), each the slowest rank's; the median share."""
+    ranks = [[(2.0, 1.0, 2.0), (2.0, 1.0, 3.0), (2.0, 1.0, 2.5)], [(1.0, 1.0, 2.0), (2.0, 1.0, 2.0), (2.0, 1.0, 2.5)]]
+    assert overlap_share(ranks) == pytest.approx(0.5)  # the repeats: 1.0, 0.0, 0.5
+    assert overlap_share([[(1.0, 1.0, 2.5)]]) == 0.0 and overlap_share([[(1.0, 3.0, 2.0)]]) == 1.0
+
+
+@pytest.mark.parametrize("host_overlap", [False, True])
+def test_the_sharded_launch_is_solved_from_the_tiny_steps_time(host_overlap):
+    """Whatever the model predicts for the tiny step at a launch cost, solving from that
+    time gives the cost back; a step faster than the model without any gives 0."""
+    hw = dataclasses.replace(H100, host_overlap=host_overlap, sharded_launch_s=0.0)
+    cfg = tiny_config(2)
+    for launch in (2e-5, 3e-4):
+        step = dry_run(cfg, 2, dataclasses.replace(hw, sharded_launch_s=launch)).time["step_s"]
+        solved = sharded_launch_seconds(hw, step, 2)
+        again = dry_run(cfg, 2, dataclasses.replace(hw, sharded_launch_s=solved)).time["step_s"]
+        assert again == pytest.approx(step, rel=2e-3) and solved == pytest.approx(launch, rel=0.05)
+    assert sharded_launch_seconds(hw, 1e-9, 2) == 0.0
 
 
 def test_matmul_time_grows_with_size_and_never_beats_the_peak():
@@ -155,8 +215,14 @@ def test_calibrate_quick_writes_a_file_that_loads(tmp_path):
                *(c.max_tflops for c in hw.attention.values()), hw.links["intra_node"].bandwidth,
                hw.links["intra_node"].latency_s]
     assert all(math.isfinite(x) and x > 0 for x in numbers), numbers
-    assert set(hw.measured["collectives"]) == {"all_gather", "reduce_scatter", "all_reduce", "all_to_all",
-                                               "send_recv"}
+    assert set(hw.measured["collectives"]) == set(hw.collective_table) == {
+        "all_gather", "reduce_scatter", "all_reduce", "all_to_all", "send_recv"}
+    for op, t in hw.collective_table.items():
+        assert t["ranks"] == 2 and len(t["seconds_by_bytes"]) == 3
+        times = [t["seconds_by_bytes"][b] for b in sorted(t["seconds_by_bytes"])]
+        assert times == sorted(times) and times[0] > 0, (op, times)
+    assert 0 <= hw.comm_overlap <= 1 and hw.sharded_launch_s >= 0
+    assert hw.measured["host"]["tiny_step_s"] > 0 and len(hw.measured["overlap"]["compute_gather_both_s"]) == 7
     # The model reproduces its own fit where it was measured: within 2x of each timed point.
     for m, n, k, dtype, tflops in hw.measured["matmul"]:
         assert 0.5 < hw.matmul_seconds(m, n, k, dtype) / (2.0 * m * n * k / (tflops * 1e12)) < 2

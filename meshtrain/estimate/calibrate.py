@@ -7,9 +7,17 @@ Every timing is the median of repeats after warm-up runs (on CUDA, synchronised)
   max_tflops = P and half_flops = a P;
 - attention: 1 / tflops = 1 / M + h / (M s), a line in 1 / s, so max_tflops = M and
   half_seq = h;
-- collectives: per op, time = a + bytes / b; the ring's latency steps and share of the
-  buffer (hardware.collective_terms) turn a and b into one link's latency and per-rank
-  bandwidth, and the link is the median over the ops.
+- collectives: timed as a step meets them, each right after a small product on every
+  rank, CHAIN in a row, less the products alone. A barrier before each (as this did
+  first) lines the ranks up and flatters: gloo's all-gather of 512 KiB took 0.4 ms so,
+  where a tensor-parallel step waits 1.3 ms for one, as this measures. Per op, time =
+  a + bytes / b, and the ring's latency steps and share of the buffer
+  (hardware.collective_terms) turn a and b into one link's latency and per-rank
+  bandwidth, the median over the ops; the points themselves, made non-decreasing in
+  bytes (`non_decreasing`), are the hardware's collective_table;
+- overlap: compute beside an async all-gather against each alone (`overlap_share`);
+  on this 2-core CPU the two take about their sum (gloo's transport needs the cores),
+  on a GPU about the longer.
 """
 
 from __future__ import annotations
@@ -24,6 +32,8 @@ import torch.nn.functional as F
 
 from .hardware import COLLECTIVES, Curve, Link, collective_terms
 
+CHAIN = 8  # collectives per timed repeat
+FLOOR_S = 1e-7  # the least a collective is taken to cost
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -150,12 +160,32 @@ def link_from(fits: dict[str, dict]) -> Link:
                 statistics.median(f["bandwidth"] for f in fits.values()))
 
 
-def time_collectives(sizes, repeats: int, device: torch.device) -> dict[str, dict[int, list[float]]]:
-    """In a process group: this rank's seconds per repeat of each op (COLLECTIVES) at each
-    buffer size in bytes (the whole buffer, as Hardware.collective_seconds takes it).
-    send_recv pairs ranks 0-1, 2-3, ...; a last unpaired rank waits at the barriers."""
+def non_decreasing(points: dict[int, float]) -> dict[int, float]:
+    """The closest (least squares) non-decreasing seconds over increasing bytes: where a
+    larger buffer measured faster, the two are pooled to their mean (pool adjacent
+    violators); a larger buffer never takes less time, and noise should not say so."""
+    blocks: list[list] = []  # [mean, count]
+    for b in sorted(points):
+        blocks.append([points[b], 1])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            (m1, n1), (m2, n2) = blocks.pop(-2), blocks.pop()
+            blocks.append([(m1 * n1 + m2 * n2) / (n1 + n2), n1 + n2])
+    values = [m for m, n in blocks for _ in range(n)]
+    return dict(zip(sorted(points), values))
+
+
+def time_collectives(sizes, repeats: int, device: torch.device) -> tuple[dict[str, dict[int, list[float]]], list]:
+    """In a process group: this rank's seconds per repeat of a product followed by each op
+    (COLLECTIVES) at each buffer size in bytes (the whole buffer, as
+    Hardware.collective_seconds takes it), and per repeat of the product alone: a
+    collective as a step meets it (module docstring; `after_products` subtracts).
+    send_recv pairs ranks 0-1, 2-3, ...: each sends the buffer to the other and receives
+    theirs at once, as a step of cp's ring does (on gloo here that takes about twice a
+    one-way send); a last unpaired rank waits at the barriers."""
     rank, n = dist.get_rank(), dist.get_world_size()
     out: dict[str, dict[int, list[float]]] = {op: {} for op in COLLECTIVES}
+    a = torch.randn(256, 256, device=device)
+    alone = _per_call(lambda: a @ a, device, repeats)
     for size in sizes:
         elems = max(n, size // 4 // n * n)  # fp32, a multiple of n so shards are equal
         full = torch.ones(elems, device=device)
@@ -166,19 +196,82 @@ def time_collectives(sizes, repeats: int, device: torch.device) -> dict[str, dic
                "reduce_scatter": lambda: dist.reduce_scatter_single(shard, full),
                "all_reduce": lambda: dist.all_reduce(full),
                "all_to_all": lambda: dist.all_to_all_single(received, full),
-               "send_recv": lambda: (dist.send(full, peer) if rank % 2 == 0 else dist.recv(full, peer))
-               if peer < n else None}
+               "send_recv": lambda: _exchange(full, received, peer) if peer < n else None}
         for op, fn in ops.items():
-            times = []
-            for i in range(repeats + 2):  # the first two warm up
-                dist.barrier()
-                _sync(device)
-                start = time.perf_counter()
-                fn()
-                _sync(device)
-                times.append(time.perf_counter() - start)
-            out[op][elems * 4] = times[2:]
-    return out
+            out[op][elems * 4] = _per_call(lambda: (a @ a, fn()), device, repeats)
+    return out, alone
+
+
+def _exchange(send: torch.Tensor, recv: torch.Tensor, peer: int) -> None:
+    for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, send, peer), dist.P2POp(dist.irecv, recv, peer)]):
+        work.wait()
+
+
+def time_overlap(device: torch.device, repeats: int, nbytes: int = 2**22) -> list[tuple[float, float, float]]:
+    """In a process group: per repeat, this rank's seconds of compute alone, of an
+    all-gather of `nbytes` alone, and of the two together (the gather issued async, the
+    compute run, the gather waited), the compute sized to take about as long as the
+    gather; each CHAIN times back to back, per call."""
+    n = dist.get_world_size()
+    shard = torch.ones(nbytes // 4 // n, device=device)
+    full = torch.empty(shard.numel() * n, device=device)
+    side = 512 if device.type == "cuda" else 256
+    a = torch.randn(side, side, device=device)
+    gather = median_seconds(lambda: dist.all_gather_single(full, shard), device, repeats)
+    product = median_seconds(lambda: a @ a, device, repeats)
+    count = torch.tensor([max(1, round(gather / product))], device=device)
+    dist.all_reduce(count, dist.ReduceOp.MAX)  # every rank runs the same compute
+
+    def compute():
+        for _ in range(int(count.item())):
+            a @ a
+
+    def both():
+        work = dist.all_gather_single(full, shard, async_op=True)
+        compute()
+        work.wait()
+
+    fns = (compute, lambda: dist.all_gather_single(full, shard), both)
+    return [tuple(_chained(fn, device, 1) for fn in fns) for _ in range(2 * repeats + 1)]
+
+
+def _per_call(fn, device: torch.device, repeats: int) -> list[float]:
+    """Per repeat after two warm-ups, seconds per call of CHAIN calls back to back after a
+    barrier."""
+    times = []
+    for _ in range(repeats + 2):
+        dist.barrier()
+        _sync(device)
+        start = time.perf_counter()
+        for _ in range(CHAIN):
+            fn()
+        _sync(device)
+        times.append((time.perf_counter() - start) / CHAIN)
+    return times[2:]
+
+
+def _chained(fn, device: torch.device, repeats: int) -> float:
+    return statistics.median(_per_call(fn, device, repeats))
+
+
+def overlap_share(per_rank: list[list[tuple[float, float, float]]]) -> float:
+    """Of a collective's time beside compute, the share the compute hid (Hardware.
+    comm_overlap): per repeat of time_overlap, each time the slowest rank's, 1 when the
+    two together took as long as the longer alone, 0 when they took the sum; the median."""
+    shares = []
+    for i in range(len(per_rank[0])):
+        compute, gather, both = (max(r[i][k] for r in per_rank) for k in range(3))
+        shares.append(1.0 - min(1.0, max(0.0, (both - max(compute, gather)) / min(compute, gather))))
+    return statistics.median(shares)
+
+
+def after_products(per_rank: list[tuple[dict, list]]) -> dict[str, dict[int, float]]:
+    """Per op and size, time_collectives' slowest median less the product's: the seconds
+    of the collective itself, at least FLOOR_S (noise may make a tiny one look free, and
+    the fits weigh points by 1 / seconds)."""
+    product = statistics.median(max(r[1][i] for r in per_rank) for i in range(len(per_rank[0][1])))
+    return {op: {size: max(FLOOR_S, t - product) for size, t in by_size.items()}
+            for op, by_size in slowest_medians([r[0] for r in per_rank]).items()}
 
 
 def slowest_medians(per_rank: list[dict]) -> dict[str, dict[int, float]]:

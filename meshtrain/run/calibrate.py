@@ -11,6 +11,7 @@ equal to intra_node, and the notes say so.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import os
 
@@ -21,7 +22,7 @@ from ..errors import ConfigError
 from ..estimate import calibrate as measure
 from ..estimate.hardware import Hardware
 from . import launch
-from .calibrate_host import sharded_launch_seconds
+from .calibrate_host import sharded_launch_seconds, step_seconds
 
 # (matmul shapes, attention sequence lengths, copy bytes, collective bytes, repeats)
 _FULL = ([(s, s, s) for s in (128, 256, 512, 1024, 1536)] + [(2048, 256, 512), (256, 1024, 2048)],
@@ -52,7 +53,8 @@ def _rank(busy: int, compute: tuple, sizes, repeats: int) -> dict:
         out = {"compute": _compute(device, *compute) if dist.get_rank() < busy else None}
         dist.barrier()
         out["collectives"] = measure.time_collectives(sizes, repeats, device)
-        out["sharded_launch_s"] = sharded_launch_seconds(device, repeats)
+        out["overlap"] = measure.time_overlap(device, repeats)
+        out["tiny_step_s"] = step_seconds(device, repeats)
         return out
     finally:
         dist.destroy_process_group()
@@ -72,11 +74,13 @@ def calibrate(out: str, nproc: int = 2, quick: bool = False) -> str:
     per_rank = launch.launch(_rank, (nproc, (dtypes, threads, shapes, seqs, copy_bytes, repeats), sizes, repeats),
                              ranks)
     matmul, attention, bandwidth, launch_s = per_rank[0]["compute"]
-    times = measure.slowest_medians([r["collectives"] for r in per_rank])
+    times = measure.after_products([r["collectives"] for r in per_rank])
     fits = measure.collective_fits(times, ranks)
     link = measure.link_from(fits)
     curves = {d: measure.fit_matmul(matmul, d) for d in dtypes}
     best = {d: max(t for *_, dd, t in matmul if dd == d) for d in dtypes}
+    overlap = [r["overlap"] for r in per_rank]
+    tiny_step = max(r["tiny_step_s"] for r in per_rank)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({os.cpu_count()} cores)"
     hw = Hardware(
         name=f"calibrated {name}", memory_bytes=_memory_bytes(device), ranks_per_node=nproc,
@@ -84,7 +88,10 @@ def calibrate(out: str, nproc: int = 2, quick: bool = False) -> str:
         peak_tflops={d: max(best[d], curves[d].max_tflops) for d in dtypes}, matmul=curves,
         attention={d: measure.fit_attention(attention, d) for d in dtypes}, memory_bandwidth=bandwidth,
         links={"intra_node": link, "inter_node": link}, launch_s=launch_s,
-        sharded_launch_s=max(r["sharded_launch_s"] for r in per_rank), host_overlap=device.type == "cuda",
+        # send_recv is a pair's exchange whatever the group
+        collective_table={op: {"ranks": 2 if op == "send_recv" else ranks,
+                               "seconds_by_bytes": measure.non_decreasing(times[op])} for op in times},
+        comm_overlap=measure.overlap_share(overlap), host_overlap=device.type == "cuda",
         notes=f"meshtrain calibrate{' --quick' if quick else ''} --nproc {nproc} on {name}, "
               f"{'nccl' if device.type == 'cuda' else f'gloo, {threads} thread(s) per rank'}, compute measured in "
               f"{nproc} rank(s) at once, collectives among {ranks}; "
@@ -92,12 +99,17 @@ def calibrate(out: str, nproc: int = 2, quick: bool = False) -> str:
               "is a copy of intra_node (not measured). peak_tflops is the best measured, not a data sheet's.",
         measured={"matmul": matmul, "attention": attention, "memory": {"copy_bytes": copy_bytes,
                                                                        "bytes_per_s": bandwidth},
-                  "collectives": {op: {"fit": fits[op], "seconds_by_bytes": times[op]} for op in times}})
+                  "collectives": {op: {"fit": fits[op], "seconds_by_bytes": times[op]} for op in times},
+                  "overlap": {"compute_gather_both_s": [list(t) for t in overlap[0]]},
+                  "host": {"tiny_step_s": tiny_step}})
+    # The host's cost per kernel: what the tiny step took beyond what the rest of hw prices.
+    hw = dataclasses.replace(hw, sharded_launch_s=sharded_launch_seconds(hw, tiny_step, ranks))
     hw.dump(out)
     top = ", ".join(f"{d} {curves[d].max_tflops:.3g}" for d in dtypes)
     return (f"wrote {out}: matmul max TFLOP/s {top}; memory {bandwidth / 1e9:.3g} GB/s; link latency "
             f"{link.latency_s * 1e6:.3g} us, {link.bandwidth / 1e9:.3g} GB/s per rank ({ranks} ranks); "
-            f"{launch_s * 1e6:.3g} us per kernel launch, {hw.sharded_launch_s * 1e6:.3g} us on a sharded mesh")
+            f"compute beside a collective hides {hw.comm_overlap:.0%} of it; {launch_s * 1e6:.3g} us per kernel "
+            f"launch, {hw.sharded_launch_s * 1e6:.3g} us on a sharded mesh")
 
 
 def _compute(device, dtypes, threads: int, shapes, seqs, copy_bytes: int, repeats: int):

@@ -1,46 +1,51 @@
 """What an eager step on a sharded mesh costs the host per kernel, measured for
-`meshtrain calibrate` (the Hardware's `sharded_launch_s`): a Llama so small that its
-kernels take next to nothing, trained on fsdp over the calibrating ranks; its median step
-over the kernels the step-time model counts for it (estimate/step_work.py: each forward
-kernel, and two per backward)."""
+`meshtrain calibrate` (the Hardware's `sharded_launch_s`: DTensor's dispatch and the
+runtime's hooks): a Llama so small that its kernels take next to nothing (`tiny_config`),
+trained on fsdp over the calibrating ranks. `step_seconds` times its step in each rank;
+`sharded_launch_seconds` finds the cost per kernel at which the step-time model, reading
+everything else calibrate measured (its collectives among them), predicts that time."""
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 
 import torch
 import torch.distributed as dist
 
-from ..estimate.hardware_builtins import BUILTINS
-from ..estimate.step_work import WorkWalk, stretch_work
-from ..estimate.walker import Walker
-from ..layout.mesh import MeshSpec
-from ..layout.plan import make_plan
-from ..layout.rules import Rules
-from ..models.family import build
-from ..models.llama import LlamaConfig
-from ..models.policy import Policy
+from ..config import RunConfig
+from ..estimate.dryrun import dry_run
+from ..estimate.hardware import Hardware
 from ..parallel.init import init_params
-from ..train.optim import AdamW
+from ..train.muon import optimizer_of
 from ..train.step import TrainState, make_train_step
+from .build import step_options
 
-_MODEL = LlamaConfig(dim=32, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=64, vocab_size=64, max_seq_len=16)
 _ROWS, _SEQ = 2, 16  # per rank
 
 
-def sharded_launch_seconds(device: torch.device, repeats: int, warmup: int = 3) -> float:
-    """Seconds per counted kernel of the tiny model's eager step on fsdp over every rank
-    (call on each rank of an initialised process group)."""
+def tiny_config(world: int) -> RunConfig:
+    """The tiny step's run: fsdp over `world` ranks, one micro-batch, no clipping."""
+    return RunConfig.from_dict({
+        "model": {"arch": "llama", "dim": 32, "n_layers": 2, "n_heads": 2, "n_kv_heads": 1, "ffn_dim": 64,
+                  "vocab_size": 64, "max_seq_len": _SEQ},
+        "parallel": {"fsdp": world},
+        "train": {"global_batch": _ROWS * world, "micro_batch": _ROWS, "seq_len": _SEQ, "precision": "fp32",
+                  "grad_clip": 0.0, "lr": 1e-4, "warmup_steps": 0}})
+
+
+def step_seconds(device: torch.device, repeats: int, warmup: int = 3) -> float:
+    """Median seconds of the tiny step on this rank (call on each rank of an initialised
+    process group)."""
     world = dist.get_world_size()
-    model = build("llama", _MODEL)
-    plan = make_plan(model.specs, Rules.default(), MeshSpec(fsdp=world), world=world)
+    cfg = tiny_config(world)
+    model, plan = cfg.model_def(), cfg.plan(world)
     mesh = plan.mesh.build(device.type)
-    optimizer = AdamW(lr=1e-4)
-    step = make_train_step(model, plan, mesh, optimizer=optimizer)
-    state = TrainState.create(init_params(plan, mesh, seed=0, device=device), optimizer)
+    step = make_train_step(model, plan, mesh, **step_options(cfg), traffic=cfg.parallel.traffic())
+    state = TrainState.create(init_params(plan, mesh, seed=0, device=device), optimizer_of(cfg.train))
     g = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, _MODEL.vocab_size, (1, _ROWS * world, _SEQ + 1), generator=g).to(device)
+    tokens = torch.randint(0, cfg.model.vocab_size, (1, _ROWS * world, _SEQ + 1), generator=g).to(device)
     batch = {"tokens": tokens[..., :-1], "targets": tokens[..., 1:]}
     times = []
     for i in range(warmup + repeats):
@@ -51,12 +56,25 @@ def sharded_launch_seconds(device: torch.device, repeats: int, warmup: int = 3) 
             torch.cuda.synchronize(device)
         if i >= warmup:
             times.append(time.perf_counter() - start)
-    return statistics.median(times) / _kernels(plan, model)
+    return statistics.median(times)
 
 
-def _kernels(plan, model) -> int:
-    """Kernels the step-time model counts for the tiny step: 3 per forward kernel."""
-    rules = Walker(plan, _ROWS * plan.mesh.world, _SEQ, 4, eager=False)
-    walk = WorkWalk(rules, BUILTINS["h100"], "fp32", _SEQ, False, Policy.of("fp32"))
-    blocks, ends = stretch_work(walk, model, list(range(_MODEL.n_layers)), True, True)
-    return 3 * (blocks + ends).kernels
+def sharded_launch_seconds(hw: Hardware, measured: float, world: int, tolerance: float = 1e-3) -> float:
+    """The sharded_launch_s at which the model's tiny step on `hw` takes `measured`
+    seconds (0 if it takes that long without any): the model's step grows with it, so
+    bisect, to `tolerance` of the measured step."""
+    cfg = tiny_config(world)
+
+    def modelled(launch: float) -> float:
+        return dry_run(cfg, world, dataclasses.replace(hw, sharded_launch_s=launch)).time["step_s"]
+
+    lo, hi = (0.0, modelled(0.0)), (measured, modelled(measured))
+    if lo[1] >= measured:
+        return 0.0
+    while hi[1] < measured:  # a launch may hide behind the device's work: reach further
+        lo, hi = hi, (2 * hi[0], modelled(2 * hi[0]))
+    while hi[1] - lo[1] > tolerance * measured:
+        mid = (lo[0] + hi[0]) / 2
+        point = (mid, modelled(mid))
+        lo, hi = (point, hi) if point[1] < measured else (lo, point)
+    return (lo[0] + hi[0]) / 2

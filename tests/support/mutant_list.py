@@ -32,6 +32,7 @@ MASK_ALONE = SWITCHES + "test_document_mask_alone_is_each_document_run_alone"
 RESET_ALONE = SWITCHES + "test_reset_positions_alone_is_the_row_at_positions_restarting_at_each_document"
 DATA_MASK_ALONE = SWITCHES + "test_the_datas_loss_mask_alone_is_the_mean_over_the_targets_the_file_keeps"
 STEP_TIME = "tests/test_step_time.py"
+HARDWARE = "tests/test_hardware.py"
 BY_LOOP = "tests/test_index_properties.py::test_segments_positions_and_eod_masks_match_a_loop_over_tokens"
 WINDOW = "tests/test_index_properties.py::test_the_window_attends_exactly_each_querys_document"
 FIT_MASKED = "tests/test_loss_masks.py::test_fit_loss_is_the_mean_over_the_unmasked_targets_and_resumes_exactly"
@@ -343,8 +344,8 @@ MUTANTS = [
     # --- the step-time model (estimate/step_work.py, comm_time.py, step_time.py) ---
     Mutant("time_prefetch_hides_nothing", "step time: parameter gathers and reductions waited for whatever the prefetch",
            "meshtrain/estimate/comm_time.py",
-           "hide = buckets > 0 and traffic.prefetch > 0",
-           "hide = False", (STEP_TIME,)),
+           "hide, share = buckets > 0 and traffic.prefetch > 0, clock.hw.comm_overlap",
+           "hide, share = False, clock.hw.comm_overlap", (STEP_TIME,)),
     Mutant("time_full_recompute_attention_once_more_divided",
            "step time: full checkpointing recomputes a ninth of the blocks' attention, not its forward third",
            "meshtrain/estimate/step_time.py",
@@ -354,6 +355,13 @@ MUTANTS = [
            "meshtrain/estimate/step_work.py",
            "wgrad = mm(n, k, m, dtype) if trainable else 0.0",
            "wgrad = 0.0", (STEP_TIME,)),
+    Mutant("time_overlap_share_ignored", "step time: compute beside a collective hides all of it, whatever the "
+           "hardware's comm_overlap", "meshtrain/estimate/comm_time.py",
+           "+ (1.0 - share) * min(comm, compute)", "+ 0.0 * min(comm, compute)", (STEP_TIME,)),
+    Mutant("time_collective_table_ignored", "hardware: a calibrated collective table left unread (the ring "
+           "formula instead)", "meshtrain/estimate/hardware.py",
+           'if table and table["ranks"] == (2 if op == "send_recv" else group_size) and not spans_nodes:',
+           'if False:', (HARDWARE,)),
 ]
 
 # Realistic bugs no CI test catches yet (docs/mutants.md, "Known survivors"): not in the
