@@ -17,8 +17,9 @@ Per recorded stretch (one block, the embedding, the head):
   RoPE, casts) as the bytes it reads and writes on the rank, at the memory bandwidth;
   backward moves twice the forward's bytes in two kernels per op (assumed: each reads
   its saved input and the incoming gradient and writes one). A compiled step fuses
-  them: COMPILED_BYTES of the bytes in COMPILED_KERNELS of the kernels (assumed, not yet
-  measured: bench/step_time_cpu.py runs eager steps);
+  them: COMPILED_BYTES of the bytes in COMPILED_KERNELS of the kernels (assumed; checked
+  only through whole CPU steps, where element-wise work is small: bench/step_time_cpu.py
+  --only "one process compiled" "fsdp2 compiled", docs/performance.md);
 - host: each kernel's launch (`Hardware.launch_s`; in an eager step on a sharded mesh
   `sharded_launch_s`), in full where the host runs the kernels (a CPU), else where a
   kernel is shorter than it: the device waits for the next (`host_fwd`, `host_bwd`).
