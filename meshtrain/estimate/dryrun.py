@@ -35,7 +35,7 @@ from .hardware_builtins import BUILTINS
 from .layout_search import fastest_first, fastest_layouts
 from .dryrun_view import renderables
 from .step_memory import GPU_MEMORY, MEMORY_KEYS, step_memory
-from .step_time import step_time
+from .step_time import plain_collectives, step_time
 
 # The advice of a layout over the device: the fastest ADVICE by the step-time model of the
 # first ADVICE_POOL that fit, cheapest first by advice.COST.
@@ -173,7 +173,7 @@ def dry_run(cfg: RunConfig, world: int | None = None, gpu: str | Hardware | None
     model = cfg.model_def()
     plan = cfg.plan(world=world)
     dp_size = plan.mesh.dp * plan.mesh.fsdp
-    micro_steps = cfg.accumulation_steps(dp_size)
+    cfg.accumulation_steps(dp_size)  # refuses a batch the mesh cannot split, before any estimate
     memory, pipeline = step_memory(cfg, plan, model)
     keep_gathered = zero = None
     params = None
@@ -181,11 +181,7 @@ def dry_run(cfg: RunConfig, world: int | None = None, gpu: str | Hardware | None
         collectives, experts = pipeline.busiest["collectives"], None
         keep_gathered = keep_gathered_sides(cfg, plan, model, pipeline)
     else:
-        step = dict(micro_batch_rows=t.micro_batch * dp_size, seq_len=t.seq_len, micro_steps=micro_steps,
-                    precision=t.precision, compiled=bool(t.compile), traffic=p.traffic(),
-                    activation_checkpointing=t.activation_checkpointing, optimizer=t.optimizer)
-        collectives = step_collectives(plan, model, **step)
-        params = step_collectives(plan, model, **step, activations=False)
+        collectives, params = plain_collectives(cfg, plan, model)
         experts = expert_exchange(plan, model, micro_batch_rows=t.micro_batch * dp_size, seq_len=t.seq_len,
                                   precision=t.precision)
         zero = zero_sides(cfg, plan, model, memory, collectives)

@@ -27,10 +27,9 @@ from dataclasses import dataclass
 from ..config import RunConfig
 from ..errors import ConfigError
 from ..models.policy import CHECKPOINTING
-from .comms import step_collectives
 from .hardware import Hardware
 from .step_memory import step_memory
-from .step_time import step_time
+from .step_time import plain_collectives, step_time
 
 TP_SIZES, CP_SIZES, PP_SIZES = (1, 2, 4, 8), (1, 2, 4), (1, 2, 4, 8, 16)
 # Under pp. Not zb: the collective estimate leaves out its split backward's second
@@ -170,18 +169,13 @@ def _planned(cfg: RunConfig, c: Layout, world: int):
 
 def _timed(cfg: RunConfig, plan, model, hw: Hardware, world: int, gpus_per_node: int) -> dict:
     """The full step-time model of a planned layout (collectives included)."""
-    t, p = cfg.train, cfg.parallel
     if plan.mesh.pp > 1:
         _, pipeline = step_memory(cfg, plan, model, collectives_only=True)
         return step_time(cfg, model, plan, hw, world=world, gpus_per_node=gpus_per_node,
                          collectives=pipeline.busiest["collectives"], params=[], pipeline=pipeline)
-    data = plan.mesh.dp * plan.mesh.fsdp
-    step = dict(micro_batch_rows=t.micro_batch * data, seq_len=t.seq_len, micro_steps=cfg.accumulation_steps(data),
-                precision=t.precision, compiled=bool(t.compile), traffic=p.traffic(),
-                activation_checkpointing=t.activation_checkpointing, optimizer=t.optimizer)
-    return step_time(cfg, model, plan, hw, world=world, gpus_per_node=gpus_per_node,
-                     collectives=step_collectives(plan, model, **step),
-                     params=step_collectives(plan, model, **step, activations=False))
+    collectives, params = plain_collectives(cfg, plan, model)
+    return step_time(cfg, model, plan, hw, world=world, gpus_per_node=gpus_per_node, collectives=collectives,
+                     params=params)
 
 
 def _flags(cfg: RunConfig, c: Layout, given: Layout) -> str:

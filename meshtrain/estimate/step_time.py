@@ -33,6 +33,7 @@ from ..models.policy import Policy
 from ..pipeline.simulate import simulate
 from ..train.muon import muon_name
 from .comm_time import Clock, activation_exposed, minus, param_exposed
+from .comms import step_collectives
 from .compute import attention_span, step_compute
 from .hardware import Hardware
 from .step_work import Work, WorkWalk, dtype_on, stretch_work
@@ -66,6 +67,16 @@ def step_time(cfg: RunConfig, model, plan: Plan, hw: Hardware, *, world: int, gp
             "mfu": flops / step / (peak * 1e12) if peak else None,
             "breakdown": {k: ({a: s for a, s in sorted(v.items()) if s > 0} if isinstance(v, dict) else v)
                           for k, v in part.items()}}
+
+
+def plain_collectives(cfg: RunConfig, plan: Plan, model) -> tuple[list[dict], list[dict]]:
+    """A rank's step_collectives without pp: all of them, and its parameters' alone (what
+    step_time takes as `collectives` and `params`)."""
+    t, data = cfg.train, plan.mesh.dp * plan.mesh.fsdp
+    step = dict(micro_batch_rows=t.micro_batch * data, seq_len=t.seq_len, micro_steps=cfg.accumulation_steps(data),
+                precision=t.precision, compiled=bool(t.compile), traffic=cfg.parallel.traffic(),
+                activation_checkpointing=t.activation_checkpointing, optimizer=t.optimizer)
+    return step_collectives(plan, model, **step), step_collectives(plan, model, **step, activations=False)
 
 
 def _walk(cfg: RunConfig, plan: Plan, hw: Hardware) -> WorkWalk:
