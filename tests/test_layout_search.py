@@ -18,7 +18,7 @@ from meshtrain import cli
 from meshtrain.config import RunConfig
 from meshtrain.estimate.dryrun import dry_run
 from meshtrain.estimate.hardware_builtins import BUILTINS
-from meshtrain.estimate.layout_search import fastest_layouts
+from meshtrain.estimate.layout_search import BUCKETS, fastest_layouts
 from support.configs import preset
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
@@ -45,6 +45,18 @@ def test_each_listed_layout_fits_at_the_time_it_was_listed_with():
         assert again.fits and again.memory["peak"] == r.peak, r.flags
         assert again.time["step_s"] == pytest.approx(r.step_s, rel=1e-12), r.flags
         assert again.time["tokens_per_s_per_gpu"] == pytest.approx(r.tokens_per_s_per_gpu, rel=1e-12)
+
+
+def test_each_listed_layout_has_the_fastest_bucket_that_fits():
+    """The search gives each listed layout the fastest of BUCKETS: the first three, planned
+    with each other bucket, are no faster (or do not fit)."""
+    ranked, _ = fastest_layouts(preset("llama3-8b"), 8, BUILTINS["h100"])
+    assert any("--parallel.bucket" in r.flags for r in ranked)  # a bucket other than the given one won somewhere
+    for r in ranked[:3]:
+        base = r.flags.split(" --parallel.bucket")[0]
+        for bucket in BUCKETS:
+            other = dry_run(with_flags("llama3-8b", f"{base} --parallel.bucket {bucket}".strip()), 8, "h100")
+            assert not other.fits or other.time["step_s"] >= r.step_s * (1 - 1e-12), (r.flags, bucket)
 
 
 def test_nothing_slower_than_the_tenth_is_left_unsaid():

@@ -6,7 +6,10 @@ MoE; fsdp takes the rest), the pipeline schedule (1F1B, or interleaved with 2 vi
 stages; not zb, whose split backward's traffic the estimate does not count), activation
 checkpointing, the micro-batch (halved down to 1), and
 keeping weights gathered over the micro-batches (parallel.pp_keep_gathered under pp,
-parallel.zero 1 without). Buckets, prefetch and precision stay as given.
+parallel.zero 1 without). Prefetch and precision stay as given. Buckets are tried last,
+for each listed layout (`BUCKETS`; its fastest that fits is listed): the ranking itself
+is over the layouts at the given bucket, since timing every candidate at each bucket
+would take the 405b search past its budget.
 
 Each candidate is planned for memory alone first (`step_memory` without collectives:
 milliseconds); one over the device is dropped, and so is every candidate that keeps at
@@ -36,6 +39,8 @@ TP_SIZES, CP_SIZES, PP_SIZES = (1, 2, 4, 8), (1, 2, 4), (1, 2, 4, 8, 16)
 # gathers (comms.py), so its time would be flattered.
 SCHEDULES = (("1f1b", 1), ("interleaved", 2))
 EP_SIZES = (1, 2, 4, 8, 16, 32, 64)  # MoE only: those that divide the experts
+# parallel.bucket tried for each listed layout: one per block, or MB sizes either side
+BUCKETS = ("block", 32.0, 256.0)
 
 
 @dataclass(frozen=True)
@@ -83,16 +88,39 @@ def fastest_layouts(cfg: RunConfig, world: int, hw: Hardware, *, limit: int = 10
         bound = step_time(alt, model, plan, hw, world=world, gpus_per_node=gpus_per_node, collectives=[],
                           params=[], pipeline=pipeline)["step_s"]
         fitting.append((bound, layout, alt, plan, model, memory["peak"]))
-    ranked: list[Ranked] = []
+    ranked: list[tuple[Ranked, RunConfig]] = []
     timed = 0
     for bound, layout, alt, plan, model, peak in sorted(fitting, key=lambda f: f[0]):
-        if len(ranked) >= limit and bound > ranked[limit - 1].step_s:
+        if len(ranked) >= limit and bound > ranked[limit - 1][0].step_s:
             break
         t = _timed(alt, plan, model, hw, world, gpus_per_node)
         timed += 1
-        ranked.append(Ranked(_flags(cfg, layout, given), t["tokens_per_s_per_gpu"], t["step_s"], t["mfu"], peak))
-        ranked.sort(key=lambda r: r.step_s)
-    return ranked[:limit], {"candidates": tried, "fitting": len(fitting), "timed": timed}
+        ranked.append((Ranked(_flags(cfg, layout, given), t["tokens_per_s_per_gpu"], t["step_s"], t["mfu"], peak),
+                       alt))
+        ranked.sort(key=lambda r: r[0].step_s)
+    best = sorted((_best_bucket(r, alt, world, hw, gpus_per_node) for r, alt in ranked[:limit]),
+                  key=lambda r: r.step_s)
+    return best, {"candidates": tried, "fitting": len(fitting), "timed": timed}
+
+
+def _best_bucket(r: Ranked, alt: RunConfig, world: int, hw: Hardware, gpus_per_node: int) -> Ranked:
+    """Layout `r` with the fastest of BUCKETS that fits (its own bucket if none is faster)."""
+    for bucket in BUCKETS:
+        if bucket == alt.parallel.bucket:
+            continue
+        try:
+            b = dataclasses.replace(alt, parallel=dataclasses.replace(alt.parallel, bucket=bucket)).validate()
+            plan, model = b.plan(world=world), b.model_def()
+            memory, _ = step_memory(b, plan, model, memory_only=True)
+        except ConfigError:
+            continue
+        if memory["peak"] > hw.memory_bytes:
+            continue
+        t = _timed(b, plan, model, hw, world, gpus_per_node)
+        if t["step_s"] < r.step_s:
+            r = Ranked(f"{r.flags} --parallel.bucket {bucket}".strip(), t["tokens_per_s_per_gpu"], t["step_s"],
+                       t["mfu"], memory["peak"])
+    return r
 
 
 def fastest_first(fits: list, world: int, hw: Hardware) -> list:
