@@ -232,7 +232,7 @@ def time_overlap(device: torch.device, repeats: int, nbytes: int = 2**22) -> lis
         work.wait()
 
     fns = (compute, lambda: dist.all_gather_single(full, shard), both)
-    return [tuple(_chained(fn, device, 1) for fn in fns) for _ in range(2 * repeats + 1)]
+    return [tuple(_chained(fn, device, 1) for fn in fns) for _ in range(4 * repeats + 1)]
 
 
 def _per_call(fn, device: torch.device, repeats: int) -> list[float]:

@@ -26,11 +26,12 @@ _ROWS, _SEQ = 2, 16  # per rank
 
 
 def tiny_config(world: int) -> RunConfig:
-    """The tiny step's run: fsdp over `world` ranks, one micro-batch, no clipping."""
+    """The tiny step's run: fsdp over `world` ranks of one machine, one micro-batch, no
+    clipping."""
     return RunConfig.from_dict({
         "model": {"arch": "llama", "dim": 32, "n_layers": 2, "n_heads": 2, "n_kv_heads": 1, "ffn_dim": 64,
                   "vocab_size": 64, "max_seq_len": _SEQ},
-        "parallel": {"fsdp": world},
+        "parallel": {"fsdp": world, "nproc_per_node": world},  # one machine: the link calibrate measured
         "train": {"global_batch": _ROWS * world, "micro_batch": _ROWS, "seq_len": _SEQ, "precision": "fp32",
                   "grad_clip": 0.0, "lr": 1e-4, "warmup_steps": 0}})
 
