@@ -13,7 +13,7 @@ import yaml
 from meshtrain.errors import ConfigError
 from meshtrain.estimate.calibrate import non_decreasing, overlap_share
 from meshtrain.estimate.dryrun import GPU_MEMORY, dry_run
-from meshtrain.estimate.hardware import Hardware, collective_terms, to_dict
+from meshtrain.estimate.hardware import Curve, Hardware, collective_terms, to_dict
 from meshtrain.run.calibrate_host import sharded_launch_seconds, tiny_config
 from meshtrain.estimate.hardware_builtins import BUILTINS
 from meshtrain.train.metrics import PEAK_TFLOPS
@@ -76,6 +76,7 @@ def _bad(tmp_path, change) -> str:
     (lambda d: d.update(host_overlap="yes"), "host_overlap='yes': give true or false"),
     (lambda d: d.update(sharded_launch_s=-1), "sharded_launch_s=-1"),
     (lambda d: d.update(comm_overlap=1.5), "comm_overlap=1.5: give a share from 0"),
+    (lambda d: d.update(block_attention={"int4": {"max_tflops": 1, "half_seq": 0}}), "block_attention.int4: unknown"),
     (lambda d: d.update(collective_table={"broadcast": {}}), "collective_table.broadcast: unknown collective"),
     (lambda d: d.update(collective_table={"all_gather": {"ranks": 1, "seconds_by_bytes": {4: 1e-5}}}),
      "collective_table.all_gather.ranks=1"),
@@ -127,6 +128,15 @@ def test_a_measured_collective_table_prices_its_own_group_size_inside_a_node(tmp
     assert hw.collective_seconds("all_reduce", 2000, 4, False) == H100.collective_seconds("all_reduce", 2000, 4, False)
     hw.dump(tmp_path / "t.yaml")
     assert Hardware.load(tmp_path / "t.yaml") == hw
+
+
+def test_cp_block_kernels_take_their_own_curve_where_the_hardware_has_one(tmp_path):
+    hw = dataclasses.replace(H100, block_attention={"bf16": Curve(100.0, 0.0)})
+    assert hw.attention_seconds(1e12, 4096, "bf16", blocks=True) == pytest.approx(0.01, rel=1e-12)
+    assert hw.attention_seconds(1e12, 4096, "bf16") == H100.attention_seconds(1e12, 4096, "bf16")
+    assert hw.attention_seconds(1e12, 4096, "fp32", blocks=True) == H100.attention_seconds(1e12, 4096, "fp32")
+    hw.dump(tmp_path / "b.yaml")
+    assert Hardware.load(tmp_path / "b.yaml") == hw
 
 
 def test_non_decreasing_pools_what_noise_made_fall():
@@ -210,9 +220,11 @@ def test_calibrate_quick_writes_a_file_that_loads(tmp_path):
     proc = run_cli("calibrate", "--quick", "--nproc", "2", "--out", str(out), timeout=120)
     assert proc.returncode == 0, proc.stderr
     hw = Hardware.load(out)
-    assert hw.ranks_per_node == 2 and set(hw.peak_tflops) == {"fp32", "bf16"} == set(hw.attention)
+    assert hw.ranks_per_node == 2 and set(hw.peak_tflops) == {"fp32", "bf16"} == set(hw.attention) == \
+        set(hw.block_attention)
     numbers = [hw.memory_bandwidth, *hw.peak_tflops.values(), *(c.max_tflops for c in hw.matmul.values()),
-               *(c.max_tflops for c in hw.attention.values()), hw.links["intra_node"].bandwidth,
+               *(c.max_tflops for c in hw.attention.values()), *(c.max_tflops for c in hw.block_attention.values()),
+               hw.links["intra_node"].bandwidth,
                hw.links["intra_node"].latency_s]
     assert all(math.isfinite(x) and x > 0 for x in numbers), numbers
     assert set(hw.measured["collectives"]) == set(hw.collective_table) == {

@@ -283,6 +283,21 @@ def test_attention_is_its_causal_flops_over_the_span_keys_at_the_attention_rate(
         assert t["breakdown"]["attention"] == pytest.approx(closed, rel=1e-9)
 
 
+@pytest.mark.parametrize("comm", ["ring", "allgather", "a2a"])
+def test_cp_attention_runs_at_the_block_kernels_rate_where_the_hardware_has_one(comm):
+    """Under cp the rank's causal share (half the layer's at cp 2) at block_attention's
+    curve; without one, at the attention curve."""
+    cfg = tiny(parallel={"cp": 2, "fsdp": 1, "cp_comm": comm, "nproc_per_node": 2})
+    tokens = cfg.train.global_batch * cfg.train.seq_len
+    closed = 6 * tokens * cfg.train.seq_len * cfg.model.dim * cfg.model.n_layers / 2
+    plain = hand(attention=50.0)
+    blocks = dataclasses.replace(plain, block_attention={d: Curve(20.0, 0.0) for d in plain.attention})
+    assert timed(cfg, 2, plain)["breakdown"]["attention"] == pytest.approx(closed / 50e12, rel=1e-9)
+    assert timed(cfg, 2, blocks)["breakdown"]["attention"] == pytest.approx(closed / 20e12, rel=1e-9)
+    one = tiny()  # one rank: SDPA, whatever the block curve
+    assert timed(one, 1, blocks)["breakdown"]["attention"] == timed(one, 1, plain)["breakdown"]["attention"]
+
+
 def test_fp8_runs_the_blocks_gemms_at_the_fp8_rate_and_the_head_in_bf16():
     """fp8 at twice the bf16 rate: the blocks' GEMMs take half the time, the head's not."""
     cfg = tiny(train={"precision": "fp8"})

@@ -11,6 +11,7 @@ Its methods give seconds for the pieces of a step:
   FLOPs);
 - `attention_seconds(flops, seq_len, dtype)`: causal attention, forward and backward, with
   `flops` the causal half actually computed; throughput max_tflops * s / (s + half_seq);
+  context parallelism's block kernels at `block_attention`'s curve where it has one;
 - `memory_seconds(nbytes)`: bytes read plus written at the memory bandwidth (element-wise,
   norms, the optimizer update);
 - `launch_s`, `sharded_launch_s`: what the host spends per kernel (dispatch and launch),
@@ -41,7 +42,8 @@ DTYPES = ("fp32", "bf16", "fp16", "fp8")
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "send_recv")
 LINK_LEVELS = ("intra_node", "inter_node")
 ALGORITHMS = ("ring", "tree")
-KEYS = ("name", "memory_bytes", "ranks_per_node", "peak_tflops", "matmul", "attention", "memory_bandwidth",
+KEYS = ("name", "memory_bytes", "ranks_per_node", "peak_tflops", "matmul", "attention", "block_attention",
+        "memory_bandwidth",
         "links", "collective_algorithm", "collective_table", "comm_overlap", "launch_s", "sharded_launch_s",
         "host_overlap", "notes", "measured")
 # When a file gives none (assumed): PyTorch's dispatch and launch of a plain op, and of an
@@ -75,6 +77,8 @@ class Hardware:
     attention: dict[str, Curve]  # over sequence length (half_seq)
     memory_bandwidth: float  # bytes/s
     links: dict[str, Link]  # intra_node, inter_node
+    # cp's block kernels (parallel/cp_blocks.py), as attention; a dtype absent: the attention curve
+    block_attention: dict[str, Curve] = field(default_factory=dict)
     collective_algorithm: str = "ring"  # how all_reduce scales: ring, or tree (log2 latency steps)
     # op -> {"ranks": n, "seconds_by_bytes": {bytes: s}}: measured inside a node, non-decreasing
     collective_table: dict = field(default_factory=dict)
@@ -91,8 +95,10 @@ class Hardware:
         flops = 2.0 * m * n * k
         return flops / (self._curve(self.matmul, dtype, "matmul").tflops(flops) * 1e12) if flops else 0.0
 
-    def attention_seconds(self, flops: float, seq_len: int, dtype: str) -> float:
-        return flops / (self._curve(self.attention, dtype, "attention").tflops(seq_len) * 1e12) if flops else 0.0
+    def attention_seconds(self, flops: float, seq_len: int, dtype: str, blocks: bool = False) -> float:
+        """`blocks`: run by context parallelism's block kernels (block_attention, if given)."""
+        curves = self.block_attention if blocks and dtype in self.block_attention else self.attention
+        return flops / (self._curve(curves, dtype, "attention").tflops(seq_len) * 1e12) if flops else 0.0
 
     def memory_seconds(self, nbytes: float) -> float:
         return nbytes / self.memory_bandwidth
@@ -163,7 +169,8 @@ def _interpolate(points: dict, nbytes: float, per_byte: float) -> float:
 def to_dict(hw: Hardware) -> dict:
     d = asdict(hw)
     d["matmul"] = {k: {"max_tflops": c.max_tflops, "half_flops": c.half} for k, c in hw.matmul.items()}
-    d["attention"] = {k: {"max_tflops": c.max_tflops, "half_seq": c.half} for k, c in hw.attention.items()}
+    for key in ("attention", "block_attention"):
+        d[key] = {k: {"max_tflops": c.max_tflops, "half_seq": c.half} for k, c in getattr(hw, key).items()}
     return d
 
 
@@ -242,7 +249,7 @@ def from_dict(data, where: str = "hardware") -> Hardware:
     """A Hardware from the mapping of a YAML file, each bad key named in a ConfigError."""
     data = _mapping(data, "the file", where, KEYS, "key")
     optional = ("collective_algorithm", "collective_table", "comm_overlap", "launch_s", "sharded_launch_s",
-        "host_overlap", "notes", "measured", "attention")
+        "host_overlap", "notes", "measured", "attention", "block_attention")
     required = [k for k in KEYS if k not in optional]
     for key in required:
         if key not in data:
@@ -270,6 +277,8 @@ def from_dict(data, where: str = "hardware") -> Hardware:
         name=data["name"], memory_bytes=int(_positive(data["memory_bytes"], "memory_bytes", where, "bytes")),
         ranks_per_node=ranks, peak_tflops=peak, matmul=matmul,
         attention=_curves(data.get("attention") or {}, "attention", where, "half_seq", "tokens", peak),
+        block_attention=_curves(data.get("block_attention") or {}, "block_attention", where, "half_seq", "tokens",
+                                peak),
         memory_bandwidth=_positive(data["memory_bandwidth"], "memory_bandwidth", where, "bytes/s"),
         links={lv: Link(_positive(links[lv]["latency_s"], f"links.{lv}.latency_s", where, "seconds", zero=True),
                         _positive(links[lv]["bandwidth"], f"links.{lv}.bandwidth", where, "bytes/s per rank"))
@@ -282,5 +291,6 @@ def from_dict(data, where: str = "hardware") -> Hardware:
                                    "seconds per kernel", zero=True),
         host_overlap=_flag(data.get("host_overlap", True), "host_overlap", where),
         notes=str(data.get("notes") or ""),
-        measured=_mapping(data.get("measured") or {}, "measured", where, ("matmul", "attention", "memory",
-                                                                          "collectives", "overlap", "host"), "record"))
+        measured=_mapping(data.get("measured") or {}, "measured", where, ("matmul", "attention", "block_attention",
+                                                                          "memory", "collectives", "overlap", "host"),
+                           "record"))

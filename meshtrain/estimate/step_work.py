@@ -12,7 +12,8 @@ Per recorded stretch (one block, the embedding, the head):
   in fp32;
 - attention: each ctx.attention call's causal FLOPs (the calibration's convention: the
   causal half of q k^T and p v, forward and backward = 3 x forward) over the keys a query
-  spans (the row, or the mean packed document), at the attention curve;
+  spans (the row, or the mean packed document), at the attention curve (under cp, the
+  block kernels' curve where the hardware has one);
 - element-wise: every other op of the recording (norms, activations, residual adds,
   RoPE, casts) as the bytes it reads and writes on the rank, at the memory bandwidth;
   backward moves twice the forward's bytes in two kernels per op (assumed: each reads
@@ -168,7 +169,9 @@ class WorkWalk:
         rows = self._local(e.q, ("act", QUERY)) // e.q[-1]
         keys = min(self.span, e.k[1])
         flops = 3 * 2.0 * rows * keys / 2 * (e.k[-1] + e.v[-1])
-        seconds = self.hw.attention_seconds(flops, keys, dtype_on(self.hw, self.precision))
+        # cp's exchanges attend through parallel/cp_blocks.py's kernels, not SDPA
+        seconds = self.hw.attention_seconds(flops, keys, dtype_on(self.hw, self.precision),
+                                            blocks=self.rules.mesh.size("cp") > 1)
         return Work(attention=seconds, host_fwd=self.late(seconds / 3), host_bwd=self.late(seconds * 2 / 3), kernels=1,
                     flops=flops)
 

@@ -22,11 +22,12 @@ from ..errors import ConfigError
 from ..estimate import calibrate as measure
 from ..estimate.hardware import Hardware
 from . import launch
+from .calibrate_blocks import measure_block_attention
 from .calibrate_host import sharded_launch_seconds, step_seconds
 
 # (matmul shapes, attention sequence lengths, copy bytes, collective bytes, repeats)
 _FULL = ([(s, s, s) for s in (128, 256, 512, 1024, 1536)] + [(2048, 256, 512), (256, 1024, 2048)],
-         (256, 512, 1024, 2048), 256 * 2**20, [2**p for p in range(12, 25, 2)], 7)
+         (128, 256, 512, 1024, 2048), 256 * 2**20, [2**p for p in range(12, 25, 2)], 7)
 _QUICK = ([(64, 64, 64), (128, 128, 128), (256, 256, 256)], (64, 128, 256), 16 * 2**20,
           [2**12, 2**16, 2**19], 3)
 
@@ -52,7 +53,7 @@ def _rank(busy: int, compute: tuple, sizes, repeats: int) -> dict:
         dist.barrier()
         out = {"compute": _compute(device, *compute) if dist.get_rank() < busy else None}
         dist.barrier()
-        out["collectives"] = measure.time_collectives(sizes, repeats, device)
+        out["collectives"] = measure.time_collectives(sizes, 2 * repeats, device)  # the noisiest points
         out["overlap"] = measure.time_overlap(device, repeats)
         out["tiny_step_s"] = step_seconds(device, 3 * repeats)  # milliseconds each; noisy on a shared CPU
         return out
@@ -73,7 +74,7 @@ def calibrate(out: str, nproc: int = 2, quick: bool = False) -> str:
     ranks = max(nproc, 2)  # one rank has no collectives: they are measured between two
     per_rank = launch.launch(_rank, (nproc, (dtypes, threads, shapes, seqs, copy_bytes, repeats), sizes, repeats),
                              ranks)
-    matmul, attention, bandwidth, launch_s = per_rank[0]["compute"]
+    matmul, attention, bandwidth, launch_s, blocks = per_rank[0]["compute"]
     times = measure.after_products([r["collectives"] for r in per_rank])
     fits = measure.collective_fits(times, ranks)
     link = measure.link_from(fits)
@@ -86,7 +87,8 @@ def calibrate(out: str, nproc: int = 2, quick: bool = False) -> str:
         name=f"calibrated {name}", memory_bytes=_memory_bytes(device), ranks_per_node=nproc,
         # No data sheet here: the peak is the best this process reached (or the fit's ceiling).
         peak_tflops={d: max(best[d], curves[d].max_tflops) for d in dtypes}, matmul=curves,
-        attention={d: measure.fit_attention(attention, d) for d in dtypes}, memory_bandwidth=bandwidth,
+        attention={d: measure.fit_attention(attention, d) for d in dtypes},
+        block_attention={d: measure.fit_attention(blocks, d) for d in dtypes}, memory_bandwidth=bandwidth,
         links={"intra_node": link, "inter_node": link}, launch_s=launch_s,
         # send_recv is a pair's exchange whatever the group
         collective_table={op: {"ranks": 2 if op == "send_recv" else ranks,
@@ -97,7 +99,7 @@ def calibrate(out: str, nproc: int = 2, quick: bool = False) -> str:
               f"{nproc} rank(s) at once, collectives among {ranks}; "
               f"{datetime.date.today()}. One machine: inter_node "
               "is a copy of intra_node (not measured). peak_tflops is the best measured, not a data sheet's.",
-        measured={"matmul": matmul, "attention": attention, "memory": {"copy_bytes": copy_bytes,
+        measured={"matmul": matmul, "attention": attention, "block_attention": blocks, "memory": {"copy_bytes": copy_bytes,
                                                                        "bytes_per_s": bandwidth},
                   "collectives": {op: {"fit": fits[op], "seconds_by_bytes": times[op]} for op in times},
                   "overlap": {"compute_gather_both_s": [list(t) for t in overlap[0]]},
@@ -113,7 +115,8 @@ def calibrate(out: str, nproc: int = 2, quick: bool = False) -> str:
 
 
 def _compute(device, dtypes, threads: int, shapes, seqs, copy_bytes: int, repeats: int):
-    """Matmul and attention points, the copy bandwidth and the seconds per tiny kernel, on CPU with the threads a
+    """Matmul and attention points, the copy bandwidth, the seconds per tiny kernel and cp's
+    block kernels' points, on CPU with the threads a
     self-launched rank gets (launch.launch: OMP_NUM_THREADS, 1 unless set): on 2 shared
     cores, 2 threads made small products 100x slower than 1."""
     before = torch.get_num_threads()
@@ -121,7 +124,8 @@ def _compute(device, dtypes, threads: int, shapes, seqs, copy_bytes: int, repeat
     try:
         return (measure.measure_matmul(device, dtypes, shapes, repeats),
                 measure.measure_attention(device, dtypes, seqs, repeats),
-                measure.measure_memory(device, copy_bytes, repeats), measure.measure_launch(device, repeats))
+                measure.measure_memory(device, copy_bytes, repeats), measure.measure_launch(device, repeats),
+                measure_block_attention(device, dtypes, seqs, repeats))
     finally:
         torch.set_num_threads(before)
 
