@@ -8,12 +8,14 @@ reset" that follows it, and a rank that dies without a report is named with its 
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import io
 import os
 import signal
 import socket
 import time
 import traceback
+import warnings
 from typing import Any, Callable
 
 import torch
@@ -30,6 +32,10 @@ def _free_port() -> int:
 
 
 def _worker(fn, rank, world, port, queue, args, threads):
+    # A rank that dies in C++ (SIGABRT, SIGSEGV) leaves its Python stacks on stderr: CI once
+    # saw a rank abort without a word, its stderr full of torch's DTensor warning below.
+    faulthandler.enable(all_threads=True)
+    warnings.filterwarnings("ignore", message="To construct DTensor from torch.Tensor")
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     torch.set_num_threads(threads)
