@@ -92,16 +92,20 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=4)
     ap.add_argument("--only", nargs="*", help="layouts to run (names as printed)")
     ap.add_argument("--json", help="write the rows here")
+    ap.add_argument("--hardware-dir", help="keep the calibrations here (hardware_N.yaml for --nproc N; default: "
+                                           "a temporary directory)")
     args = ap.parse_args(argv)
     layouts = {k: {**LAYOUTS, **EXTRA}[k] for k in (["fsdp2"] if args.tiny else args.only or LAYOUTS)}
     steps, warmup = (4, 1) if args.tiny else (args.steps, args.warmup)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:
-        hardware = {n: Path(tmp) / f"hardware_{n}.yaml" for n in sorted({_world(f) for f in layouts.values()})}
+        where = Path(args.hardware_dir or tmp)
+        hardware = {n: where / f"hardware_{n}.yaml" for n in sorted({_world(f) for f in layouts.values()})}
         for n, path in hardware.items():
-            _meshtrain("calibrate", "--out", str(path), "--nproc", str(n), *(["--quick"] if args.tiny else []),
-                       env=env)
+            done = _meshtrain("calibrate", "--out", str(path), "--nproc", str(n), *(["--quick"] if args.tiny else []),
+                              env=env)
+            print(f"--nproc {n}: {done.stdout.strip()}", flush=True)  # the constants vary between calibrations
         rows = []
         for name, flags in layouts.items():
             flags = flags + (TINY if args.tiny else [])

@@ -42,11 +42,15 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def median_seconds(fn, device: torch.device, repeats: int, warmup: int = 2) -> float:
+def median_seconds(fn, device: torch.device, repeats: int, warmup: int = 2, lockstep: bool = False) -> float:
+    """Median seconds of fn over repeats; with `lockstep`, every rank of the process group
+    starts each repeat together (a barrier first), as ranks of a step compute at once."""
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(repeats):
+        if lockstep:
+            dist.barrier()
         _sync(device)
         start = time.perf_counter()
         fn()
@@ -55,14 +59,14 @@ def median_seconds(fn, device: torch.device, repeats: int, warmup: int = 2) -> f
     return statistics.median(times)
 
 
-def measure_matmul(device: torch.device, dtypes, shapes, repeats: int) -> list[list]:
+def measure_matmul(device: torch.device, dtypes, shapes, repeats: int, lockstep: bool = False) -> list[list]:
     """[m, n, k, dtype, TFLOP/s] for each shape and dtype."""
     out = []
     for dtype in dtypes:
         for m, n, k in shapes:
             a = torch.randn(m, k, device=device, dtype=TORCH_DTYPES[dtype])
             b = torch.randn(k, n, device=device, dtype=TORCH_DTYPES[dtype])
-            seconds = median_seconds(lambda: a @ b, device, repeats)
+            seconds = median_seconds(lambda: a @ b, device, repeats, lockstep=lockstep)
             out.append([m, n, k, dtype, 2.0 * m * n * k / seconds / 1e12])
     return out
 
@@ -73,7 +77,7 @@ def attention_flops(heads: int, seq: int, head_dim: int) -> float:
 
 
 def measure_attention(device: torch.device, dtypes, seqs, repeats: int, heads: int = 4,
-                      head_dim: int = 64) -> list[list]:
+                      head_dim: int = 64, lockstep: bool = False) -> list[list]:
     """[seq, dtype, TFLOP/s] of causal SDPA, forward and backward, one sequence."""
     out = []
     for dtype in dtypes:
@@ -84,12 +88,12 @@ def measure_attention(device: torch.device, dtypes, seqs, repeats: int, heads: i
             def step():
                 F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
 
-            seconds = median_seconds(step, device, repeats)
+            seconds = median_seconds(step, device, repeats, lockstep=lockstep)
             out.append([seq, dtype, attention_flops(heads, seq, head_dim) / seconds / 1e12])
     return out
 
 
-def measure_launch(device: torch.device, repeats: int, ops: int = 200) -> float:
+def measure_launch(device: torch.device, repeats: int, ops: int = 200, lockstep: bool = False) -> float:
     """Seconds per kernel of a stream of tiny ones (a one-element add): the host's dispatch
     and launch, which no kernel can beat."""
     x = torch.zeros(1, device=device)
@@ -98,14 +102,14 @@ def measure_launch(device: torch.device, repeats: int, ops: int = 200) -> float:
         for _ in range(ops):
             x.add_(1.0)
 
-    return median_seconds(stream, device, repeats) / ops
+    return median_seconds(stream, device, repeats, lockstep=lockstep) / ops
 
 
-def measure_memory(device: torch.device, nbytes: int, repeats: int) -> float:
+def measure_memory(device: torch.device, nbytes: int, repeats: int, lockstep: bool = False) -> float:
     """Bytes/s of a large copy, counting bytes read and written."""
     src = torch.ones(nbytes // 4, device=device)
     dst = torch.empty_like(src)
-    return 2 * src.numel() * 4 / median_seconds(lambda: dst.copy_(src), device, repeats)
+    return 2 * src.numel() * 4 / median_seconds(lambda: dst.copy_(src), device, repeats, lockstep=lockstep)
 
 
 # The fitted ceiling may exceed the best throughput measured by this much at most: a fit
@@ -124,11 +128,19 @@ def fit_matmul(points: list[list], dtype: str) -> Curve:
     return Curve(float(top), float(a * top * 1e12))
 
 
-def fit_attention(points: list[list], dtype: str) -> Curve:
+def fit_attention(points: list[list], dtype: str, peak: float) -> Curve:
+    """The attention curve through [seq, dtype, TFLOP/s] points, its ceiling at most
+    _EXTRAPOLATE x the best measured and at most `peak` (noisy points can tilt the line in
+    1 / s towards a ceiling no kernel reaches: one calibration here fitted 3.2 bf16 TFLOP/s
+    where the best matmul reached 0.48)."""
     seqs = np.array([s for s, d, _ in points if d == dtype], dtype=float)
-    inverse_tflops = 1.0 / np.array([t for _, d, t in points if d == dtype])
-    a, slope = _fit_line(1.0 / seqs, inverse_tflops, relative=False)
-    return Curve(float(1.0 / a), float(slope / a)) if a > 0 else Curve(float(1.0 / inverse_tflops.min()), 0.0)
+    tflops = np.array([t for _, d, t in points if d == dtype])
+    a, slope = _fit_line(1.0 / seqs, 1.0 / tflops, relative=False)
+    top = min(_EXTRAPOLATE * float(tflops.max()), peak)
+    if a > 0 and 1.0 / a <= top:
+        return Curve(float(1.0 / a), float(slope / a))
+    # the ceiling capped: the half sequence that best explains the points under it
+    return Curve(float(top), max(0.0, float(np.median(seqs * (top / tflops - 1.0)))))
 
 
 def _fit_line(x: np.ndarray, y: np.ndarray, relative: bool = True) -> tuple[float, float]:
@@ -254,15 +266,17 @@ def _chained(fn, device: torch.device, repeats: int) -> float:
     return statistics.median(_per_call(fn, device, repeats))
 
 
-def overlap_share(per_rank: list[list[tuple[float, float, float]]]) -> float:
+def slowest_tries(per_rank: list[list[tuple[float, float, float]]]) -> list[tuple[float, float, float]]:
+    """Per repeat of time_overlap, each of its three times the slowest rank's."""
+    return [tuple(max(r[i][k] for r in per_rank) for k in range(3)) for i in range(len(per_rank[0]))]
+
+
+def overlap_share(tries: list[tuple[float, float, float]]) -> float:
     """Of a collective's time beside compute, the share the compute hid (Hardware.
-    comm_overlap): per repeat of time_overlap, each time the slowest rank's, 1 when the
-    two together took as long as the longer alone, 0 when they took the sum; the median."""
-    shares = []
-    for i in range(len(per_rank[0])):
-        compute, gather, both = (max(r[i][k] for r in per_rank) for k in range(3))
-        shares.append(1.0 - min(1.0, max(0.0, (both - max(compute, gather)) / min(compute, gather))))
-    return statistics.median(shares)
+    comm_overlap): per (compute, gather, both) try, 1 when the two together took as long
+    as the longer alone, 0 when they took the sum; the median."""
+    return statistics.median(1.0 - min(1.0, max(0.0, (both - max(compute, gather)) / min(compute, gather)))
+                             for compute, gather, both in tries)
 
 
 def after_products(per_rank: list[tuple[dict, list]]) -> dict[str, dict[int, float]]:

@@ -4,7 +4,8 @@ Everything is measured in ranks that `launch.launch` starts the way `meshtrain f
 self-launches (gloo on CPU, NCCL on CUDA, one device per rank): compute and memory in
 `nproc` ranks at once, as a run of that many ranks per machine computes (on a CPU the
 ranks share its cores: two ranks of this 2-core box each multiply at about half the speed
-of one alone), then the collectives among max(nproc, 2) ranks. The fits are
+of one alone), then the collectives among max(nproc, 2) ranks and a tiny step, in three
+passes (each point the median over them), then compute beside a collective. The fits are
 estimate/calibrate.py's. A single machine has one link level: inter_node is written
 equal to intra_node, and the notes say so.
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import os
+import statistics
 
 import torch
 import torch.distributed as dist
@@ -23,13 +25,13 @@ from ..estimate import calibrate as measure
 from ..estimate.hardware import Hardware
 from . import launch
 from .calibrate_blocks import measure_block_attention
-from .calibrate_host import sharded_launch_seconds, step_seconds
+from .calibrate_host import sharded_launch_seconds, step_times, tiny_step
 
-# (matmul shapes, attention sequence lengths, copy bytes, collective bytes, repeats)
+# (matmul shapes, attention sequence lengths, copy bytes, collective bytes, repeats, passes)
 _FULL = ([(s, s, s) for s in (128, 256, 512, 1024, 1536)] + [(2048, 256, 512), (256, 1024, 2048)],
-         (128, 256, 512, 1024, 2048), 256 * 2**20, [2**p for p in range(12, 25, 2)], 7)
+         (128, 256, 512, 1024, 2048), 256 * 2**20, [2**p for p in range(12, 25, 2)], 7, 3)
 _QUICK = ([(64, 64, 64), (128, 128, 128), (256, 256, 256)], (64, 128, 256), 16 * 2**20,
-          [2**12, 2**16, 2**19], 3)
+          [2**12, 2**16, 2**19], 3, 1)
 
 
 def _device() -> torch.device:
@@ -41,24 +43,53 @@ def _dtypes(device: torch.device) -> tuple[str, ...]:
     return ("fp32", "bf16", "fp16") if device.type == "cuda" else ("fp32", "bf16")
 
 
-def _rank(busy: int, compute: tuple, sizes, repeats: int) -> dict:
-    """Rank work: the first `busy` ranks measure compute at once (`_compute`'s arguments
-    after the device), then all time the collectives."""
+def _rank(busy: int, compute: tuple, sizes, repeats: int, passes: int) -> dict:
+    """Rank work: in each of `passes`, the first `busy` ranks measure compute at once
+    (`_compute`'s arguments after the device), then all time the collectives and the tiny
+    step; then the overlap. A shared box has slow spells of seconds: a point measured in
+    one go can fall into one (one calibration here measured 0.085 fp32 TFLOP/s, the next
+    0.131), so each is the median over passes spread across the run (`_pooled`)."""
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=600))
     try:
-        dist.barrier()
-        out = {"compute": _compute(device, *compute) if dist.get_rank() < busy else None}
-        dist.barrier()
-        out["collectives"] = measure.time_collectives(sizes, 2 * repeats, device)  # the noisiest points
-        out["overlap"] = measure.time_overlap(device, repeats)
-        out["tiny_step_s"] = step_seconds(device, 3 * repeats)  # milliseconds each; noisy on a shared CPU
-        return out
+        step = tiny_step(device)
+        measured = []
+        for _ in range(passes):
+            dist.barrier()
+            # several busy ranks compute in lockstep, as a step's ranks do
+            one = {"compute": _compute(device, *compute, lockstep=busy > 1) if dist.get_rank() < busy else None}
+            dist.barrier()
+            one["collectives"] = measure.time_collectives(sizes, repeats, device)
+            one["tiny_step_s"] = step_times(step, device, repeats)  # milliseconds each
+            measured.append(one)
+        return {**_pooled(measured), "overlap": measure.time_overlap(device, repeats)}
     finally:
         dist.destroy_process_group()
+
+
+def _pooled(passes: list[dict]) -> dict:
+    """One rank's passes as one: each compute point the median over passes, the
+    collectives' and the tiny step's repeats all together."""
+    compute = None
+    if passes[0]["compute"] is not None:
+        compute = tuple(_median_points([p["compute"][i] for p in passes]) for i in range(len(passes[0]["compute"])))
+    (ops, alone), *rest = [p["collectives"] for p in passes]
+    for more_ops, more_alone in rest:
+        ops = {op: {size: times + more_ops[op][size] for size, times in by_size.items()} for op, by_size in ops.items()}
+        alone = alone + more_alone
+    return {"compute": compute, "collectives": (ops, alone),
+            "tiny_step_s": statistics.median(t for p in passes for t in p["tiny_step_s"])}
+
+
+def _median_points(values: list):
+    """The median over passes of a measured number, or of each point's last field (its
+    throughput) in lists of points."""
+    if not isinstance(values[0], list):
+        return statistics.median(values)
+    return [points[0][:-1] + [statistics.median(p[-1] for p in points)] for points in zip(*values)]
 
 
 def calibrate(out: str, nproc: int = 2, quick: bool = False) -> str:
@@ -67,28 +98,27 @@ def calibrate(out: str, nproc: int = 2, quick: bool = False) -> str:
         raise ConfigError(f"--nproc {nproc!r}: give the ranks a run puts on this machine (1 or more)")
     if torch.cuda.is_available() and nproc > torch.cuda.device_count():
         raise ConfigError(f"--nproc {nproc}: this machine has {torch.cuda.device_count()} GPUs; give at most that")
-    shapes, seqs, copy_bytes, sizes, repeats = _QUICK if quick else _FULL
+    shapes, seqs, copy_bytes, sizes, repeats, passes = _QUICK if quick else _FULL
     device = _device()
     dtypes = _dtypes(device)
     threads = int(os.environ.get("OMP_NUM_THREADS", 1))
     ranks = max(nproc, 2)  # one rank has no collectives: they are measured between two
-    per_rank = launch.launch(_rank, (nproc, (dtypes, threads, shapes, seqs, copy_bytes, repeats), sizes, repeats),
-                             ranks)
+    per_rank = launch.launch(_rank, (nproc, (dtypes, threads, shapes, seqs, copy_bytes, repeats), sizes, repeats,
+                                     passes), ranks)
     matmul, attention, bandwidth, launch_s, blocks = per_rank[0]["compute"]
     times = measure.after_products([r["collectives"] for r in per_rank])
     fits = measure.collective_fits(times, ranks)
     link = measure.link_from(fits)
     curves = {d: measure.fit_matmul(matmul, d) for d in dtypes}
-    best = {d: max(t for *_, dd, t in matmul if dd == d) for d in dtypes}
-    overlap = [r["overlap"] for r in per_rank]
+    # No data sheet here: the peak is the best this process reached (or the fit's ceiling).
+    peak = {d: max(max(t for *_, dd, t in matmul if dd == d), curves[d].max_tflops) for d in dtypes}
+    overlap = measure.slowest_tries([r["overlap"] for r in per_rank])
     tiny_step = max(r["tiny_step_s"] for r in per_rank)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({os.cpu_count()} cores)"
     hw = Hardware(
         name=f"calibrated {name}", memory_bytes=_memory_bytes(device), ranks_per_node=nproc,
-        # No data sheet here: the peak is the best this process reached (or the fit's ceiling).
-        peak_tflops={d: max(best[d], curves[d].max_tflops) for d in dtypes}, matmul=curves,
-        attention={d: measure.fit_attention(attention, d) for d in dtypes},
-        block_attention={d: measure.fit_attention(blocks, d) for d in dtypes}, memory_bandwidth=bandwidth,
+        peak_tflops=peak, matmul=curves, attention={d: measure.fit_attention(attention, d, peak[d]) for d in dtypes},
+        block_attention={d: measure.fit_attention(blocks, d, peak[d]) for d in dtypes}, memory_bandwidth=bandwidth,
         links={"intra_node": link, "inter_node": link}, launch_s=launch_s,
         # send_recv is a pair's exchange whatever the group
         collective_table={op: {"ranks": 2 if op == "send_recv" else ranks,
@@ -99,10 +129,10 @@ def calibrate(out: str, nproc: int = 2, quick: bool = False) -> str:
               f"{nproc} rank(s) at once, collectives among {ranks}; "
               f"{datetime.date.today()}. One machine: inter_node "
               "is a copy of intra_node (not measured). peak_tflops is the best measured, not a data sheet's.",
-        measured={"matmul": matmul, "attention": attention, "block_attention": blocks, "memory": {"copy_bytes": copy_bytes,
-                                                                       "bytes_per_s": bandwidth},
+        measured={"matmul": matmul, "attention": attention, "block_attention": blocks,
+                  "memory": {"copy_bytes": copy_bytes, "bytes_per_s": bandwidth},
                   "collectives": {op: {"fit": fits[op], "seconds_by_bytes": times[op]} for op in times},
-                  "overlap": {"compute_gather_both_s": [list(t) for t in overlap[0]]},
+                  "overlap": {"compute_gather_both_s": [list(t) for t in overlap]},  # the slowest rank's
                   "host": {"tiny_step_s": tiny_step}})
     # The host's cost per kernel: what the tiny step took beyond what the rest of hw prices.
     hw = dataclasses.replace(hw, sharded_launch_s=sharded_launch_seconds(hw, tiny_step, ranks))
@@ -114,18 +144,19 @@ def calibrate(out: str, nproc: int = 2, quick: bool = False) -> str:
             f"launch, {hw.sharded_launch_s * 1e6:.3g} us on a sharded mesh")
 
 
-def _compute(device, dtypes, threads: int, shapes, seqs, copy_bytes: int, repeats: int):
+def _compute(device, dtypes, threads: int, shapes, seqs, copy_bytes: int, repeats: int, lockstep: bool):
     """Matmul and attention points, the copy bandwidth, the seconds per tiny kernel and cp's
-    block kernels' points, on CPU with the threads a
-    self-launched rank gets (launch.launch: OMP_NUM_THREADS, 1 unless set): on 2 shared
-    cores, 2 threads made small products 100x slower than 1."""
+    block kernels' points, on CPU with the threads a self-launched rank gets (launch.launch:
+    OMP_NUM_THREADS, 1 unless set): on 2 shared cores, 2 threads made small products 100x
+    slower than 1. `lockstep`: every rank measures, each repeat started together."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        return (measure.measure_matmul(device, dtypes, shapes, repeats),
-                measure.measure_attention(device, dtypes, seqs, repeats),
-                measure.measure_memory(device, copy_bytes, repeats), measure.measure_launch(device, repeats),
-                measure_block_attention(device, dtypes, seqs, repeats))
+        return (measure.measure_matmul(device, dtypes, shapes, repeats, lockstep=lockstep),
+                measure.measure_attention(device, dtypes, seqs, repeats, lockstep=lockstep),
+                measure.measure_memory(device, copy_bytes, repeats, lockstep=lockstep),
+                measure.measure_launch(device, repeats, lockstep=lockstep),
+                measure_block_attention(device, dtypes, seqs, repeats, lockstep=lockstep))
     finally:
         torch.set_num_threads(before)
 

@@ -14,7 +14,7 @@ from ..parallel.cp_blocks import _acc, _attend, _attend_backward, _running
 
 
 def measure_block_attention(device: torch.device, dtypes, seqs, repeats: int, heads: int = 4,
-                            head_dim: int = 64) -> list[list]:
+                            head_dim: int = 64, lockstep: bool = False) -> list[list]:
     """[seq, dtype, TFLOP/s] of cp 2's ring work on rank 0 (module docstring)."""
     out = []
     for dtype in dtypes:
@@ -35,6 +35,6 @@ def measure_block_attention(device: torch.device, dtypes, seqs, repeats: int, he
                     dkv = torch.zeros((2,) + kk.shape, dtype=dq.dtype, device=device)
                     _attend_backward(dout, q, kk, vv, o.to(q.dtype), lse, pieces, dq, dkv)
 
-            seconds = median_seconds(step, device, repeats)
+            seconds = median_seconds(step, device, repeats, lockstep=lockstep)
             out.append([seq, dtype, attention_flops(heads, seq, head_dim) / 2 / seconds / 1e12])
     return out

@@ -1,14 +1,13 @@
 """What an eager step on a sharded mesh costs the host per kernel, measured for
 `meshtrain calibrate` (the Hardware's `sharded_launch_s`: DTensor's dispatch and the
 runtime's hooks): a Llama so small that its kernels take next to nothing (`tiny_config`),
-trained on fsdp over the calibrating ranks. `step_seconds` times its step in each rank;
+trained on fsdp over the calibrating ranks. `step_times` times its step in each rank;
 `sharded_launch_seconds` finds the cost per kernel at which the step-time model, reading
 everything else calibrate measured (its collectives among them), predicts that time."""
 
 from __future__ import annotations
 
 import dataclasses
-import statistics
 import time
 
 import torch
@@ -36,9 +35,9 @@ def tiny_config(world: int) -> RunConfig:
                   "grad_clip": 0.0, "lr": 1e-4, "warmup_steps": 0}})
 
 
-def step_seconds(device: torch.device, repeats: int, warmup: int = 3) -> float:
-    """Median seconds of the tiny step on this rank (call on each rank of an initialised
-    process group)."""
+def tiny_step(device: torch.device):
+    """The tiny step, built on this rank of an initialised process group: a callable that
+    runs one step (`step_times` times it)."""
     world = dist.get_world_size()
     cfg = tiny_config(world)
     model, plan = cfg.model_def(), cfg.plan(world)
@@ -48,16 +47,22 @@ def step_seconds(device: torch.device, repeats: int, warmup: int = 3) -> float:
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, cfg.model.vocab_size, (1, _ROWS * world, _SEQ + 1), generator=g).to(device)
     batch = {"tokens": tokens[..., :-1], "targets": tokens[..., 1:]}
+    return lambda: step(state, batch)
+
+
+def step_times(run, device: torch.device, repeats: int, warmup: int = 3) -> list[float]:
+    """Seconds of each of `repeats` calls of `run` (tiny_step's) after `warmup`, each
+    started after a barrier."""
     times = []
     for i in range(warmup + repeats):
         dist.barrier()
         start = time.perf_counter()
-        step(state, batch)
+        run()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         if i >= warmup:
             times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return times
 
 
 def sharded_launch_seconds(hw: Hardware, measured: float, world: int, tolerance: float = 1e-3) -> float:
