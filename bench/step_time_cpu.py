@@ -6,14 +6,18 @@ item 5): calibrate, predict, measure, report each ratio.
    once, sharing the cores): N = 1 for the one-process layout, 2 for the others;
 2. per layout, `meshtrain plan --hardware FILE --json` gives the modelled `time.step_s`;
 3. `meshtrain fit` runs the same config and flags; the measured step is the median
-   `step_time_s` of metrics.jsonl after `--warmup` steps.
+   `step_time_s` of metrics.jsonl after `--warmup` steps;
+4. with `--rounds N`, all of it N times: each layout's ratio is the median round's. A
+   shared VM's own speed moves between runs (one 2-core box here measured the same fsdp2
+   step at 608, 680 and 821 ms in three runs, single steps from 520 to 800 ms), so one
+   round's ratio can be off by that much whatever the model.
 
 Layouts (configs/tiny.yaml's Llama, dim 256 x 4 layers, fp32, eager): one process, dp2,
 fsdp2, tp2 + sp, cp2 ring, pp2 1F1B over 4 micro-batches, fsdp2 with prefetch 0 and 1.
 Every run uses OMP_NUM_THREADS=1 (a 2-core box: one core per rank). The load average
 before and after is printed: a busy machine makes every measurement slower, not the model.
 
-    python bench/step_time_cpu.py --json step_time.json   # about 4 minutes on 2 cores
+    python bench/step_time_cpu.py --rounds 3 --json step_time.json   # about 25 minutes on 2 cores
     python bench/step_time_cpu.py --tiny                  # the smoke of CI (seconds)
 """
 
@@ -85,20 +89,8 @@ def measure(flags: list[str], steps: int, warmup: int, work: Path, env: dict) ->
     return statistics.median(times)
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tiny", action="store_true", help="CI smoke: small model, two layouts, quick calibration")
-    ap.add_argument("--steps", type=int, default=14)
-    ap.add_argument("--warmup", type=int, default=4)
-    ap.add_argument("--only", nargs="*", help="layouts to run (names as printed)")
-    ap.add_argument("--json", help="write the rows here")
-    ap.add_argument("--hardware-dir", help="keep the calibrations here (hardware_N.yaml for --nproc N; default: "
-                                           "a temporary directory)")
-    args = ap.parse_args(argv)
-    layouts = {k: {**LAYOUTS, **EXTRA}[k] for k in (["fsdp2"] if args.tiny else args.only or LAYOUTS)}
-    steps, warmup = (4, 1) if args.tiny else (args.steps, args.warmup)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    load_before = os.getloadavg()
+def one_round(layouts: dict, steps: int, warmup: int, args, env: dict) -> list[dict]:
+    """Calibrate afresh, then predict and measure each layout: its rows."""
     with tempfile.TemporaryDirectory() as tmp:
         where = Path(args.hardware_dir or tmp)
         hardware = {n: where / f"hardware_{n}.yaml" for n in sorted({_world(f) for f in layouts.values()})}
@@ -117,7 +109,34 @@ def main(argv=None) -> int:
                          "ratio": time["step_s"] / measured, "breakdown": time["breakdown"]})
             print(f"{name:18s} predicted {time['step_s'] * 1e3:8.1f} ms  measured {measured * 1e3:8.1f} ms  "
                   f"ratio {rows[-1]['ratio']:.2f}", flush=True)
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tiny", action="store_true", help="CI smoke: small model, two layouts, quick calibration")
+    ap.add_argument("--steps", type=int, default=24)
+    ap.add_argument("--rounds", type=int, default=1, help="calibrate, predict and measure this many times; each "
+                    "layout's ratio is the median round's (this box's own speed moves between runs)")
+    ap.add_argument("--warmup", type=int, default=4)
+    ap.add_argument("--only", nargs="*", help="layouts to run (names as printed)")
+    ap.add_argument("--json", help="write the rows here")
+    ap.add_argument("--hardware-dir", help="keep the calibrations here (hardware_N.yaml for --nproc N; default: "
+                                           "a temporary directory)")
+    args = ap.parse_args(argv)
+    layouts = {k: {**LAYOUTS, **EXTRA}[k] for k in (["fsdp2"] if args.tiny else args.only or LAYOUTS)}
+    steps, warmup = (4, 1) if args.tiny else (args.steps, args.warmup)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    load_before = os.getloadavg()
+    rounds = [one_round(layouts, steps, warmup, args, env) for _ in range(args.rounds)]
     load_after = os.getloadavg()
+    # per layout, the round of the median ratio (the lower middle of an even count)
+    rows = [sorted((r[i] for r in rounds), key=lambda row: row["ratio"])[(len(rounds) - 1) // 2]
+            for i in range(len(layouts))]
+    if len(rounds) > 1:
+        for i, row in enumerate(rows):
+            each = ", ".join(f"{r[i]['ratio']:.2f}" for r in rounds)
+            print(f"{row['layout']:18s} median ratio {row['ratio']:.2f} of {each}")
     within = [abs(r["ratio"] - 1) <= WITHIN for r in rows]
     print(f"{sum(within)} of {len(rows)} within {WITHIN:.0%}; load average {load_before[0]:.2f} before, "
           f"{load_after[0]:.2f} after")
@@ -125,7 +144,7 @@ def main(argv=None) -> int:
         Path(args.json).write_text(json.dumps({
             "date": datetime.date.today().isoformat(), "machine": platform.processor() or platform.machine(),
             "cpus": os.cpu_count(), "load_before": load_before, "load_after": load_after, "tiny": args.tiny,
-            "rows": rows}, indent=1) + "\n")
+            "rows": rows, "rounds": rounds}, indent=1) + "\n")
     return 0
 
 
