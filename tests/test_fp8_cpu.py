@@ -38,13 +38,18 @@ def _operands(p, q, r, recipe, seed):
 @pytest.mark.parametrize("p,q,r", SHAPES)
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
 def test_cpu_gemm_equals_scaled_mm_in_the_cuda_layout(recipe, p, q, r, out_dtype):
-    """Exact: the CPU kernel makes both operands row-major before its fp32 GEMM, so handing
-    it b as is (row-major for the backward GEMMs) instead of column-major changes which
-    copies are made, not one value. b is also given row-major, as the backward's are."""
+    """Exact: the emulated CPU kernel makes both operands row-major before its fp32 GEMM,
+    so handing it b as is (row-major for the backward GEMMs) instead of column-major changes
+    which copies are made, not one value. b is also given row-major, as the backward's are.
+    oneDNN stays enabled around the call, as in any run: on a CPU with AMX torch would take
+    oneDNN's fp8 kernel, which _mm turns off for itself and restores."""
     a, a_inv, b, b_inv = _operands(p, q, r, recipe, seed=p * q * r)
     for b_layout in (b, b.contiguous()):
+        assert torch.backends.mkldnn.enabled
         ours = fp8._mm(a, a_inv, b_layout, b_inv, out_dtype)
-        ref = torch._scaled_mm(a.contiguous(), b_layout.t().contiguous().t(), a_inv, b_inv, out_dtype=out_dtype)
+        assert torch.backends.mkldnn.enabled
+        with torch.backends.mkldnn.flags(enabled=False):
+            ref = torch._scaled_mm(a.contiguous(), b_layout.t().contiguous().t(), a_inv, b_inv, out_dtype=out_dtype)
         assert ours.dtype == out_dtype and torch.equal(ours, ref)
     assert fp8._mm(a, a_inv, b, b_inv, out_dtype).abs().sum() > 0  # the test compares something
 

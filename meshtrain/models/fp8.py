@@ -52,12 +52,38 @@ def _t_scale(inv: Tensor) -> Tensor:
     return inv.view(inv.shape[::-1])
 
 
+def _cpu_scaled_mm(a: Tensor, b: Tensor, a_inv: Tensor, b_inv: Tensor, out_dtype: torch.dtype) -> Tensor:
+    """_scaled_mm's emulated CPU kernel (fp8 operands made row-major, widened to fp32, one
+    fp32 GEMM, then the scales). On a CPU with AMX, torch hands fp8 to oneDNN instead, whose
+    fp8 matmul there is its reference loop: 0.6 s for a 256x192x192 product on an Intel Xeon
+    (2026-11-29), over 1000x the emulated kernel, and with other roundings. Off, the choice
+    is the same on every CPU."""
+    enabled = torch.backends.mkldnn.enabled
+    torch.backends.mkldnn.enabled = False
+    try:
+        return torch._scaled_mm(a, b, a_inv, b_inv, out_dtype=out_dtype)
+    finally:
+        torch.backends.mkldnn.enabled = enabled
+
+
+# The same kernel as one opaque op for torch.compile: inductor's own lowering of _scaled_mm
+# wants the CUDA layout and calls the oneDNN kernel above, and its fused kernels that write
+# the column-major fp8 copies gave NaN on that Intel Xeon (AVX-512).
+cpu_scaled_mm_op = torch.library.custom_op("meshtrain::cpu_scaled_mm", mutates_args=())(_cpu_scaled_mm)
+
+
+@cpu_scaled_mm_op.register_fake
+def _(a: Tensor, b: Tensor, a_inv: Tensor, b_inv: Tensor, out_dtype: torch.dtype) -> Tensor:
+    return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
+
+
 def _mm(a: Tensor, a_inv: Tensor, b: Tensor, b_inv: Tensor, out_dtype: torch.dtype) -> Tensor:
     """a (P,Q) @ b (Q,R), dequantized by the reciprocal scales a_inv (P,1)|(1,1), b_inv (1,R)|(1,1)."""
-    if a.device.type == "cpu" and not torch.compiler.is_compiling():
-        # The eager CPU kernel makes both operands row-major itself: a column-major b would
-        # be copied there and back. (Inductor's lowering checks the CUDA layout.)
-        return torch._scaled_mm(a, b, a_inv, b_inv, out_dtype=out_dtype)
+    if a.device.type == "cpu":
+        # The CPU kernel makes both operands row-major itself: a column-major b would be
+        # copied there and back.
+        mm = cpu_scaled_mm_op if torch.compiler.is_compiling() else _cpu_scaled_mm
+        return mm(a, b, a_inv, b_inv, out_dtype)
     return torch._scaled_mm(_row_major(a), _col_major(b), a_inv, b_inv, out_dtype=out_dtype)
 
 

@@ -21,7 +21,7 @@ import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from ..errors import check_choice
-from .fp8 import RECIPES
+from .fp8 import RECIPES, cpu_scaled_mm_op
 from .offload import offloaded
 
 # train.precision -> the compute dtype (fp8: bf16, with fp8 GEMMs; fp16 needs loss
@@ -137,7 +137,8 @@ _EXPENSIVE_ATEN = {_aten.mm.default, _aten.addmm.default, _aten.bmm.default, _at
                    _aten._scaled_dot_product_flash_attention.default,
                    _aten._scaled_dot_product_efficient_attention.default,
                    _aten._scaled_dot_product_cudnn_attention.default,
-                   _aten._scaled_dot_product_flash_attention_for_cpu.default}
+                   _aten._scaled_dot_product_flash_attention_for_cpu.default,
+                   cpu_scaled_mm_op._opoverload}  # the compiled CPU fp8 GEMM (models/fp8.py)
 
 
 # A row-parallel matmul's output is a partial sum of the whole sequence: keep its reduction
