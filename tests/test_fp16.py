@@ -78,6 +78,12 @@ def test_30_fp16_steps_track_fp32_within_bf16_tolerance():
     torch.testing.assert_close(compiled_norms, fp16_norms, rtol=1e-5, atol=0)
 
 
+def _overflowed(g: torch.Tensor) -> torch.Tensor:
+    """g overflowed to inf: element-wise, so a sharded g stays local. (g * inf, as this once
+    was, is NaN wherever g is 0: the norm came out inf on one CPU, NaN on another.)"""
+    return g + float("inf")
+
+
 def _overflow_on_one_rank():
     """fsdp 2, fp16, scale 1024 growing every 2 finite steps: step 2's gradients made inf
     on rank 1 only. Returns every step's metrics and whether step 2 left the parameters
@@ -100,7 +106,7 @@ def _overflow_on_one_rank():
             if dist.get_rank() == 1:
                 handle = []
                 handle.append(params["layers.1.mlp.w_down"].register_hook(lambda g: (handle.pop().remove(),
-                                                                                   g * float("inf"))[1]))
+                                                                                   _overflowed(g))[1]))
         rows.append(step(state, b))
         if i == 1:
             after = {k: {n: t.to_local() for n, t in g.items()}
