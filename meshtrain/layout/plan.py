@@ -150,11 +150,28 @@ class Plan:
         return render(self)
 
 
+# Plans made lately, by their inputs: the layout search and the dry run plan one mesh of
+# 405B at 16384 ranks a dozen times over (each stage group, validation, each candidate's
+# checkpointing and micro-batch). A Plan is frozen and never changed in place.
+_PLANS: dict = {}
+_PLANS_KEPT = 256
+
+
 def make_plan(specs: Mapping[str, ParamSpec], rules: Rules, mesh: MeshSpec, world: int | None = None,
               cp_comm: str = "allgather") -> Plan:
     """The Plan for these parameters on this mesh; `cp_comm` is how attention exchanges
     the sequence when cp > 1. Raises ConfigError for any layout that cannot work, before
     a process group exists."""
+    key = (tuple(specs.items()), rules.key(), mesh, world, cp_comm)
+    if key not in _PLANS:
+        if len(_PLANS) >= _PLANS_KEPT:
+            _PLANS.pop(next(iter(_PLANS)))
+        _PLANS[key] = _make_plan(specs, rules, mesh, world, cp_comm)
+    return _PLANS[key]
+
+
+def _make_plan(specs: Mapping[str, ParamSpec], rules: Rules, mesh: MeshSpec, world: int | None,
+               cp_comm: str) -> Plan:
     if world is None:
         if any(mesh.size(a) == -1 for a in MESH_AXES):
             raise ConfigError("parallel: an axis is -1, so the world size must be given to fill it "

@@ -68,6 +68,11 @@ class Rules:
                     return mapping[axis]
         return self.mapping.get(axis, ())
 
+    def key(self) -> tuple:
+        """Hashable, equal for equal rules (overrides in their order: the first match wins)."""
+        return (tuple(sorted(self.mapping.items())),
+                tuple((g, tuple(sorted(m.items()))) for g, m in self.overrides.items()))
+
     def to_dict(self) -> dict:
         return {"mapping": {k: list(v) for k, v in self.mapping.items()},
                 "overrides": {g: {k: list(v) for k, v in m.items()} for g, m in self.overrides.items()}}
