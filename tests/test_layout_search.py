@@ -68,6 +68,19 @@ def test_nothing_slower_than_the_tenth_is_left_unsaid():
     assert [r.flags for r in everything[:10]] == [r.flags for r in ranked]
 
 
+def test_two_workers_rank_what_one_process_ranks():
+    """The candidates planned and timed over two forked workers, two at a time, give the
+    list one process gives, bit for bit; and the same candidates, fitting, and timed but
+    for the one the last batch may add."""
+    cfg, h100 = preset("llama3-8b"), BUILTINS["h100"]
+    one, one_searched = fastest_layouts(cfg, 8, h100, workers=1)
+    two, two_searched = fastest_layouts(cfg, 8, h100, workers=2)
+    assert [(r.flags, r.step_s, r.peak) for r in two] == [(r.flags, r.step_s, r.peak) for r in one]
+    assert {k: two_searched[k] for k in ("candidates", "fitting")} == \
+        {k: one_searched[k] for k in ("candidates", "fitting")}
+    assert one_searched["timed"] <= two_searched["timed"] <= one_searched["timed"] + 1
+
+
 def test_search_of_llama3_405b_at_16384_ranks_within_a_minute():
     start = time.perf_counter()
     run = dry_run(preset("llama3-405b"), 16384, "h100", search=True)

@@ -38,7 +38,6 @@ from dataclasses import dataclass
 from .comms import backward_regathers, step_collectives
 from .memory import per_rank_memory, total_peak
 from ..models.family import RESIDUAL
-from ..models.recording import cached
 from ..layout.plan import Plan, without_pp
 from ..layout.traffic import Traffic
 from ..pipeline.partition import Stage, partition
@@ -138,9 +137,7 @@ def pipeline_estimate(plan: Plan, model, *, pp_schedule: str, virtual: int, layo
     no memory (each rank's is {"peak": 0}; for the layout search, which planned it). optimizer:
     train.optimizer (its state's bytes; Muon's gathers)."""
     pp = plan.mesh.pp
-    # Once per model and split: the layout search asks again for every candidate on this pp.
-    stages = cached((model.family.name, model.cfg, "partition", pp, virtual, tuple(layout or ()), seq_len, micro_batch),
-                    lambda: partition(model, pp, virtual, layout, seq_len=seq_len, micro_batch=micro_batch))
+    stages = partition(model, pp, virtual, layout, seq_len=seq_len, micro_batch=micro_batch)
     sched = build_pipeline_schedule(pp_schedule, pp, micro_steps, virtual)
     timing = simulate(sched, stage_costs=stage_costs_from_partition(stages))
     sub = without_pp(plan)

@@ -40,12 +40,16 @@ def compute_numel(plan: Plan, name: str) -> int:
     uneven fsdp dim is gathered padded (fsdp x the largest shard), as the all-gather
     buffer is, and the gathered tensor is a view of that buffer."""
     p = plan.params[name]
+    made = p.__dict__.get("_compute_numel")  # once per parameter plan (frozen) and mesh, as is_gathered
+    if made is not None and made[0] is plan.mesh:
+        return made[1]
     shape = list(p.spec.shape)
     for d, axes in enumerate(p.layout.dim_axes):
         for a in axes:
             n = plan.mesh.size(a)
             shape[d] = math.ceil(shape[d] / n) * (n if a in GATHERED_AXES else 1)
-    return math.prod(shape)
+    p.__dict__["_compute_numel"] = (plan.mesh, math.prod(shape))
+    return p.__dict__["_compute_numel"][1]
 
 
 def is_gathered(plan: Plan, name: str) -> bool:

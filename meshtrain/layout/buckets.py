@@ -111,12 +111,29 @@ def _unit(name: str, seen_block: bool, block_names: set[str], modules_in_block: 
     return "after" if seen_block else "before"
 
 
+# The buckets of a plan lately asked for: the estimators ask again for each stage, each
+# checkpointing and micro-batch of a layout, on the same (cached, frozen) plan. Keyed by
+# the plan's identity, and holding the plan so that identity is not reused.
+_BUCKETS: dict = {}
+_BUCKETS_KEPT = 256
+
+
 def plan_buckets(plan: Plan, unit: str | float = "block", names=None) -> tuple[list[Bucket], set[str]]:
     """The buckets of `names` (default: every parameter, in the plan's order, which is
     forward order) and the parameters left to one collective each. A bucket's members
     share a mesh: a block's expert weights on the expert mesh are a bucket of their own,
     between the block's dense weights used before and after them."""
     unit = check_bucket(unit)
+    key = (id(plan), unit, None if names is None else tuple(names))
+    hit = _BUCKETS.get(key)
+    if hit is None or hit[0] is not plan:
+        if len(_BUCKETS) >= _BUCKETS_KEPT:
+            _BUCKETS.pop(next(iter(_BUCKETS)))
+        hit = _BUCKETS[key] = (plan, *_plan_buckets(plan, unit, names))
+    return list(hit[1]), set(hit[2])
+
+
+def _plan_buckets(plan: Plan, unit: str | float, names) -> tuple[list[Bucket], set[str]]:
     names = list(plan.params) if names is None else list(names)
     alone, groups, keys, meshes = set(), [], [], []
     seen_block, size = False, 0.0

@@ -32,6 +32,7 @@ import torch
 
 from ..errors import ConfigError
 from ..models.cost_terms import attention_flops, cost_terms
+from ..models.recording import cached
 
 FP32 = 4
 
@@ -162,6 +163,14 @@ def partition(model, pp: int, virtual: int = 1, layout: list[int] | None = None,
               seq_len: int, micro_batch: int) -> list[Stage]:
     """S = pp x virtual stages, balanced by the cost model (max stage FLOPs minimal over
     all contiguous splits) or by `layout`, a per-stage layer count list."""
+    # Once per model and split: validation and the estimators ask again for every layout
+    # the search tries on this pp (the stages are frozen; the list is a copy).
+    key = (model.family.name, model.cfg, "partition", pp, virtual, None if layout is None else tuple(layout),
+           seq_len, micro_batch)
+    return list(cached(key, lambda: _partition(model, pp, virtual, layout, seq_len, micro_batch)))
+
+
+def _partition(model, pp: int, virtual: int, layout: list[int] | None, seq_len: int, micro_batch: int) -> list[Stage]:
     cfg = model.cfg
     n = cfg.n_layers
     S = _check_counts(n, pp, virtual)
