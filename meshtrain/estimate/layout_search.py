@@ -29,7 +29,6 @@ import dataclasses
 import itertools
 import multiprocessing
 import os
-import threading
 from dataclasses import dataclass
 from functools import partial
 
@@ -149,10 +148,10 @@ class _Workers:
         self._pool = None
 
     def __enter__(self):
-        # Forked only from a process with no other Python thread, which could hold a lock
-        # (the import lock, say) a child would wait on forever; else one at a time. (A
-        # spawned worker would re-run a caller's script that has no `__main__` guard.)
-        if self.n > 1 and threading.active_count() == 1:
+        # Forked: the workers do pure-Python planning (CPython re-makes the import lock and
+        # logging's in the child), and a spawned worker would re-run a caller's script that
+        # has no `__main__` guard (tried: it did).
+        if self.n > 1:
             self._pool = multiprocessing.get_context("fork").Pool(self.n)
         return self
 
