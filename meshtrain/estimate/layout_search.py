@@ -19,8 +19,8 @@ no communication: compute, optimizer and, under pp, the bubble of those stage ti
 then, best bound first, the full model (`step_time`, collectives included) until the
 next bound is slower than the `limit`-th fastest timed. So the answer is the model's
 ranking, not a heuristic's, at a fraction of its cost. Both passes run over one forked
-worker per core (meshes and schedules split among them; the timing pass two at a time):
-on 2 cores the 405b search at 16384 ranks takes 33 s where one process took about 50.
+worker per core (meshes and schedules split among them; the timing pass n at a time):
+on 2 cores the 405b search at 16384 ranks takes 33-50 s where one process took 50-69.
 """
 
 from __future__ import annotations
