@@ -11,11 +11,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from meshtrain.estimate.hardware import Hardware
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.alone
 def test_the_step_time_bench_calibrates_predicts_and_measures(tmp_path):
     out = tmp_path / "step_time.json"
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="")

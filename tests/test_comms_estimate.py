@@ -206,6 +206,7 @@ def test_comparison_can_fail(i, bucket):
             assert_same(estimate(model, layout, **kw), rec)
 
 
+@pytest.mark.alone
 def test_llama3_405b_at_16384_ranks():
     """fsdp 2048 x tp 8 with SP: fast, and the closed forms of docs/parallelism.md at scale.
 

@@ -41,6 +41,7 @@ def test_golden_plans_of_the_presets(name, world):
     assert got == json.loads(path.read_text()), f"plan changed; regenerate with MESHTRAIN_REGEN_GOLDEN=1 ({path})"
 
 
+@pytest.mark.alone
 def test_405b_at_16384_ranks_through_the_cli_in_under_60_s(tmp_path):
     out = tmp_path / "plan.json"
     start = time.perf_counter()

@@ -83,6 +83,7 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+@pytest.mark.alone
 def test_fp8_step_within_10x_of_bf16_on_the_tiny_model(one_thread):
     """configs/tiny.yaml's model (3.2M parameters) and micro-batch, one micro-step per step:
     bf16, fp8 tensorwise and fp8 rowwise steps taken in turn, each timed after a first

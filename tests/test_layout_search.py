@@ -81,6 +81,7 @@ def test_two_workers_rank_what_one_process_ranks():
     assert one_searched["timed"] <= two_searched["timed"] <= one_searched["timed"] + 1
 
 
+@pytest.mark.alone
 def test_search_of_llama3_405b_at_16384_ranks_within_a_minute():
     start = time.perf_counter()
     run = dry_run(preset("llama3-405b"), 16384, "h100", search=True)

@@ -248,6 +248,7 @@ def test_optimizer_offload_moves_the_moments_off_the_device(precision):
         none["optimizer"]
 
 
+@pytest.mark.alone
 def test_llama3_405b_at_16384_ranks():
     model = build("llama", llama.PRESETS["llama3-405b"])
     # The planner's time, not a collection of what earlier tests left (timeit's way: CI

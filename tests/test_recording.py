@@ -116,6 +116,7 @@ def test_the_memory_terms_are_read_from_the_forward():
     assert not any(gpt2.weight_saved(n) for n in ("pos_emb", "layers.0.attn.bq", "layers.0.mlp_norm_bias"))
 
 
+@pytest.mark.alone
 def test_a_recording_is_shapes_only():
     """An 8M-token sequence: the RoPE tables alone would be GBs on the CPU."""
     model = build("llama", dataclasses.replace(LLAMA, max_seq_len=2 ** 23))

@@ -122,6 +122,7 @@ def test_a_resume_with_another_tokenizer_is_refused_before_anything_is_written(t
     assert _files(run_dir) == before
 
 
+@pytest.mark.alone
 def test_a_second_job_on_a_run_dir_is_refused_at_once_and_the_first_runs_on(tmp_path):
     """Two processes on one run_dir (a resubmitted job, a second terminal): the second exits
     2 within seconds naming the holder; the first is untouched: its metrics are 1..N once."""
