@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import shlex
+import threading
 import time
 from pathlib import Path
 
@@ -18,7 +19,7 @@ from meshtrain import cli
 from meshtrain.config import RunConfig
 from meshtrain.estimate.dryrun import dry_run
 from meshtrain.estimate.hardware_builtins import BUILTINS
-from meshtrain.estimate.layout_search import BUCKETS, fastest_layouts
+from meshtrain.estimate.layout_search import BUCKETS, _Workers, fastest_layouts
 from support.configs import preset
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
@@ -79,6 +80,39 @@ def test_two_workers_rank_what_one_process_ranks():
     assert {k: two_searched[k] for k in ("candidates", "fitting")} == \
         {k: one_searched[k] for k in ("candidates", "fitting")}
     assert one_searched["timed"] <= two_searched["timed"] <= one_searched["timed"] + 1
+
+
+# Taken by another thread of the caller while the search's workers start (test below).
+_HELD = threading.Lock()
+
+
+def _through_the_lock(x: int) -> int:
+    with _HELD:
+        return x
+
+
+@pytest.mark.timeout(60)
+def test_workers_start_clean_of_the_callers_threads():
+    """A lock another thread of the caller holds while the workers start stays held in a
+    worker forked from the caller, for ever (seen under pytest-xdist, whose worker runs
+    threads); the search's workers start from a server process instead."""
+    taken, release = threading.Event(), threading.Event()
+
+    def hold():
+        with _HELD:
+            taken.set()
+            release.wait()
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    taken.wait()
+    try:
+        with _Workers(2) as run:
+            release.set()
+            holder.join()
+            assert run(_through_the_lock, [1, 2, 3]) == [1, 2, 3]
+    finally:
+        release.set()
 
 
 @pytest.mark.alone

@@ -18,9 +18,10 @@ micro-batch). The rest are timed in two passes: a lower bound (the step-time mod
 no communication: compute, optimizer and, under pp, the bubble of those stage times),
 then, best bound first, the full model (`step_time`, collectives included) until the
 next bound is slower than the `limit`-th fastest timed. So the answer is the model's
-ranking, not a heuristic's, at a fraction of its cost. Both passes run over one forked
-worker per core (meshes and schedules split among them; the timing pass n at a time):
-on 2 cores the 405b search at 16384 ranks takes 33-50 s where one process took 50-69.
+ranking, not a heuristic's, at a fraction of its cost. Both passes run over one worker
+per core (meshes and schedules split among them; the timing pass n at a time), started
+from a forkserver: on 2 cores the 405b search at 16384 ranks takes 33-50 s where one
+process took 50-69 (the server's start, ~3 s, included).
 """
 
 from __future__ import annotations
@@ -139,7 +140,7 @@ def _time_layout(cfg: RunConfig, world: int, hw: Hardware, gpus_per_node: int, g
 
 
 class _Workers:
-    """map over `n` forked processes (one per core by default, at most 8), in order; in
+    """map over `n` processes (one per core by default, at most 8), in order; in
     this process when n is 1. A worker keeps what it planned (plans, partitions and
     recordings are cached) for the next items it is given."""
 
@@ -148,11 +149,17 @@ class _Workers:
         self._pool = None
 
     def __enter__(self):
-        # Forked: the workers do pure-Python planning (CPython re-makes the import lock and
-        # logging's in the child), and a spawned worker would re-run a caller's script that
-        # has no `__main__` guard (tried: it did).
+        # From a forkserver where there is one (as data/preprocess.py's workers): a worker
+        # forked from the caller itself inherits whatever locks the caller's other threads
+        # held at the fork, and its signal handlers (seen under pytest-xdist: a worker
+        # waited on a lock for ever). As with any spawned worker, a caller's script needs
+        # its `if __name__ == "__main__":` guard.
         if self.n > 1:
-            self._pool = multiprocessing.get_context("fork").Pool(self.n)
+            ctx = multiprocessing.get_context("forkserver" if "forkserver" in multiprocessing.get_all_start_methods()
+                                              else None)
+            if ctx.get_start_method() == "forkserver":
+                ctx.set_forkserver_preload([__name__])
+            self._pool = ctx.Pool(self.n)
         return self
 
     def __exit__(self, *exc):
