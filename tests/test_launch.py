@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import time
 from pathlib import Path
 
@@ -32,8 +33,13 @@ def _crash_on_rank_1_then_peer_errors():
     raise ConnectionError("connection closed by peer")
 
 
-def test_results_come_back_by_rank():
+def test_results_come_back_by_rank_and_the_callers_signal_handlers_stay():
+    """torch's elastic agent installs its handlers of SIGTERM, SIGINT, SIGHUP and SIGQUIT
+    and leaves them: a Python caller would then get its SignalException for a SIGHUP."""
+    sigs = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+    before = {s: signal.getsignal(s) for s in sigs}
     assert launch(_rank_and_world, ("x",), 2) == [(0, 2, "x"), (1, 2, "x")]
+    assert {s: signal.getsignal(s) for s in sigs} == before
 
 
 def test_a_rank_with_bad_input_raises_that_error_here():

@@ -197,6 +197,7 @@ def _processes(session: int) -> dict[int, tuple[int, str, bytes]]:
     return found
 
 
+@pytest.mark.alone
 def test_ctrl_c_while_the_ranks_start_stops_with_one_line_and_no_traceback(tmp_path):
     """Ctrl-C reaches every process of the group, ranks still importing torch included
     (before any code of ours runs in them): they stay quiet, and the launcher's one line
@@ -219,6 +220,7 @@ def test_ctrl_c_while_the_ranks_start_stops_with_one_line_and_no_traceback(tmp_p
     assert not alive, _processes(pid)
 
 
+@pytest.mark.alone
 def test_the_first_signal_is_answered_at_once_while_a_step_hangs(tmp_path):
     """Every rank of two self-launched ones hangs reading the batch of step 2 (fault
     injection: a step that never ends). A Ctrl-C to the whole group (the launcher and both
@@ -274,6 +276,7 @@ time.sleep(30)  # as a rank inside a save or a collective: no signal interrupts 
 """
 
 
+@pytest.mark.alone
 def test_a_signal_caught_by_another_thread_still_stops_the_process_while_the_main_thread_waits():
     """The kernel hands a process's signal to any of its threads (gloo starts several per
     process group); a Python handler would then wait for a main thread that never wakes."""

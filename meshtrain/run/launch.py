@@ -110,6 +110,7 @@ def launch(fn: Callable[..., Any], args: tuple, nproc: int) -> list[Any] | None:
     levels = [g.level for g in loggers]
     for g in loggers:
         g.setLevel(logging.CRITICAL)
+    handlers = _agent_signal_handlers()
     with tempfile.TemporaryDirectory(prefix="meshtrain-ranks-") as reports:
         stopping.REQUEST.relay_mark = Path(reports, stopping.RELAY_MARK)
         mask = _block_sigint_in_ranks()
@@ -127,7 +128,19 @@ def launch(fn: Callable[..., Any], args: tuple, nproc: int) -> list[Any] | None:
             stopping.REQUEST.relay_mark = None
             for g, level in zip(loggers, levels):
                 g.setLevel(level)
+            for sig, handler in handlers.items():  # the agent leaves its own installed
+                signal.signal(sig, handler)
     return [results[r] for r in sorted(results)]
+
+
+def _agent_signal_handlers() -> dict:
+    """This process's handlers of the signals torch's elastic agent takes over (in the
+    main thread only: elsewhere it takes none), to put back after the launch."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    names = os.environ.get("TORCHELASTIC_SIGNALS_TO_HANDLE", "SIGTERM,SIGINT,SIGHUP,SIGQUIT").split(",")
+    sigs = [getattr(signal, n.strip()) for n in names if hasattr(signal, n.strip())]
+    return {sig: signal.getsignal(sig) for sig in sigs}
 
 
 def _raise_stop_or_failure(reports: Path, error: Exception) -> None:
