@@ -189,6 +189,7 @@ def test_watchdog_fires_in_a_real_run(tmp_path):
     assert [r["step"] for r in _records(tmp_path)] == [1, 2]
 
 
+@pytest.mark.alone
 @pytest.mark.parametrize("fault,first_line", [
     ("raise@2:1", "meshtrain: rank 1 failed: RuntimeError: injected fault (MESHTRAIN_FAULT) at step 2"),
     ("kill@2:1", "meshtrain: rank 1 failed: SIGKILL: the process was killed by SIGKILL"),
