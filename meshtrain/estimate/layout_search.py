@@ -20,8 +20,8 @@ then, best bound first, the full model (`step_time`, collectives included) until
 next bound is slower than the `limit`-th fastest timed. So the answer is the model's
 ranking, not a heuristic's, at a fraction of its cost. Both passes run over one worker
 per core (meshes and schedules split among them; the timing pass n at a time), started
-from a forkserver: on 2 cores the 405b search at 16384 ranks takes 33-50 s where one
-process took 50-69 (the server's start, ~3 s, included).
+from a forkserver: on 2 cores the 405b search at 16384 ranks took 33-50 s forked from
+the caller, where one process took 50-69, and 43-44 s from the server (its start ~3 s).
 """
 
 from __future__ import annotations
