@@ -18,7 +18,7 @@ import pytest
 from support.source import PACKAGE, module_name
 
 # Bottom first: a unit may import only units before it in this list (or itself).
-LAYERS = ["errors", "lazy", "files", "models", "data", "layout", "parallel", "pipeline", "train", "checkpoint", "interop", "config",
+LAYERS = ["errors", "lazy", "files", "pools", "models", "data", "layout", "parallel", "pipeline", "train", "checkpoint", "interop", "config",
           "estimate", "run", "generate", "plot", "testing", "cli_errors", "cli", "meshtrain"]
 
 # Imports that still point up, with what removes them; the test fails when one goes away

@@ -17,11 +17,11 @@ left out, as eod_mask_loss does.
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
 import os
 
 import numpy as np
 
+from ..pools import clean_pool
 from .errors import DataError
 from .indexed import IndexedWriter, bin_path, idx_path, loss_mask_path, record_path
 from .tokenizer import EOS_TOKENS, load_tokenizer, tokenizer_record
@@ -119,14 +119,7 @@ def _chunks(path: str):
 
 
 def _encode_parallel(chunks, workers: int, encoder: "_Encoder", writer: IndexedWriter) -> None:
-    # forkserver where there is one: workers fork from a clean server process that has
-    # imported this module once. Forking the caller directly can deadlock a worker on a
-    # lock some thread of the caller held at the fork (seen under pytest once compile
-    # and collective threads had run in the same process).
-    ctx = mp.get_context("forkserver" if "forkserver" in mp.get_all_start_methods() else None)
-    if ctx.get_start_method() == "forkserver":
-        ctx.set_forkserver_preload([__name__])
-    with ctx.Pool(workers, initializer=_start_worker, initargs=(encoder,)) as pool:
+    with clean_pool(workers, __name__, initializer=_start_worker, initargs=(encoder,)) as pool:
         # A bounded window of chunks in flight keeps memory flat on any input size;
         # imap returns them in order, so the first bad line raises first, as with one worker.
         window = []

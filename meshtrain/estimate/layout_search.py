@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import multiprocessing
 import os
 from dataclasses import dataclass
 from functools import partial
@@ -36,6 +35,7 @@ from functools import partial
 from ..config import RunConfig
 from ..errors import ConfigError
 from ..models.policy import CHECKPOINTING
+from ..pools import clean_pool
 from .hardware import Hardware
 from .step_memory import step_memory
 from .step_time import plain_collectives, step_time
@@ -149,17 +149,8 @@ class _Workers:
         self._pool = None
 
     def __enter__(self):
-        # From a forkserver where there is one (as data/preprocess.py's workers): a worker
-        # forked from the caller itself inherits whatever locks the caller's other threads
-        # held at the fork, and its signal handlers (seen under pytest-xdist: a worker
-        # waited on a lock for ever). As with any spawned worker, a caller's script needs
-        # its `if __name__ == "__main__":` guard.
-        if self.n > 1:
-            ctx = multiprocessing.get_context("forkserver" if "forkserver" in multiprocessing.get_all_start_methods()
-                                              else None)
-            if ctx.get_start_method() == "forkserver":
-                ctx.set_forkserver_preload([__name__])
-            self._pool = ctx.Pool(self.n)
+        if self.n > 1:  # not forked from this process (meshtrain/pools.py)
+            self._pool = clean_pool(self.n, __name__)
         return self
 
     def __exit__(self, *exc):
