@@ -5,12 +5,14 @@ models, `meshtrain plan --gpu / --hardware`, and `meshtrain calibrate`."""
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import pytest
+import torch
 import yaml
 
 from meshtrain.errors import ConfigError
-from meshtrain.estimate.calibrate import fit_attention, non_decreasing, overlap_share, slowest_tries
+from meshtrain.estimate.calibrate import fit_attention, median_seconds, non_decreasing, overlap_share, slowest_tries
 from meshtrain.estimate.dryrun import GPU_MEMORY, dry_run
 from meshtrain.estimate.hardware import Curve, Hardware, collective_terms, to_dict
 from meshtrain.run.calibrate import _pooled
@@ -166,6 +168,26 @@ def test_the_attention_fit_recovers_its_curve_and_never_passes_the_peak():
     assert fit_attention(far, "fp32", peak=0.22).max_tflops == 0.22
     for s, _, t in far:
         assert 0.5 < capped.tflops(s) / t < 2
+
+
+def test_a_short_call_is_timed_in_samples_that_fill_the_minimum():
+    """A lone call of ~0.2 ms is at the mercy of the scheduler: each timed sample repeats
+    it until it lasts min_sample_s, and the answer is per call."""
+    calls = []
+
+    def short():
+        calls.append(None)
+        end = time.perf_counter() + 2e-4
+        while time.perf_counter() < end:
+            pass
+
+    per_call = median_seconds(short, torch.device("cpu"), repeats=3, min_sample_s=5e-3)
+    per_sample, rest = divmod(len(calls) - 2, 3)  # after two warm-up calls, the last one timed
+    assert rest == 0 and 2 <= per_sample <= 25, len(calls)  # 25 unless the timed warm-up was slowed
+    assert 2e-4 <= per_call < 6e-4, per_call
+    calls.clear()
+    median_seconds(short, torch.device("cpu"), repeats=3)
+    assert len(calls) == 5  # without a minimum (collectives): one call a sample
 
 
 def test_calibrate_pools_its_passes_point_by_point():

@@ -22,6 +22,7 @@ Every timing is the median of repeats after warm-up runs (on CUDA, synchronised)
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 
@@ -42,21 +43,36 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def median_seconds(fn, device: torch.device, repeats: int, warmup: int = 2, lockstep: bool = False) -> float:
-    """Median seconds of fn over repeats; with `lockstep`, every rank of the process group
-    starts each repeat together (a barrier first), as ranks of a step compute at once."""
-    for _ in range(warmup):
+# Each timed sample of compute lasts at least this long (calls in a row, per call after): a
+# lone 64^3 product takes ~60 us on this CPU, and in one CI run the median of three single
+# calls read 2.4x the curve fitted through its neighbours.
+MIN_SAMPLE_S = 2e-3
+
+
+def median_seconds(fn, device: torch.device, repeats: int, warmup: int = 2, lockstep: bool = False,
+                   min_sample_s: float = 0.0) -> float:
+    """Median seconds per call of fn over repeats; with `lockstep`, every rank of the process
+    group starts each repeat together (a barrier first), as ranks of a step compute at once.
+    `min_sample_s`: each repeat calls fn as often as the last warm-up says fills it; fn must
+    then issue no collective (ranks could choose different counts)."""
+    for _ in range(warmup - 1):
         fn()
+    calls = min(100_000, max(1, math.ceil(min_sample_s / max(_seconds(fn, device, 1), 1e-9))))
     times = []
     for _ in range(repeats):
         if lockstep:
             dist.barrier()
-        _sync(device)
-        start = time.perf_counter()
+        times.append(_seconds(fn, device, calls))
+    return statistics.median(times) / calls
+
+
+def _seconds(fn, device: torch.device, calls: int) -> float:
+    _sync(device)
+    start = time.perf_counter()
+    for _ in range(calls):
         fn()
-        _sync(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    _sync(device)
+    return time.perf_counter() - start
 
 
 def measure_matmul(device: torch.device, dtypes, shapes, repeats: int, lockstep: bool = False) -> list[list]:
@@ -66,7 +82,7 @@ def measure_matmul(device: torch.device, dtypes, shapes, repeats: int, lockstep:
         for m, n, k in shapes:
             a = torch.randn(m, k, device=device, dtype=TORCH_DTYPES[dtype])
             b = torch.randn(k, n, device=device, dtype=TORCH_DTYPES[dtype])
-            seconds = median_seconds(lambda: a @ b, device, repeats, lockstep=lockstep)
+            seconds = median_seconds(lambda: a @ b, device, repeats, lockstep=lockstep, min_sample_s=MIN_SAMPLE_S)
             out.append([m, n, k, dtype, 2.0 * m * n * k / seconds / 1e12])
     return out
 
@@ -88,7 +104,7 @@ def measure_attention(device: torch.device, dtypes, seqs, repeats: int, heads: i
             def step():
                 F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
 
-            seconds = median_seconds(step, device, repeats, lockstep=lockstep)
+            seconds = median_seconds(step, device, repeats, lockstep=lockstep, min_sample_s=MIN_SAMPLE_S)
             out.append([seq, dtype, attention_flops(heads, seq, head_dim) / seconds / 1e12])
     return out
 
@@ -102,14 +118,14 @@ def measure_launch(device: torch.device, repeats: int, ops: int = 200, lockstep:
         for _ in range(ops):
             x.add_(1.0)
 
-    return median_seconds(stream, device, repeats, lockstep=lockstep) / ops
+    return median_seconds(stream, device, repeats, lockstep=lockstep, min_sample_s=MIN_SAMPLE_S) / ops
 
 
 def measure_memory(device: torch.device, nbytes: int, repeats: int, lockstep: bool = False) -> float:
     """Bytes/s of a large copy, counting bytes read and written."""
     src = torch.ones(nbytes // 4, device=device)
     dst = torch.empty_like(src)
-    return 2 * src.numel() * 4 / median_seconds(lambda: dst.copy_(src), device, repeats, lockstep=lockstep)
+    return 2 * src.numel() * 4 / median_seconds(lambda: dst.copy_(src), device, repeats, lockstep=lockstep, min_sample_s=MIN_SAMPLE_S)
 
 
 # The fitted ceiling may exceed the best throughput measured by this much at most: a fit

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ..estimate.calibrate import TORCH_DTYPES, attention_flops, median_seconds
+from ..estimate.calibrate import TORCH_DTYPES, MIN_SAMPLE_S, attention_flops, median_seconds
 from ..parallel.cp_blocks import _acc, _attend, _attend_backward, _running
 
 
@@ -35,6 +35,6 @@ def measure_block_attention(device: torch.device, dtypes, seqs, repeats: int, he
                     dkv = torch.zeros((2,) + kk.shape, dtype=dq.dtype, device=device)
                     _attend_backward(dout, q, kk, vv, o.to(q.dtype), lse, pieces, dq, dkv)
 
-            seconds = median_seconds(step, device, repeats, lockstep=lockstep)
+            seconds = median_seconds(step, device, repeats, lockstep=lockstep, min_sample_s=MIN_SAMPLE_S)
             out.append([seq, dtype, attention_flops(heads, seq, head_dim) / 2 / seconds / 1e12])
     return out
