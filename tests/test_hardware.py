@@ -5,6 +5,7 @@ models, `meshtrain plan --gpu / --hardware`, and `meshtrain calibrate`."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 
 import pytest
@@ -12,7 +13,7 @@ import torch
 import yaml
 
 from meshtrain.errors import ConfigError
-from meshtrain.estimate.calibrate import fit_attention, median_seconds, non_decreasing, overlap_share, slowest_tries
+from meshtrain.estimate.calibrate import collective_fits, fit_attention, median_seconds, non_decreasing, overlap_share, slowest_tries
 from meshtrain.estimate.dryrun import GPU_MEMORY, dry_run
 from meshtrain.estimate.hardware import Curve, Hardware, collective_terms, to_dict
 from meshtrain.run.calibrate import _pooled
@@ -188,6 +189,20 @@ def test_a_short_call_is_timed_in_samples_that_fill_the_minimum():
     calls.clear()
     median_seconds(short, torch.device("cpu"), repeats=3)
     assert len(calls) == 5  # without a minimum (collectives): one call a sample
+
+
+def test_collective_times_that_do_not_grow_with_bytes_still_give_a_latency_and_a_bandwidth():
+    """Three sizes whose times fall a little with the bytes (gloo's are flat to 256 KiB;
+    noise tilts them): the link keeps the fastest time as its latency and a finite
+    bandwidth, where it once fitted a latency of 0."""
+    flat = {4096: 1.0e-3, 65536: 0.98e-3, 524288: 0.97e-3}
+    fit = collective_fits({"all_gather": flat}, 2)["all_gather"]
+    steps, share = collective_terms("all_gather", 2)
+    assert fit["latency_s"] * steps == pytest.approx(0.97e-3)
+    assert math.isfinite(fit["bandwidth"]) and fit["bandwidth"] > 0
+    rising = {4096: 1.0e-3, 65536: 1.1e-3, 524288: 2.0e-3}  # a plain line is fitted as before
+    fit = collective_fits({"all_gather": rising}, 2)["all_gather"]
+    assert 0.9e-3 < fit["latency_s"] * steps < 1.0e-3 and fit["bandwidth"] > 0
 
 
 def test_calibrate_pools_its_passes_point_by_point():
