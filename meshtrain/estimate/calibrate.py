@@ -7,8 +7,8 @@ Every timing is the median of repeats after warm-up runs (on CUDA, synchronised)
   max_tflops = P and half_flops = a P;
 - attention: 1 / tflops = 1 / M + h / (M s), a line in 1 / s, so max_tflops = M and
   half_seq = h;
-- collectives: timed as a step meets them, each right after a small product on every
-  rank, CHAIN in a row, less the products alone. A barrier before each (as this did
+- collectives: timed as a step meets them, issued as the runtime does (functional
+  collectives), each right after a small product on every rank, CHAIN in a row, less the products alone. A barrier before each (as this did
   first) lines the ranks up and flatters: gloo's all-gather of 512 KiB took 0.4 ms so,
   where a tensor-parallel step waits 1.3 ms for one, as this measures. Per op, time =
   a + bytes / b, and the ring's latency steps and share of the buffer
@@ -29,6 +29,7 @@ import time
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 
 from .hardware import COLLECTIVES, Curve, Link, collective_terms
@@ -216,8 +217,12 @@ def time_collectives(sizes, repeats: int, device: torch.device) -> tuple[dict[st
     collective as a step meets it (module docstring; `after_products` subtracts).
     send_recv pairs ranks 0-1, 2-3, ...: each sends the buffer to the other and receives
     theirs at once, as a step of cp's ring does (on gloo here that takes about twice a
-    one-way send); a last unpaired rank waits at the barriers."""
+    one-way send); a last unpaired rank waits at the barriers. The gathers, reductions and
+    all-reduces go through the functional collectives, as the runtime's buckets and
+    DTensor issue them (after a barrier on gloo here that path took 0.4-1.1 ms a call
+    more than c10d's own; docs/performance.md)."""
     rank, n = dist.get_rank(), dist.get_world_size()
+    world = dist.group.WORLD
     out: dict[str, dict[int, list[float]]] = {op: {} for op in COLLECTIVES}
     a = torch.randn(256, 256, device=device)
     alone = _per_call(lambda: a @ a, device, repeats)
@@ -227,9 +232,9 @@ def time_collectives(sizes, repeats: int, device: torch.device) -> tuple[dict[st
         shard = torch.ones(elems // n, device=device)
         received = torch.empty_like(full)
         peer = rank ^ 1
-        ops = {"all_gather": lambda: dist.all_gather_single(full, shard),
-               "reduce_scatter": lambda: dist.reduce_scatter_single(shard, full),
-               "all_reduce": lambda: dist.all_reduce(full),
+        ops = {"all_gather": lambda: funcol.wait_tensor(funcol.all_gather_single(shard, 0, world)),
+               "reduce_scatter": lambda: funcol.wait_tensor(funcol.reduce_scatter_single(full, "sum", 0, world)),
+               "all_reduce": lambda: funcol.wait_tensor(funcol.all_reduce(full, "sum", world)),
                "all_to_all": lambda: dist.all_to_all_single(received, full),
                "send_recv": lambda: _exchange(full, received, peer) if peer < n else None}
         for op, fn in ops.items():
