@@ -54,6 +54,12 @@ EXTRA = {  # not in the issue's list: for looking closer (--only)
     # The compiled step's fusion (step_work.COMPILED_BYTES, COMPILED_KERNELS) against inductor on CPU.
     "one process compiled": ONE + ["--train.compile", "true"],
     "fsdp2 compiled": TWO + ["--parallel.fsdp", "2", "--train.compile", "true"],
+    # fsdp2's cost over dp2 against the number and kind of its collectives (docs/performance.md).
+    "fsdp2 keep": TWO + ["--parallel.fsdp", "2", "--parallel.reshard_after_forward", "false"],
+    "fsdp2 zero1": TWO + ["--parallel.fsdp", "2", "--parallel.zero", "1"],
+    "fsdp2 4MB": TWO + ["--parallel.fsdp", "2", "--parallel.bucket", "4"],
+    "fsdp2 param": TWO + ["--parallel.fsdp", "2", "--parallel.bucket", "param"],
+    "dp2 param": TWO + ["--parallel.dp", "2", "--parallel.fsdp", "1", "--parallel.bucket", "param"],
 }
 # The tiny smoke: a smaller model, fewer steps, one layout; its ratio printed, not judged.
 TINY = ["--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "4", "--model.n_kv_heads", "2",
