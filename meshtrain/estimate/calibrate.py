@@ -8,12 +8,12 @@ Every timing is the median of repeats after warm-up runs (on CUDA, synchronised)
 - attention: 1 / tflops = 1 / M + h / (M s), a line in 1 / s, so max_tflops = M and
   half_seq = h;
 - collectives: timed as a step meets them, issued as the runtime does (functional
-  collectives), each right after a small product on every rank, CHAIN in a row, less the products alone. A barrier before each (as this did
-  first) lines the ranks up and flatters: gloo's all-gather of 512 KiB took 0.4 ms so,
-  where a tensor-parallel step waits 1.3 ms for one, as this measures. Per op, time =
-  a + bytes / b, and the ring's latency steps and share of the buffer
-  (hardware.collective_terms) turn a and b into one link's latency and per-rank
-  bandwidth, the median over the ops; the points themselves, made non-decreasing in
+  collectives), each right after a small product on every rank, CHAIN in a row, less
+  the products alone. A barrier before each (as this did first) lines the ranks up and
+  flatters: gloo's all-gather of 512 KiB took 0.4 ms so, where a tensor-parallel step
+  waits 1.3 ms for one, as this measures. Per op, time = a + bytes / b, and the ring's
+  latency steps and share of the buffer (hardware.collective_terms) turn a and b into
+  one link's latency and per-rank bandwidth, the median over the ops; the points themselves, made non-decreasing in
   bytes (`non_decreasing`), are the hardware's collective_table;
 - overlap: compute beside an async all-gather against each alone (`overlap_share`);
   on this 2-core CPU the two take about their sum (gloo's transport needs the cores),
