@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from meshtrain.estimate.calibrate import sync_skew
 from meshtrain.estimate.hardware import Hardware
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -53,6 +54,8 @@ def _check_quick_calibration(hw: Hardware) -> None:
         assert times == sorted(times) and times[0] > 0, (op, times)
     assert 0 <= hw.comm_overlap <= 1 and hw.sharded_launch_s >= 0
     assert hw.measured["host"]["tiny_step_s"] > 0 and len(hw.measured["overlap"]["compute_gather_both_s"]) == 13
+    drift = hw.measured["sync"]["compute_sync_both_s"]  # by rank, 2 x 3 + 1 tries of the one quick pass
+    assert [len(r) for r in drift] == [7, 7] and hw.sync_skew == pytest.approx(sync_skew(drift), abs=1e-12)
     # The model reproduces its own fit where it was measured: within 2x of each timed point.
     for m, n, k, dtype, tflops in hw.measured["matmul"]:
         assert 0.5 < hw.matmul_seconds(m, n, k, dtype) / (2.0 * m * n * k / (tflops * 1e12)) < 2

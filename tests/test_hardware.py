@@ -15,7 +15,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 
 from meshtrain.errors import ConfigError
 from meshtrain.estimate.calibrate import (collective_fits, fit_attention, median_seconds, non_decreasing, overlap_share,
-                                          slowest_tries, time_collectives)
+                                          slowest_tries, sync_skew, time_collectives)
 from meshtrain.estimate.dryrun import GPU_MEMORY, dry_run
 from meshtrain.estimate.hardware import Curve, Hardware, collective_terms, to_dict
 from meshtrain.run.calibrate import _pooled
@@ -30,7 +30,7 @@ TINY_PLAN = ["plan", "--config", str(ROOT / "configs" / "tiny.yaml"), "--world",
 
 
 def test_a_hardware_file_round_trips(tmp_path):
-    for hw in BUILTINS.values():
+    for hw in [*BUILTINS.values(), dataclasses.replace(H100, sync_skew=0.25, comm_overlap=0.5)]:
         hw.dump(tmp_path / "hw.yaml")
         assert Hardware.load(tmp_path / "hw.yaml") == hw
 
@@ -82,6 +82,7 @@ def _bad(tmp_path, change) -> str:
     (lambda d: d.update(host_overlap="yes"), "host_overlap='yes': give true or false"),
     (lambda d: d.update(sharded_launch_s=-1), "sharded_launch_s=-1"),
     (lambda d: d.update(comm_overlap=1.5), "comm_overlap=1.5: give a share from 0"),
+    (lambda d: d.update(sync_skew=-0.1), "sync_skew=-0.1: give a non-negative number"),
     (lambda d: d.update(block_attention={"int4": {"max_tflops": 1, "half_seq": 0}}), "block_attention.int4: unknown"),
     (lambda d: d.update(collective_table={"broadcast": {}}), "collective_table.broadcast: unknown collective"),
     (lambda d: d.update(collective_table={"all_gather": {"ranks": 1, "seconds_by_bytes": {4: 1e-5}}}),
@@ -160,6 +161,16 @@ def test_overlap_share_is_one_when_together_take_the_longer_and_zero_when_the_su
     assert overlap_share([(1.0, 1.0, 2.5)]) == 0.0 and overlap_share([(1.0, 3.0, 2.0)]) == 1.0
 
 
+def test_sync_skew_is_the_mean_wait_beyond_both_alone_per_second_of_compute():
+    """Per try (segment, collective, both), each the slowest rank's: both less the
+    segment and the collective alone, over the segment; the mean over tries (a step adds
+    up its waits, tail and all), at least 0."""
+    ranks = [[(1.0, 0.2, 1.4), (2.0, 0.2, 2.2), (1.0, 0.1, 2.0)], [(0.8, 0.3, 1.5), (2.5, 0.1, 2.3), (1.0, 0.1, 2.0)]]
+    # tries: (1.5 - 1 - 0.3) / 1 = 0.2, (2.3 - 2.5 - 0.2) / 2.5 = -0.16, (2 - 1 - 0.1) / 1 = 0.9
+    assert sync_skew(ranks) == pytest.approx((0.2 - 0.16 + 0.9) / 3)
+    assert sync_skew([[(1.0, 0.5, 1.2)]]) == 0.0  # together faster than apart: no drift, not a negative one
+
+
 def test_the_attention_fit_recovers_its_curve_and_never_passes_the_peak():
     seqs = [128, 256, 512, 1024]
     curve = fit_attention([[s, "fp32", 0.1 * s / (s + 256)] for s in seqs], "fp32", peak=1.0)
@@ -229,12 +240,14 @@ def test_calibrate_pools_its_passes_point_by_point():
     pass, not the point)."""
     def one(tflops, copy, gather, step):
         return {"compute": ([[256, 256, 256, "fp32", tflops]], copy),
-                "collectives": ({"all_gather": {4096: [gather]}}, [1.0]), "tiny_step_s": [step]}
+                "collectives": ({"all_gather": {4096: [gather]}}, [1.0]), "tiny_step_s": [step],
+                "sync": [(1.0, gather, step)]}
 
     got = _pooled([one(0.08, 9.0, 3.0, 0.5), one(0.13, 13.0, 1.0, 0.1), one(0.12, 14.0, 2.0, 0.2)])
     assert got["compute"] == ([[256, 256, 256, "fp32", 0.12]], 13.0)
     assert got["collectives"] == ({"all_gather": {4096: [3.0, 1.0, 2.0]}}, [1.0, 1.0, 1.0])
     assert got["tiny_step_s"] == 0.2
+    assert got["sync"] == [(1.0, 3.0, 0.5), (1.0, 1.0, 0.1), (1.0, 2.0, 0.2)]
     assert _pooled([{**one(0.1, 1.0, 1.0, 1.0), "compute": None}])["compute"] is None  # an idle rank
 
 

@@ -17,7 +17,10 @@ Every timing is the median of repeats after warm-up runs (on CUDA, synchronised)
   bytes (`non_decreasing`), are the hardware's collective_table;
 - overlap: compute beside an async all-gather against each alone (`overlap_share`);
   on this 2-core CPU the two take about their sum (gloo's transport needs the cores),
-  on a GPU about the longer.
+  on a GPU about the longer;
+- drift: a compute segment then a tiny all-reduce waited at once, against each alone
+  (`sync_skew`): on this CPU the pair took 0.15-0.4 of the segment more, on the mean
+  (the ranks' speeds wander; the rank that waits must be woken).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ import torch.nn.functional as F
 from .hardware import COLLECTIVES, Curve, Link, collective_terms
 
 CHAIN = 8  # collectives per timed repeat
+SEGMENT_S = 5e-3  # compute between two waited collectives in time_sync (a step's: 1-30 ms here)
 FLOOR_S = 1e-7  # the least a collective is taken to cost
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -273,6 +277,43 @@ def time_overlap(device: torch.device, repeats: int, nbytes: int = 2**22) -> lis
 
     fns = (compute, lambda: dist.all_gather_single(full, shard), both)
     return [tuple(_chained(fn, device, 1) for fn in fns) for _ in range(4 * repeats + 1)]
+
+
+def time_sync(device: torch.device, repeats: int, segment_s: float = SEGMENT_S) -> list[tuple[float, float, float]]:
+    """In a process group: per repeat, this rank's seconds of a compute segment alone
+    (products for about `segment_s`), of a tiny all-reduce alone, and of the segment then
+    the all-reduce waited; each CHAIN times back to back, per call (`sync_skew` reads
+    them)."""
+    small = torch.ones(1024, device=device)
+    side = 512 if device.type == "cuda" else 256
+    a = torch.randn(side, side, device=device)
+    product = median_seconds(lambda: a @ a, device, repeats)
+    count = torch.tensor([max(1, round(segment_s / product))], device=device)
+    dist.all_reduce(count, dist.ReduceOp.MAX)  # every rank runs the same compute
+
+    def compute():
+        for _ in range(int(count.item())):
+            a @ a
+
+    def sync():
+        funcol.wait_tensor(funcol.all_reduce(small, "sum", dist.group.WORLD))
+
+    fns = (compute, sync, lambda: (compute(), sync()))
+    return [tuple(_chained(fn, device, 1) for fn in fns) for _ in range(2 * repeats + 1)]
+
+
+def sync_skew(per_rank: list[list[tuple[float, float, float]]]) -> float:
+    """Seconds a waited collective adds per second of the compute before it (Hardware.
+    sync_skew), from time_sync's tries on every rank: what segment-then-collective took
+    beyond the segment alone and the collective alone, each the slowest rank's (a rank
+    slower over the whole chain slows every layout, not only the waits), over the
+    segment. The mean over tries, as a step adds up every wait (a wait's cost has a long
+    tail: the median of a try read 0.1-0.3 here, the mean 0.15-0.4), at least 0."""
+    out = []
+    for i in range(len(per_rank[0])):
+        compute, alone, both = (max(r[i][k] for r in per_rank) for k in range(3))
+        out.append((both - compute - alone) / compute)
+    return max(0.0, statistics.fmean(out))
 
 
 def _per_call(fn, device: torch.device, repeats: int) -> list[float]:

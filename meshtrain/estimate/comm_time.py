@@ -21,7 +21,12 @@ What the runtime hides and what it waits for:
 - activation traffic (tp and sequence parallelism, cp's all-gather and all-to-all, ep's
   all-to-alls, the loss, the norm): the runtime waits for each; cp's ring sends hide
   behind the attention of the same phase (by the same share);
-- pipeline sends and receives: priced per boundary and given to the schedule simulator.
+- pipeline sends and receives: priced per boundary and given to the schedule simulator;
+- the ranks' drift (`skew_exposed`): a collective issued and waited at once (tp's, cp's
+  and ep's in the blocks; the parameters' when nothing hides them) starts when its last
+  rank arrives, and ranks drift apart over the compute between two such waits
+  (`Hardware.sync_skew` per second of it). Traffic issued ahead of its wait absorbs the
+  drift, and once-a-step reductions (the loss, the norm) wait once.
 """
 
 from __future__ import annotations
@@ -165,3 +170,24 @@ def activation_exposed(clock: Clock, entries: list[dict], attention: dict[str, f
     for phase, s in ring.items():
         out["cp"] += beside(s, attention.get(phase, 0.0), clock.hw.comm_overlap)
     return dict(out)
+
+
+BLOCK_AXES = ("tp", "cp", "ep")  # whose activation collectives a block issues and waits at once
+
+
+def skew_exposed(clock: Clock, params: list[dict], others: list[dict], *, hidden: bool,
+                 compute: dict[str, float]) -> dict[str, dict[str, float]]:
+    """Per phase, per axis: Hardware.sync_skew times the phase's `compute` (seconds over
+    the step) where the phase waits for collectives as it issues them (module
+    docstring), shared among their axes by their seconds: the blocks' activation
+    traffic (`others`), and the parameters' (`params`) unless `hidden` (issued ahead)."""
+    skew = clock.hw.sync_skew
+    out: dict[str, dict[str, float]] = {}
+    for phase, seconds in compute.items():
+        waited = by_axis(clock, others, lambda e: e["phase"] == phase and e["op"] != "send"
+                         and any(a in BLOCK_AXES for a in e["axis"].split("+")))
+        if not hidden:
+            for axis, s in by_axis(clock, params, lambda e: e["phase"] == phase).items():
+                waited[axis] = waited.get(axis, 0.0) + s
+        out[phase] = spread(skew * seconds, waited) if skew > 0 else {}
+    return out

@@ -26,7 +26,10 @@ Its methods give seconds for the pieces of a step:
   largest, the link's bandwidth for the rest). A backend's time need not be a line in the
   bytes: gloo's all-gather here after compute costs 0.9 ms up to 256 KiB, 2.2 ms at 1 MiB;
 - `comm_overlap`: the share of a collective beside compute that the compute hides (the
-  step-time model's comm_time.beside).
+  step-time model's comm_time.beside);
+- `sync_skew`: what a collective issued and waited at once adds per second of the compute
+  before it: ranks drift apart between synchronisations and the first to arrive waits
+  for the last (comm_time.skew_exposed).
 """
 
 from __future__ import annotations
@@ -44,8 +47,8 @@ LINK_LEVELS = ("intra_node", "inter_node")
 ALGORITHMS = ("ring", "tree")
 KEYS = ("name", "memory_bytes", "ranks_per_node", "peak_tflops", "matmul", "attention", "block_attention",
         "memory_bandwidth",
-        "links", "collective_algorithm", "collective_table", "comm_overlap", "launch_s", "sharded_launch_s",
-        "host_overlap", "notes", "measured")
+        "links", "collective_algorithm", "collective_table", "comm_overlap", "sync_skew", "launch_s",
+        "sharded_launch_s", "host_overlap", "notes", "measured")
 # When a file gives none (assumed): PyTorch's dispatch and launch of a plain op, and of an
 # op of an eager step on a sharded mesh (DTensor's dispatch, the runtime's hooks).
 LAUNCH_S, SHARDED_LAUNCH_S = 5e-6, 40e-6
@@ -85,6 +88,9 @@ class Hardware:
     # Of a collective's time beside compute, the share the compute hides (1: all of it, a
     # GPU's copy engines and spare SMs, assumed; 0: none, a CPU whose cores the transport needs)
     comm_overlap: float = 1.0
+    # Seconds a collective issued and waited at once adds per second of compute since the
+    # last one (0 assumed: no data for the built-ins; calibrate measures it)
+    sync_skew: float = 0.0
     launch_s: float = LAUNCH_S  # host seconds per kernel (dispatch and launch)
     sharded_launch_s: float = SHARDED_LAUNCH_S  # the same in an eager step on a sharded mesh
     host_overlap: bool = True  # the host issues kernels ahead of the device (a GPU); False: it runs them (a CPU)
@@ -248,8 +254,8 @@ def _table(value, where: str) -> dict:
 def from_dict(data, where: str = "hardware") -> Hardware:
     """A Hardware from the mapping of a YAML file, each bad key named in a ConfigError."""
     data = _mapping(data, "the file", where, KEYS, "key")
-    optional = ("collective_algorithm", "collective_table", "comm_overlap", "launch_s", "sharded_launch_s",
-        "host_overlap", "notes", "measured", "attention", "block_attention")
+    optional = ("collective_algorithm", "collective_table", "comm_overlap", "sync_skew", "launch_s",
+        "sharded_launch_s", "host_overlap", "notes", "measured", "attention", "block_attention")
     required = [k for k in KEYS if k not in optional]
     for key in required:
         if key not in data:
@@ -286,11 +292,14 @@ def from_dict(data, where: str = "hardware") -> Hardware:
         collective_algorithm=algorithm,
         collective_table=_table(data.get("collective_table") or {}, where),
         comm_overlap=_share(data.get("comm_overlap", 1.0), "comm_overlap", where),
+        sync_skew=_positive(data.get("sync_skew", 0.0), "sync_skew", where, "seconds per second of compute",
+                            zero=True),
         launch_s=_positive(data.get("launch_s", LAUNCH_S), "launch_s", where, "seconds per kernel", zero=True),
         sharded_launch_s=_positive(data.get("sharded_launch_s", SHARDED_LAUNCH_S), "sharded_launch_s", where,
                                    "seconds per kernel", zero=True),
         host_overlap=_flag(data.get("host_overlap", True), "host_overlap", where),
         notes=str(data.get("notes") or ""),
         measured=_mapping(data.get("measured") or {}, "measured", where, ("matmul", "attention", "block_attention",
-                                                                          "memory", "collectives", "overlap", "host"),
+                                                                          "memory", "collectives", "overlap", "sync",
+                                                                          "host"),
                            "record"))

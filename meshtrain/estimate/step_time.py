@@ -8,7 +8,8 @@ measurement) and adds up, for the rank that finishes last:
   checkpointing mode (full: the blocks' forward again; selective: their element-wise ops);
 - communication the step waits for (comm_time.py): parameter gathers and reductions
   beside the compute they hide behind (prefetch, buckets, reshard_after_forward,
-  fsdp_accumulate, kept weights), and the activations' collectives (tp, cp, ep, the loss);
+  fsdp_accumulate, kept weights), the activations' collectives (tp, cp, ep, the loss),
+  and the ranks' drift apart before the collectives waited as they are issued;
 - the optimizer update: bytes over the memory bandwidth (AdamW's foreach ops eager, one
   fused pass compiled), and Muon's Newton-Schulz products;
 - a pipeline: the schedule simulated (pipeline/simulate.py) with each stage's modelled
@@ -17,8 +18,9 @@ measurement) and adds up, for the rank that finishes last:
 
 `breakdown` adds up to `step_s`. What the model does not see is in docs/plan.md:
 contention between overlapped compute and communication beyond the hardware's one
-measured share, kernels' efficiency beyond the FLOP curve, activation and optimizer
-offload's host transfers, and routing beyond the expected load."""
+measured share, the ranks' drift beyond one measured cost per second of compute,
+kernels' efficiency beyond the FLOP curve, activation and optimizer offload's host
+transfers, and routing beyond the expected load."""
 
 from __future__ import annotations
 
@@ -32,7 +34,7 @@ from ..models.family import RESIDUAL
 from ..models.policy import Policy
 from ..pipeline.simulate import simulate
 from ..train.muon import muon_name
-from .comm_time import Clock, activation_exposed, minus, param_exposed
+from .comm_time import Clock, activation_exposed, minus, param_exposed, skew_exposed
 from .comms import step_collectives
 from .compute import attention_span, step_compute
 from .hardware import Hardware
@@ -117,12 +119,21 @@ def _plain(cfg: RunConfig, model, plan: Plan, hw: Hardware, clock: Clock, collec
     exposed = param_exposed(clock, params, p.traffic(), compiled=bool(t.compile), buckets=buckets,
                             micro_steps=micro, forward=work.forward, backward=work.backward + again.forward,
                             held_once=True)
-    rest = activation_exposed(clock, minus(collectives, params),
+    others = minus(collectives, params)
+    rest = activation_exposed(clock, others,
                               {"forward": micro * work.attention / 3, "backward": micro * work.attention * 2 / 3})
-    out["exposed_comm"] = _summed(exposed["forward"], exposed["backward"], rest)
+    drift = skew_exposed(clock, params, others, hidden=_issued_ahead(p.traffic(), buckets),
+                         compute={"forward": micro * work.forward, "backward": micro * (work.backward + again.forward)})
+    out["exposed_comm"] = _summed(exposed["forward"], exposed["backward"], rest, drift["forward"], drift["backward"])
     out["optimizer"] = optimizer_seconds(cfg, plan, hw, set(plan.params))
     out["pipeline_bubble"] = 0.0
     return out
+
+
+def _issued_ahead(traffic, buckets: int) -> bool:
+    """Whether the parameters' collectives are issued ahead of their waits (prefetch), or
+    gathered once (kept weights): not waited as issued (comm_time.skew_exposed)."""
+    return (buckets > 0 and traffic.prefetch > 0) or traffic.keep_gathered
 
 
 def _summed(*parts: dict) -> dict:
@@ -181,20 +192,25 @@ def _pipelined(cfg: RunConfig, model, plan: Plan, hw: Hardware, clock: Clock, pi
         exposed = param_exposed(clock, r["param_collectives"], p.traffic(), compiled=bool(t.compile),
                                 buckets=buckets, micro_steps=micro, forward=work.forward,
                                 backward=work.backward + again.forward, held_once=False)
-        rest = activation_exposed(clock, minus(r["collectives"], r["param_collectives"]),
+        others = minus(r["collectives"], r["param_collectives"])
+        rest = activation_exposed(clock, others,
                                   {"forward": micro * work.attention / 3, "backward": micro * work.attention * 2 / 3})
-        # Per micro-batch on the stages: the activations' waits, and the parameters' unless
-        # kept gathered (those come once, after the rank's last backward).
+        drift = skew_exposed(clock, r["param_collectives"], others, hidden=_issued_ahead(p.traffic(), buckets),
+                             compute={"forward": micro * work.forward,
+                                      "backward": micro * (work.backward + again.forward)})
+        # Per micro-batch on the stages: the activations' waits and the drift, and the
+        # parameters' unless kept gathered (those come once, after the rank's last backward).
         waited = {phase: sum(exposed[phase].values()) for phase in ("forward", "backward")}
-        per_f = 0.0 if kept else waited["forward"] / micro
-        per_b = (sum(rest.values()) + (0.0 if kept else waited["backward"])) / micro
+        per_f = (sum(drift["forward"].values()) + (0.0 if kept else waited["forward"])) / micro
+        per_b = (sum(rest.values()) + sum(drift["backward"].values()) + (0.0 if kept else waited["backward"])) / micro
         share = {s: (w.forward + w.backward + a.forward) / max(work.forward + work.backward + again.forward, 1e-30)
                  for s, (w, a) in per.items()}
         for s, (w, a) in per.items():
             costs[s] = {"F": w.forward + per_f * share[s], "B": w.backward + a.forward + per_b * share[s],
                         "W": w.wgrad}
         parts = _compute_parts(work, again, micro)
-        parts["exposed_comm"] = _summed(exposed["forward"], exposed["backward"], rest)
+        parts["exposed_comm"] = _summed(exposed["forward"], exposed["backward"], rest, drift["forward"],
+                                        drift["backward"])
         parts["optimizer"] = optimizer_seconds(cfg, sub, hw, names)
         # After its last backward: the update, and kept weights' gathers and reductions.
         ranks[r["pp_rank"]] = (parts, parts["optimizer"] + (waited["forward"] + waited["backward"] if kept else 0.0))

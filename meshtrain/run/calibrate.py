@@ -4,8 +4,9 @@ Everything is measured in ranks that `launch.launch` starts the way `meshtrain f
 self-launches (gloo on CPU, NCCL on CUDA, one device per rank): compute and memory in
 `nproc` ranks at once, as a run of that many ranks per machine computes (on a CPU the
 ranks share its cores: two ranks of this 2-core box each multiply at about half the speed
-of one alone), then the collectives among max(nproc, 2) ranks and a tiny step, in three
-passes (each point the median over them), then compute beside a collective. The fits are
+of one alone), then the collectives among max(nproc, 2) ranks, a tiny step and compute
+then a collective (the ranks' drift), in three passes (each point the median over them,
+the drift's tries pooled), then compute beside a collective. The fits are
 estimate/calibrate.py's. A single machine has one link level: inter_node is written
 equal to intra_node, and the notes say so.
 """
@@ -45,8 +46,8 @@ def _dtypes(device: torch.device) -> tuple[str, ...]:
 
 def _rank(busy: int, compute: tuple, sizes, repeats: int, passes: int) -> dict:
     """Rank work: in each of `passes`, the first `busy` ranks measure compute at once
-    (`_compute`'s arguments after the device), then all time the collectives and the tiny
-    step; then the overlap. A shared box has slow spells of seconds: a point measured in
+    (`_compute`'s arguments after the device), then all time the collectives, the tiny
+    step and the drift; then the overlap. A shared box has slow spells of seconds: a point measured in
     one go can fall into one (one calibration here measured 0.085 fp32 TFLOP/s, the next
     0.131), so each is the median over passes spread across the run (`_pooled`)."""
     cuda = torch.cuda.is_available()
@@ -64,6 +65,7 @@ def _rank(busy: int, compute: tuple, sizes, repeats: int, passes: int) -> dict:
             dist.barrier()
             one["collectives"] = measure.time_collectives(sizes, repeats, device)
             one["tiny_step_s"] = step_times(step, device, repeats)  # milliseconds each
+            one["sync"] = measure.time_sync(device, repeats)
             measured.append(one)
         return {**_pooled(measured), "overlap": measure.time_overlap(device, repeats)}
     finally:
@@ -72,7 +74,7 @@ def _rank(busy: int, compute: tuple, sizes, repeats: int, passes: int) -> dict:
 
 def _pooled(passes: list[dict]) -> dict:
     """One rank's passes as one: each compute point the median over passes, the
-    collectives' and the tiny step's repeats all together."""
+    collectives', the drift's and the tiny step's repeats all together."""
     compute = None
     if passes[0]["compute"] is not None:
         compute = tuple(_median_points([p["compute"][i] for p in passes]) for i in range(len(passes[0]["compute"])))
@@ -80,7 +82,7 @@ def _pooled(passes: list[dict]) -> dict:
     for more_ops, more_alone in rest:
         ops = {op: {size: times + more_ops[op][size] for size, times in by_size.items()} for op, by_size in ops.items()}
         alone = alone + more_alone
-    return {"compute": compute, "collectives": (ops, alone),
+    return {"compute": compute, "collectives": (ops, alone), "sync": [t for p in passes for t in p["sync"]],
             "tiny_step_s": statistics.median(t for p in passes for t in p["tiny_step_s"])}
 
 
@@ -124,6 +126,7 @@ def calibrate(out: str, nproc: int = 2, quick: bool = False) -> str:
         collective_table={op: {"ranks": 2 if op == "send_recv" else ranks,
                                "seconds_by_bytes": measure.non_decreasing(times[op])} for op in times},
         comm_overlap=measure.overlap_share(overlap), host_overlap=device.type == "cuda",
+        sync_skew=measure.sync_skew([r["sync"] for r in per_rank]),
         notes=f"meshtrain calibrate{' --quick' if quick else ''} --nproc {nproc} on {name}, "
               f"{'nccl' if device.type == 'cuda' else f'gloo, {threads} thread(s) per rank'}, compute measured in "
               f"{nproc} rank(s) at once, collectives among {ranks}; "
@@ -133,6 +136,7 @@ def calibrate(out: str, nproc: int = 2, quick: bool = False) -> str:
                   "memory": {"copy_bytes": copy_bytes, "bytes_per_s": bandwidth},
                   "collectives": {op: {"fit": fits[op], "seconds_by_bytes": times[op]} for op in times},
                   "overlap": {"compute_gather_both_s": [list(t) for t in overlap]},  # the slowest rank's
+                  "sync": {"compute_sync_both_s": [[list(t) for t in r["sync"]] for r in per_rank]},  # by rank
                   "host": {"tiny_step_s": tiny_step}})
     # The host's cost per kernel: what the tiny step took beyond what the rest of hw prices.
     hw = dataclasses.replace(hw, sharded_launch_s=sharded_launch_seconds(hw, tiny_step, ranks))
@@ -140,7 +144,8 @@ def calibrate(out: str, nproc: int = 2, quick: bool = False) -> str:
     top = ", ".join(f"{d} {curves[d].max_tflops:.3g}" for d in dtypes)
     return (f"wrote {out}: matmul max TFLOP/s {top}; memory {bandwidth / 1e9:.3g} GB/s; link latency "
             f"{link.latency_s * 1e6:.3g} us, {link.bandwidth / 1e9:.3g} GB/s per rank ({ranks} ranks); "
-            f"compute beside a collective hides {hw.comm_overlap:.0%} of it; {launch_s * 1e6:.3g} us per kernel "
+            f"compute beside a collective hides {hw.comm_overlap:.0%} of it; a collective waited as issued "
+            f"adds {hw.sync_skew:.2g} s per s of compute before it; {launch_s * 1e6:.3g} us per kernel "
             f"launch, {hw.sharded_launch_s * 1e6:.3g} us on a sharded mesh")
 
 

@@ -32,6 +32,7 @@ MASK_ALONE = SWITCHES + "test_document_mask_alone_is_each_document_run_alone"
 RESET_ALONE = SWITCHES + "test_reset_positions_alone_is_the_row_at_positions_restarting_at_each_document"
 DATA_MASK_ALONE = SWITCHES + "test_the_datas_loss_mask_alone_is_the_mean_over_the_targets_the_file_keeps"
 STEP_TIME = "tests/test_step_time.py"
+STEP_DRIFT = "tests/test_step_time_drift.py"
 HARDWARE = "tests/test_hardware.py"
 BY_LOOP = "tests/test_index_properties.py::test_segments_positions_and_eod_masks_match_a_loop_over_tokens"
 WINDOW = "tests/test_index_properties.py::test_the_window_attends_exactly_each_querys_document"
@@ -358,6 +359,10 @@ MUTANTS = [
     Mutant("time_overlap_share_ignored", "step time: compute beside a collective hides all of it, whatever the "
            "hardware's comm_overlap", "meshtrain/estimate/comm_time.py",
            "+ (1.0 - share) * min(comm, compute)", "+ 0.0 * min(comm, compute)", (STEP_TIME,)),
+    Mutant("time_drift_where_issued_ahead", "step time: the ranks' drift counted at parameter collectives issued "
+           "a bucket ahead of their wait (prefetch), as if waited as issued", "meshtrain/estimate/step_time.py",
+           "return (buckets > 0 and traffic.prefetch > 0) or traffic.keep_gathered",
+           "return traffic.keep_gathered", (STEP_DRIFT,)),
     Mutant("time_collective_table_ignored", "hardware: a calibrated collective table left unread (the ring "
            "formula instead)", "meshtrain/estimate/hardware.py",
            'if table and table["ranks"] == (2 if op == "send_recv" else group_size) and not spans_nodes:',
