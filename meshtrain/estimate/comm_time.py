@@ -182,12 +182,14 @@ def skew_exposed(clock: Clock, params: list[dict], others: list[dict], *, hidden
     docstring), shared among their axes by their seconds: the blocks' activation
     traffic (`others`), and the parameters' (`params`) unless `hidden` (issued ahead)."""
     skew = clock.hw.sync_skew
-    out: dict[str, dict[str, float]] = {}
+    out: dict[str, dict[str, float]] = {phase: {} for phase in compute}
+    if skew <= 0:  # the built-ins: nothing to share out (and --search prices many layouts)
+        return out
     for phase, seconds in compute.items():
         waited = by_axis(clock, others, lambda e: e["phase"] == phase and e["op"] != "send"
                          and any(a in BLOCK_AXES for a in e["axis"].split("+")))
         if not hidden:
             for axis, s in by_axis(clock, params, lambda e: e["phase"] == phase).items():
                 waited[axis] = waited.get(axis, 0.0) + s
-        out[phase] = spread(skew * seconds, waited) if skew > 0 else {}
+        out[phase] = spread(skew * seconds, waited)
     return out
