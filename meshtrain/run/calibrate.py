@@ -47,9 +47,10 @@ def _dtypes(device: torch.device) -> tuple[str, ...]:
 def _rank(busy: int, compute: tuple, sizes, repeats: int, passes: int) -> dict:
     """Rank work: in each of `passes`, the first `busy` ranks measure compute at once
     (`_compute`'s arguments after the device), then all time the collectives, the tiny
-    step and the drift; then the overlap. A shared box has slow spells of seconds: a point measured in
-    one go can fall into one (one calibration here measured 0.085 fp32 TFLOP/s, the next
-    0.131), so each is the median over passes spread across the run (`_pooled`)."""
+    step and the drift; then the overlap. A shared box has slow spells of seconds: a
+    point measured in one go can fall into one (one calibration here measured 0.085 fp32
+    TFLOP/s, the next 0.131), so each is the median over passes spread across the run
+    (`_pooled`)."""
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
     if cuda:
