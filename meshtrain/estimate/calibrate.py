@@ -251,6 +251,22 @@ def _exchange(send: torch.Tensor, recv: torch.Tensor, peer: int) -> None:
         work.wait()
 
 
+def _products_lasting(seconds: float, device: torch.device, repeats: int):
+    """In a process group: a callable running square products for about `seconds`, the
+    count agreed over the ranks (the most any needs) so every rank runs the same compute."""
+    side = 512 if device.type == "cuda" else 256
+    a = torch.randn(side, side, device=device)
+    product = median_seconds(lambda: a @ a, device, repeats)
+    count = torch.tensor([max(1, round(seconds / product))], device=device)
+    dist.all_reduce(count, dist.ReduceOp.MAX)
+    n = int(count.item())
+
+    def compute():
+        for _ in range(n):
+            a @ a
+    return compute
+
+
 def time_overlap(device: torch.device, repeats: int, nbytes: int = 2**22) -> list[tuple[float, float, float]]:
     """In a process group: per repeat, this rank's seconds of compute alone, of an
     all-gather of `nbytes` alone, and of the two together (the gather issued async, the
@@ -259,16 +275,8 @@ def time_overlap(device: torch.device, repeats: int, nbytes: int = 2**22) -> lis
     n = dist.get_world_size()
     shard = torch.ones(nbytes // 4 // n, device=device)
     full = torch.empty(shard.numel() * n, device=device)
-    side = 512 if device.type == "cuda" else 256
-    a = torch.randn(side, side, device=device)
     gather = median_seconds(lambda: dist.all_gather_single(full, shard), device, repeats)
-    product = median_seconds(lambda: a @ a, device, repeats)
-    count = torch.tensor([max(1, round(gather / product))], device=device)
-    dist.all_reduce(count, dist.ReduceOp.MAX)  # every rank runs the same compute
-
-    def compute():
-        for _ in range(int(count.item())):
-            a @ a
+    compute = _products_lasting(gather, device, repeats)
 
     def both():
         work = dist.all_gather_single(full, shard, async_op=True)
@@ -285,15 +293,7 @@ def time_sync(device: torch.device, repeats: int, segment_s: float = SEGMENT_S) 
     the all-reduce waited; each CHAIN times back to back, per call (`sync_skew` reads
     them)."""
     small = torch.ones(1024, device=device)
-    side = 512 if device.type == "cuda" else 256
-    a = torch.randn(side, side, device=device)
-    product = median_seconds(lambda: a @ a, device, repeats)
-    count = torch.tensor([max(1, round(segment_s / product))], device=device)
-    dist.all_reduce(count, dist.ReduceOp.MAX)  # every rank runs the same compute
-
-    def compute():
-        for _ in range(int(count.item())):
-            a @ a
+    compute = _products_lasting(segment_s, device, repeats)
 
     def sync():
         funcol.wait_tensor(funcol.all_reduce(small, "sum", dist.group.WORLD))
