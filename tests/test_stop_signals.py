@@ -26,6 +26,7 @@ from meshtrain import checkpoint
 from support.cli import ROOT, SMALL, TINY, cli_env, read_metrics, run_cli
 
 TINY4 = ROOT / "configs" / "tiny-4proc.yaml"
+MID_SPAWN = ROOT / "tests" / "support" / "ctrl_c_mid_spawn.py"
 # A long schedule: where a run stops does not change its curve.
 LONG = [*SMALL, "--train.steps", "400"]
 # The first signal's line, after the signal was sent (measured: 0.01-0.02 s).
@@ -310,3 +311,17 @@ def test_a_stop_signal_waits_for_the_checkpoint_written_in_the_background(tmp_pa
     reference = run_cli("fit", *args[:-2], *end, "--run_dir", str(tmp_path / "reference"), timeout=400)
     assert reference.returncode == 0, reference.stdout + reference.stderr
     assert _losses(run_dir) == _losses(tmp_path / "reference")
+
+
+def test_ctrl_c_while_the_agent_still_spawns_ranks_leaves_none_behind(tmp_path):
+    """The agent's handler raises in the middle of its spawning loop: the ranks it started
+    are in no list it closes, and each would fail on its launcher's vanished pipe and
+    semaphore with a traceback. The launcher ends them (a CI run caught one by chance)."""
+    run = Run(["--config", str(TINY4), *LONG], tmp_path / "run", launcher=[str(MID_SPAWN)])
+    code, out, err = run.finish(timeout=60)
+    assert code == 128 + signal.SIGINT, out + err
+    assert err == "meshtrain: stopped by SIGINT before the ranks began training: nothing was saved\n", err
+    assert not _checkpoints(tmp_path / "run") and not run.steps_logged()
+    time.sleep(2)  # a rank left behind fails within a second of its launcher's exit
+    alive = [p for p, (_, state, _) in _processes(run.proc.pid).items() if state != "Z"]
+    assert not alive, _processes(run.proc.pid)

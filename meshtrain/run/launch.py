@@ -118,6 +118,8 @@ def launch(fn: Callable[..., Any], args: tuple, nproc: int) -> list[Any] | None:
         try:
             results = elastic_launch(config, _run_rank)(reports, fn, args)
         except (ChildFailedError, SignalException) as e:
+            if isinstance(e, SignalException) and stops is not None:
+                stops.end_unstarted()  # the agent spawns no more: none may start after it left
             _raise_stop_or_failure(Path(reports), e)
             return None  # every rank stopped by a signal, checkpointed and exited
         finally:
@@ -175,8 +177,9 @@ def _raise_stop_or_failure(reports: Path, error: Exception) -> None:
 # kernel hands it to a thread that does not block it (our signal watcher,
 # stopping.REQUEST), and Python runs the elastic agent's handler in the main thread.
 # While the ranks start, a thread of the launcher (_StartStops) ends those that have not
-# started yet when the launcher got a stop signal: quietly, by SIGTERM (they have no
-# handler for it yet), rather than after their imports.
+# started yet when the launcher got a stop signal, rather than after their imports; and
+# once the agent gave up, the launcher ends them itself (a signal during the agent's
+# spawning leaves ranks it never recorded, which would fail loudly on its lost pipes).
 _STARTED = "started-{pid}"  # in the report directory: this rank handles signals itself
 
 
@@ -200,7 +203,7 @@ class _StartStops:
 
     def __init__(self, reports: Path):
         self.reports, self.done = reports, threading.Event()
-        self.others = set(self._children())  # processes of the caller's own, never ours to end
+        self.others = _child_pids()  # processes of the caller's own, never ours to end
         self.thread = threading.Thread(target=self._run, name="meshtrain-launch-stops", daemon=True)
         self.thread.start()
 
@@ -216,24 +219,30 @@ class _StartStops:
                 handed = True  # the agent's handler is in place now: it stops the ranks
                 os.kill(os.getpid(), signal.Signals[name])
             if (self.reports / stopping.RELAY_MARK).exists():
-                self._end_unstarted()
+                self.end_unstarted()
 
-    @staticmethod
-    def _children() -> list:
-        return list(getattr(multiprocessing.process, "_children", ()))
+    def end_unstarted(self) -> None:
+        """End the ranks that run no code of ours yet. By SIGKILL: there is nothing to save,
+        and a rank forked but not yet exec'd still has the launcher's handlers. Only pids
+        are read here: polling the processes would race the agent's own waits."""
+        for pid in _child_pids() - self.others:
+            if not (self.reports / _STARTED.format(pid=pid)).exists():
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, signal.SIGKILL)
 
-    def _end_unstarted(self) -> None:
-        # The ranks are the multiprocessing children the agent spawned; only their pids
-        # are read here: polling them would race the agent's own waits.
-        for child in self._children():
-            if child in self.others:
-                continue
-            popen = getattr(child, "_popen", None)
-            if popen is None or popen.returncode is not None or \
-                    (self.reports / _STARTED.format(pid=popen.pid)).exists():
-                continue
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(popen.pid, signal.SIGTERM)
+
+def _child_pids() -> set[int]:
+    """This process's children. From /proc where there is one: it also lists a rank whose
+    start a signal cut short, which multiprocessing never recorded."""
+    proc = Path("/proc")
+    if not proc.is_dir():
+        return {c._popen.pid for c in list(multiprocessing.process._children) if c._popen is not None}
+    me, found = os.getpid(), set()
+    for stat in proc.glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == me:
+                found.add(int(stat.parent.name))
+    return found
 
 
 def _take_signals(reports: str) -> None:
