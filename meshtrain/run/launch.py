@@ -114,7 +114,7 @@ def launch(fn: Callable[..., Any], args: tuple, nproc: int) -> list[Any] | None:
     with tempfile.TemporaryDirectory(prefix="meshtrain-ranks-") as reports:
         stopping.REQUEST.relay_mark = Path(reports, stopping.RELAY_MARK)
         mask = _block_sigint_in_ranks()
-        stops = _StartStops(Path(reports)) if mask is not None else None
+        stops = _StartStops(Path(reports), nproc) if mask is not None else None
         try:
             results = elastic_launch(config, _run_rank)(reports, fn, args)
         except (ChildFailedError, SignalException) as e:
@@ -201,8 +201,8 @@ class _StartStops:
     it, and the ranks would train on), and once the agent has one, the ranks that have
     not started are ended."""
 
-    def __init__(self, reports: Path):
-        self.reports, self.done = reports, threading.Event()
+    def __init__(self, reports: Path, ranks: int):
+        self.reports, self.ranks, self.done = reports, ranks, threading.Event()
         self.others = _child_pids()  # processes of the caller's own, never ours to end
         self.thread = threading.Thread(target=self._run, name="meshtrain-launch-stops", daemon=True)
         self.thread.start()
@@ -218,7 +218,8 @@ class _StartStops:
             if name and not handed and signal.getsignal(signal.SIGINT) is not stopping._caught:
                 handed = True  # the agent's handler is in place now: it stops the ranks
                 os.kill(os.getpid(), signal.Signals[name])
-            if (self.reports / stopping.RELAY_MARK).exists():
+            if (self.reports / stopping.RELAY_MARK).exists() and \
+                    len(list(self.reports.glob(_STARTED.format(pid="*")))) < self.ranks:
                 self.end_unstarted()
 
     def end_unstarted(self) -> None:
