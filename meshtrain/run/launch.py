@@ -119,7 +119,9 @@ def launch(fn: Callable[..., Any], args: tuple, nproc: int) -> list[Any] | None:
             results = elastic_launch(config, _run_rank)(reports, fn, args)
         except (ChildFailedError, SignalException) as e:
             if isinstance(e, SignalException) and stops is not None:
-                stops.end_unstarted()  # the agent spawns no more: none may start after it left
+                # The agent spawns no more and has closed the ranks it recorded: those it
+                # never recorded are ours to end, and to reap, so none outlives the launcher.
+                _reap(stops.end_unstarted())
             _raise_stop_or_failure(Path(reports), e)
             return None  # every rank stopped by a signal, checkpointed and exited
         finally:
@@ -222,14 +224,33 @@ class _StartStops:
                     len(list(self.reports.glob(_STARTED.format(pid="*")))) < self.ranks:
                 self.end_unstarted()
 
-    def end_unstarted(self) -> None:
-        """End the ranks that run no code of ours yet. By SIGKILL: there is nothing to save,
-        and a rank forked but not yet exec'd still has the launcher's handlers. Only pids
-        are read here: polling the processes would race the agent's own waits."""
+    def end_unstarted(self) -> set[int]:
+        """End the ranks that run no code of ours yet; returns their pids. By SIGKILL: there
+        is nothing to save, and a rank forked but not yet exec'd still has the launcher's
+        handlers. Only pids are read here: polling the processes would race the agent's
+        own waits."""
+        ended = set()
         for pid in _child_pids() - self.others:
             if not (self.reports / _STARTED.format(pid=pid)).exists():
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.kill(pid, signal.SIGKILL)
+                    ended.add(pid)
+        return ended
+
+
+def _reap(pids: set[int], timeout: float = 10.0) -> None:
+    """Wait for killed children to be gone: a SIGKILLed process still runs its exit for a
+    while, and one whose parent left first becomes init's (which in a container may never
+    reap it)."""
+    deadline = time.monotonic() + timeout
+    for pid in pids:
+        while True:
+            try:
+                if os.waitpid(pid, os.WNOHANG)[0] or time.monotonic() > deadline:
+                    break
+            except ChildProcessError:  # reaped already
+                break
+            time.sleep(0.01)
 
 
 def _child_pids() -> set[int]:
