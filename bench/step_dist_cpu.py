@@ -50,7 +50,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from comm import CollectiveRecorder  # noqa: E402
+from comm_record import CollectiveRecorder  # noqa: E402
 
 from meshtrain import AdamW, MeshSpec, Rules, TrainState, build, init_params, make_plan, make_train_step  # noqa: E402
 from meshtrain.models.llama import LlamaConfig  # noqa: E402
