@@ -281,13 +281,7 @@ def main(argv=None) -> int:
     runners = build_runners(args, cfg, init, batches, optimizer)
     print(f"warm-up: {args.warmup} steps each (compile included), checking losses against {BASELINE} ...", flush=True)
     check, errors = warmup_and_check(runners, args.warmup, init, args.grad_clip)
-    for name, c in check.items():
-        extra = "" if name == BASELINE else (f"  loss rel {c['loss_max_rel_diff']:.1e}, grad-norm rel "
-                                             f"{c['grad_norm_max_rel_diff']:.1e}, update rel "
-                                             f"{c['update_max_rel_diff']:.1e}")
-        print(f"  {name:14s} {c['warmup_s']:7.1f} s  losses {', '.join(f'{x:.6f}' for x in c['losses'])}, grad norms "
-              f"{', '.join(f'{x:.4f}' for x in c['grad_norms'])} (clip {args.grad_clip:g} engaged in "
-              f"{c['clipped_steps']} of {args.warmup}){extra}")
+    _print_warmup(check, args)
     if errors:
         print("REFUSING TO REPORT: the implementations do not compute the same step:", file=sys.stderr)
         for e in errors:
@@ -300,25 +294,8 @@ def main(argv=None) -> int:
     recompiled = dynamo_graphs() - graphs_before
 
     base = statistics.median(per[BASELINE])
-    rows = []
-    for name in runners:
-        med = statistics.median(per[name])
-        # Same-round ratios: neighbours in time share the machine's state, so this is the
-        # steadier estimate when the load drifts.
-        paired = statistics.median(a / b for a, b in zip(per[name], per[BASELINE]))
-        rows.append({"impl": name, "warmup_s": check[name]["warmup_s"], "tokens_per_s_median": med,
-                     "tokens_per_s_min": min(per[name]), "tokens_per_s_max": max(per[name]),
-                     "ms_per_step_median": 1e3 * tokens_per_step / med, "ratio_vs_ref_eager": med / base,
-                     "paired_ratio_vs_ref_eager": paired,
-                     "tokens_per_s_rounds": per[name]})
-    print()
-    print(f"{'implementation':16s} {'warm-up s':>9s} {'tok/s median':>13s} {'min - max':>17s} "
-          f"{'ms/step':>8s} {'vs ' + BASELINE:>13s} {'paired':>7s}")
-    for r in rows:
-        print(f"{r['impl']:16s} {r['warmup_s']:9.1f} {r['tokens_per_s_median']:13,.0f} "
-              f"{r['tokens_per_s_min']:8,.0f} - {r['tokens_per_s_max']:<8,.0f}"
-              f"{r['ms_per_step_median']:8.1f} {r['ratio_vs_ref_eager']:12.2f}x "
-              f"{r['paired_ratio_vs_ref_eager']:6.2f}x")
+    rows = _rows(runners, per, check, tokens_per_step)
+    _print_rows(rows)
     print(f"load average (1 min) over the measurement: {min(loads):.2f} - {max(loads):.2f} "
           f"(median {statistics.median(loads):.2f}); {env['cores']} cores")
     ratio = statistics.median(per["ours-compiled"]) / base
@@ -333,15 +310,7 @@ def main(argv=None) -> int:
     prof = kernels = None
     if args.profile:
         prof, kernels = profile(runners)
-        print("\nself CPU time per step (ms), torch.profiler over 3 steps:")
-        cats = ["matmul", "attention", "inductor kernels", "other", "total"]
-        print(f"{'implementation':16s}" + "".join(f"{c:>18s}" for c in cats))
-        for name, d in prof.items():
-            print(f"{name:16s}" + "".join(f"{d[c]:18.1f}" for c in cats))
-        for name, ks in kernels.items():
-            print(f"costliest inductor kernels of {name} (ms/step, calls/step):")
-            for ms, calls, key in ks:
-                print(f"  {ms:6.1f} {calls:3d}  {key[:110]}")
+        _print_profile(prof, kernels)
 
     if args.json:
         args.json.write_text(json.dumps({
@@ -355,6 +324,56 @@ def main(argv=None) -> int:
         }, indent=2))
         print(f"wrote {args.json}")
     return 0
+
+
+def _print_warmup(check: dict, args) -> None:
+    for name, c in check.items():
+        extra = "" if name == BASELINE else (f"  loss rel {c['loss_max_rel_diff']:.1e}, grad-norm rel "
+                                             f"{c['grad_norm_max_rel_diff']:.1e}, update rel "
+                                             f"{c['update_max_rel_diff']:.1e}")
+        print(f"  {name:14s} {c['warmup_s']:7.1f} s  losses {', '.join(f'{x:.6f}' for x in c['losses'])}, grad norms "
+              f"{', '.join(f'{x:.4f}' for x in c['grad_norms'])} (clip {args.grad_clip:g} engaged in "
+              f"{c['clipped_steps']} of {args.warmup}){extra}")
+
+
+def _rows(runners, per: dict, check: dict, tokens_per_step: int) -> list[dict]:
+    """One result row per implementation, its speed against the baseline's."""
+    base = statistics.median(per[BASELINE])
+    rows = []
+    for name in runners:
+        med = statistics.median(per[name])
+        # Same-round ratios: neighbours in time share the machine's state, so this is the
+        # steadier estimate when the load drifts.
+        paired = statistics.median(a / b for a, b in zip(per[name], per[BASELINE]))
+        rows.append({"impl": name, "warmup_s": check[name]["warmup_s"], "tokens_per_s_median": med,
+                     "tokens_per_s_min": min(per[name]), "tokens_per_s_max": max(per[name]),
+                     "ms_per_step_median": 1e3 * tokens_per_step / med, "ratio_vs_ref_eager": med / base,
+                     "paired_ratio_vs_ref_eager": paired,
+                     "tokens_per_s_rounds": per[name]})
+    return rows
+
+
+def _print_rows(rows: list[dict]) -> None:
+    print()
+    print(f"{'implementation':16s} {'warm-up s':>9s} {'tok/s median':>13s} {'min - max':>17s} "
+          f"{'ms/step':>8s} {'vs ' + BASELINE:>13s} {'paired':>7s}")
+    for r in rows:
+        print(f"{r['impl']:16s} {r['warmup_s']:9.1f} {r['tokens_per_s_median']:13,.0f} "
+              f"{r['tokens_per_s_min']:8,.0f} - {r['tokens_per_s_max']:<8,.0f}"
+              f"{r['ms_per_step_median']:8.1f} {r['ratio_vs_ref_eager']:12.2f}x "
+              f"{r['paired_ratio_vs_ref_eager']:6.2f}x")
+
+
+def _print_profile(prof: dict, kernels: dict) -> None:
+    print("\nself CPU time per step (ms), torch.profiler over 3 steps:")
+    cats = ["matmul", "attention", "inductor kernels", "other", "total"]
+    print(f"{'implementation':16s}" + "".join(f"{c:>18s}" for c in cats))
+    for name, d in prof.items():
+        print(f"{name:16s}" + "".join(f"{d[c]:18.1f}" for c in cats))
+    for name, ks in kernels.items():
+        print(f"costliest inductor kernels of {name} (ms/step, calls/step):")
+        for ms, calls, key in ks:
+            print(f"  {ms:6.1f} {calls:3d}  {key[:110]}")
 
 
 def _cpu_name() -> str:
